@@ -1,0 +1,29 @@
+# Two entry points (see README): `make repro` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup repro test clean-venv
+
+setup: $(STAMP)
+
+# torch is pinned first so that the CPU wheel (or an already installed build)
+# satisfies torchvision's requirement instead of pulling a CUDA stack.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+repro: $(STAMP)
+	test -d .dvc || $(VENV)/bin/dvc init -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
+	@echo "Report: $(CURDIR)/results/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,145 @@
+"""The algorithm interface: an algorithm is a small object of hooks the engine calls.
+
+The engine never branches on algorithm names. One local step of client i at step k
+(1-indexed, counted across epochs, ALGORITHMS.md section 3) is::
+
+    loss  = CE(model(x), y) + algo.local_loss(ctx, params, logits, features, y)
+    grads = algo.transform_grads(ctx, k, params, grads)
+    mask  = algo.update_mask(ctx, k)        # which parameter tensors may move (None: all)
+    clip over trainable params (if configured); SGD step with weight decay on trainable params only
+
+and after the K_i steps the client sends ``algo.client_message(...)``; the server calls
+``algo.aggregate(...)``. Wrappers (FedBug, ...) hold a base algorithm and override only
+the hooks they change, so FedBug(FedProx) composes without either knowing the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..engine.state import ParamSpec
+
+
+@dataclass
+class RoundContext:
+    """What every client of round ``round`` (1-indexed) receives."""
+
+    round: int
+    lr: float  # eta_l of this round (after lr decay)
+    global_flat: torch.Tensor  # [d] broadcast model (read-only)
+    spec: ParamSpec
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm broadcast (e.g. SCAFFOLD's c)
+
+    def global_params(self) -> Dict[str, torch.Tensor]:
+        return self.spec.views(self.global_flat)
+
+
+@dataclass
+class ClientContext:
+    """One client's view of the round."""
+
+    round: RoundContext
+    client_id: int
+    num_samples: int  # n_i
+    num_steps: int  # K_i = E * ceil(n_i / B)
+    label_counts: Optional[torch.Tensor] = None  # [C] local class counts
+    state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
+
+
+@dataclass
+class ClientUpdate:
+    """What one client hands back to the server."""
+
+    client_id: int
+    num_samples: int
+    num_steps: int
+    delta: torch.Tensor  # [d] theta_i - theta (after - received)
+    train_loss: float  # mean task loss (CE) over the client's local steps
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class: FedAvg-compatible defaults for every hook (no extra loss, all params train)."""
+
+    name = "base"
+
+    # ------------------------------------------------------------------ state
+    def init_server_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def init_client_state(self, global_flat: torch.Tensor) -> Optional[Dict[str, torch.Tensor]]:
+        return None
+
+    # ------------------------------------------------------------------ client side
+    def local_loss(self, ctx: ClientContext, params: Dict[str, torch.Tensor], logits: torch.Tensor,
+                   features: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+        """Extra loss terms added to the mean cross-entropy (scalar), or None."""
+        return None
+
+    def transform_grads(self, ctx: ClientContext, k: int, params: Dict[str, torch.Tensor],
+                        grads: Dict[str, torch.Tensor]) -> None:
+        """Modify gradients in place before masking, clipping and the SGD step."""
+
+    def update_mask(self, ctx: ClientContext, k: int) -> Optional[Sequence[bool]]:
+        """Per parameter tensor (ParamSpec order): may it move at local step k? None = all may."""
+        return None
+
+    def finish_client(self, ctx: ClientContext, update: ClientUpdate) -> ClientUpdate:
+        """Turn the raw local result into the message (and update ``ctx.state`` in place)."""
+        return update
+
+    # ------------------------------------------------------------------ server side
+    def aggregation_weights(self, updates: List[ClientUpdate]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def aggregate(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
+                  updates: List[ClientUpdate]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Return the new global model [d] and the new server state."""
+        raise NotImplementedError
+
+    def comm_floats(self, d: int) -> Tuple[float, float]:
+        """Floats sent (up, down) per participating client per round (ALGORITHMS.md section 13)."""
+        return float(d), float(d)
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Wrapper(Algorithm):
+    """An algorithm that wraps a base algorithm; every hook defaults to the base's."""
+
+    def __init__(self, base: Algorithm):
+        self.base = base
+
+    def describe(self) -> str:
+        return f"{self.name}({self.base.describe()})"
+
+    def init_server_state(self, global_flat):
+        return self.base.init_server_state(global_flat)
+
+    def init_client_state(self, global_flat):
+        return self.base.init_client_state(global_flat)
+
+    def local_loss(self, ctx, params, logits, features, y):
+        return self.base.local_loss(ctx, params, logits, features, y)
+
+    def transform_grads(self, ctx, k, params, grads):
+        self.base.transform_grads(ctx, k, params, grads)
+
+    def update_mask(self, ctx, k):
+        return self.base.update_mask(ctx, k)
+
+    def finish_client(self, ctx, update):
+        return self.base.finish_client(ctx, update)
+
+    def aggregation_weights(self, updates):
+        return self.base.aggregation_weights(updates)
+
+    def aggregate(self, rctx, server_state, updates):
+        return self.base.aggregate(rctx, server_state, updates)
+
+    def comm_floats(self, d):
+        return self.base.comm_floats(d)

@@ -1,0 +1,40 @@
+"""FedAvg (McMahan et al. 2017; ALGORITHMS.md section 4.1).
+
+Client: K_i plain SGD steps from the broadcast model. Server (Option I)::
+
+    weighted:  theta <- theta + eta_g * sum_i (n_i / n_S) * Delta_i
+    uniform:   theta <- theta + (eta_g / |S|) * sum_i Delta_i      (FedBug's Alg. 1 line 13)
+
+Communication: d floats up and d down per participating client per round.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .base import Algorithm, ClientUpdate
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"
+
+    def __init__(self, aggregation: str = "weighted", eta_g: float = 1.0):
+        if aggregation not in ("weighted", "uniform"):
+            raise ValueError(f"algorithm.aggregation must be weighted or uniform, got {aggregation!r}")
+        self.aggregation = aggregation
+        self.eta_g = float(eta_g)
+
+    def aggregation_weights(self, updates: List[ClientUpdate]) -> torch.Tensor:
+        """p_i over the participating clients ([|S|], sums to 1)."""
+        if self.aggregation == "uniform":
+            return torch.full((len(updates),), 1.0 / len(updates), dtype=torch.float64)
+        n = torch.tensor([u.num_samples for u in updates], dtype=torch.float64)
+        return n / n.sum()
+
+    def aggregate(self, rctx, server_state, updates):
+        p = self.aggregation_weights(updates).to(rctx.global_flat.device, rctx.global_flat.dtype)
+        deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
+        mean_delta = p @ deltas
+        return rctx.global_flat + self.eta_g * mean_delta, server_state

@@ -1,0 +1,28 @@
+"""FedProx (Li et al. 2020; ALGORITHMS.md section 4.2).
+
+Client objective F_i(theta_i) + (mu/2)||theta_i - theta||^2, the anchor theta being a detached
+copy of the received global model; server as FedAvg. mu = 0 is exactly FedAvg.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fedavg import FedAvg
+
+
+class FedProx(FedAvg):
+    name = "fedprox"
+
+    def __init__(self, mu: float, aggregation: str = "weighted", eta_g: float = 1.0):
+        super().__init__(aggregation, eta_g)
+        if mu < 0:
+            raise ValueError(f"algorithm.fedprox.mu must be >= 0, got {mu}")
+        self.mu = float(mu)
+
+    def local_loss(self, ctx, params, logits, features, y):
+        if self.mu == 0.0:
+            return None
+        anchor = ctx.round.global_params()
+        sq = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items() if p.requires_grad)
+        return 0.5 * self.mu * sq

@@ -1,0 +1,285 @@
+"""Dataclass schemas for every config group, and their validation.
+
+Hydra composes ``conf/`` against :class:`ExperimentConfig` (registered as a
+structured config), so type errors are caught at composition time. Range and
+choice checks that a type cannot express live in :func:`validate`, which raises
+:class:`ConfigError` with a one-line message naming the offending key, e.g.
+``partition.alpha must be > 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or not one of the allowed choices."""
+
+
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist")
+MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg")
+PARTITIONS = ("iid", "dirichlet", "shards")
+DIRICHLET_VARIANTS = ("per_client", "per_class")
+SAMPLERS = ("bernoulli", "fixed")
+BASE_ALGORITHMS = ("fedavg", "fedprox")
+WRAPPERS = ("fedbug",)
+AGGREGATIONS = ("weighted", "uniform")
+EXECUTORS = ("sequential",)
+FEDBUG_SCHEDULES = ("paper", "code")
+
+
+@dataclass
+class DatasetConfig:
+    """Where the data comes from. ``name`` picks a source of :mod:`fl_core.data.sources`."""
+
+    name: str = "digits"
+    root: str = "data/raw"  # official files of CIFAR/MNIST live here (relative: to the project root)
+    download: bool = False  # let torchvision download into root (needs a network)
+    verify: bool = True  # check the official archives' MD5 sums where torchvision knows them
+    test_fraction: float = 0.25  # digits only: held-out share (stratified, fixed split)
+    split_seed: int = 0  # digits only: seed of the train/test split
+
+
+@dataclass
+class PartitionConfig:
+    """How the training set is split across clients (ALGORITHMS.md section 1)."""
+
+    name: str = "iid"
+    num_clients: int = 20  # N
+    alpha: float = 0.3  # Dirichlet concentration
+    variant: str = "per_client"  # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench)
+    min_size: int = 10  # dirichlet per_class: redraw until every client has this many samples
+    classes_per_client: int = 2  # shards: S classes per client (#label-S)
+    size_sigma: float = 0.0  # lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client
+    seed: int = 0  # partition seed: one partition serves every training seed (as in Acar/FedBug)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "auto"  # auto: small_cnn for digits, mcmahan_cnn for (f)mnist, std_cnn for CIFAR
+    hidden: int = 200  # mlp width
+
+
+@dataclass
+class FedProxConfig:
+    mu: float = 0.01  # proximal coefficient (mu/2)||theta - theta_global||^2
+
+
+@dataclass
+class FedBugConfig:
+    gu_percentage: float = 0.2  # P: share of the local steps spent on gradual unfreezing, in [0, 1]
+    schedule: str = "paper"  # paper: m(k)=min(M, ceil(kM/(PK))) | code: period floor(PK/M)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The algorithm stack: a base rule optionally wrapped, e.g. FedBug(FedProx)."""
+
+    name: str = "fedavg"  # base rule
+    wrappers: List[str] = field(default_factory=list)  # applied inside-out, e.g. [fedbug]
+    aggregation: str = "weighted"  # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S|
+    eta_g: float = 1.0  # server learning rate
+    fedprox: FedProxConfig = field(default_factory=FedProxConfig)
+    fedbug: FedBugConfig = field(default_factory=FedBugConfig)
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 50  # R communication rounds
+    participation: float = 0.5  # client participation rate p
+    sampler: str = "bernoulli"  # bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients
+    local_epochs: int = 2  # E
+    batch_size: int = 32  # B
+    lr: float = 0.05  # eta_l
+    lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
+    weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters
+    grad_clip: Optional[float] = None  # max global grad norm over trainable params; None = off
+    eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
+    target_acc: float = 0.9  # report: rounds to reach this test accuracy
+
+
+@dataclass
+class EngineConfig:
+    executor: str = "sequential"
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    checkpoint_every: int = 10  # rounds; 0 = never
+    checkpoint_dir: str = "checkpoints"
+    eval_batch_size: int = 1024
+    progress: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = "fl-pipeline"  # MLflow experiment
+    log_every: int = 10  # flush buffered per-round metrics every this many rounds
+    log_model: bool = True  # final state_dict as an artifact
+
+
+@dataclass
+class ExperimentConfig:
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 0
+    name: Optional[str] = None  # experiment name (results/<name>/); default derived from the config
+    results_dir: str = "results"
+    data_dir: str = "data"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _range(key: str, value: float, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ConfigError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {_fmt(value)}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise ConfigError(f"{key} must be {'<' if hi_open else '<='} {hi}, got {_fmt(value)}")
+
+
+def validate(cfg: Any) -> None:
+    """Check ranges and choices of a composed config (DictConfig or ExperimentConfig).
+
+    Raises:
+        ConfigError: one line, naming the first offending key and the allowed range.
+    """
+    d, p, m, a, t, e = cfg.dataset, cfg.partition, cfg.model, cfg.algorithm, cfg.train, cfg.engine
+    _choice("dataset.name", d.name, DATASETS)
+    _range("dataset.test_fraction", d.test_fraction, 0, 1, lo_open=True, hi_open=True)
+    _choice("partition.name", p.name, PARTITIONS)
+    _range("partition.num_clients", p.num_clients, 1)
+    _range("partition.alpha", p.alpha, 0, lo_open=True)
+    _choice("partition.variant", p.variant, DIRICHLET_VARIANTS)
+    _range("partition.min_size", p.min_size, 0)
+    _range("partition.classes_per_client", p.classes_per_client, 1)
+    _range("partition.size_sigma", p.size_sigma, 0)
+    _choice("model.name", m.name, MODELS)
+    _range("model.hidden", m.hidden, 1)
+    _choice("algorithm.name", a.name, BASE_ALGORITHMS)
+    for i, w in enumerate(a.wrappers):
+        _choice(f"algorithm.wrappers[{i}]", w, WRAPPERS)
+    _choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
+    _range("algorithm.eta_g", a.eta_g, 0, lo_open=True)
+    _range("algorithm.fedprox.mu", a.fedprox.mu, 0)
+    _range("algorithm.fedbug.gu_percentage", a.fedbug.gu_percentage, 0, 1)
+    _choice("algorithm.fedbug.schedule", a.fedbug.schedule, FEDBUG_SCHEDULES)
+    _range("train.rounds", t.rounds, 1)
+    _range("train.participation", t.participation, 0, 1, lo_open=True)
+    _choice("train.sampler", t.sampler, SAMPLERS)
+    _range("train.local_epochs", t.local_epochs, 1)
+    _range("train.batch_size", t.batch_size, 1)
+    _range("train.lr", t.lr, 0, lo_open=True)
+    _range("train.lr_decay", t.lr_decay, 0, 1, lo_open=True)
+    _range("train.weight_decay", t.weight_decay, 0)
+    if t.grad_clip is not None:
+        _range("train.grad_clip", t.grad_clip, 0, lo_open=True)
+    _range("train.eval_every", t.eval_every, 1)
+    _range("train.target_acc", t.target_acc, 0, 1)
+    _choice("engine.executor", e.executor, EXECUTORS)
+    if not (e.device in ("cpu", "cuda", "auto") or str(e.device).startswith("cuda:")):
+        raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {e.device!r}")
+    _range("engine.checkpoint_every", e.checkpoint_every, 0)
+    _range("engine.eval_batch_size", e.eval_batch_size, 1)
+    _range("tracking.log_every", cfg.tracking.log_every, 1)
+    if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
+        raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
+
+
+# --------------------------------------------------------------------------- composition
+
+_REGISTERED = False
+
+
+def _register_schema() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(name="schema", node=ExperimentConfig)
+        _REGISTERED = True
+
+
+def _one_line(err: BaseException) -> str:
+    """Hydra/OmegaConf messages span several lines (full_key, object_type, ...): keep the first."""
+    msg = str(err).strip().splitlines()
+    text = msg[0] if msg else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        text = str(cause).strip().splitlines()[0]
+        for line in str(cause).splitlines():
+            if line.strip().startswith("full_key:"):
+                text += f" ({line.strip()})"
+                break
+    return text
+
+
+def _explain_missing_option(text: str, config_dir: Optional[str]) -> str:
+    """"Could not find 'dataset/x'" -> name the key and list the options in conf/dataset/."""
+    import re
+
+    from .paths import conf_dir
+
+    m = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
+    if not m:
+        return text
+    group, value = m.groups()
+    folder = Path(config_dir or conf_dir()) / group
+    options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    return f"{group} must be one of {', '.join(options)}, got {value!r}"
+
+
+def compose(overrides: List[str] = (), config_dir: Optional[str] = None):
+    """Compose ``conf/config.yaml`` with Hydra overrides and validate it.
+
+    Args:
+        overrides: Hydra override strings, e.g. ``["algorithm=fedbug", "train.rounds=5"]``.
+        config_dir: folder of the config tree (default: the project's ``conf/``).
+
+    Returns:
+        The composed, read-only ``DictConfig`` (schema :class:`ExperimentConfig`).
+
+    Raises:
+        ConfigError: a one-line message naming the offending key (unknown key, wrong type, out of range).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .paths import conf_dir
+
+    _register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        raise ConfigError(_explain_missing_option(_one_line(err), config_dir)) from None
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def to_container(cfg) -> dict:
+    """A plain-dict copy of a composed config."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)

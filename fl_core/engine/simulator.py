@@ -1,0 +1,224 @@
+"""The round loop (DESIGN.md "The flow of one experiment").
+
+Each round r = 1..R: sample clients -> broadcast -> local training (executor) -> aggregate ->
+evaluate (every ``eval_every`` rounds and at the last) -> log -> checkpoint (every
+``checkpoint_every`` rounds). The loop knows no algorithm by name: it calls the hooks.
+
+Every random draw is a function of ``(seed, round, client)`` (:mod:`fl_core.seeding`), so a run
+resumed from a checkpoint ends with exactly the parameters of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..algorithms.base import Algorithm, RoundContext
+from ..data.sampling import sample_clients
+from ..seeding import derive_seed
+from .executors import NonFiniteLossError
+from .state import ClientStateStore, ParamSpec, atomic_torch_save, flatten_params, load_flat
+
+CHECKPOINT_VERSION = 1
+
+
+class RunLogger(Protocol):
+    """Where per-round metrics go (MLflow in :mod:`fl_core.tracking`; tests may pass their own)."""
+
+    def open(self, saved: Optional[dict]) -> None: ...
+    def state(self) -> dict: ...
+    def log_round(self, step: int, metrics: Dict[str, float]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self, status: str, reason: Optional[str] = None) -> None: ...
+
+
+class NullLogger:
+    def open(self, saved):
+        pass
+
+    def state(self):
+        return {}
+
+    def log_round(self, step, metrics):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self, status, reason=None):
+        pass
+
+
+class RunFailed(RuntimeError):
+    """The run ended as FAILED; the message is the one-line reason."""
+
+
+@dataclass
+class RunResult:
+    history: List[Dict[str, float]]  # one row per round: round, test_acc, test_loss, train_loss, ...
+    final_flat: torch.Tensor  # [d] final global model
+    state_dict: Dict[str, torch.Tensor]
+    resumed_from: int = 0  # round of the checkpoint the run resumed from (0: fresh)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def config_fingerprint(sections: Dict[str, Any]) -> str:
+    """Short hash of the config sections that determine the result (names checkpoints)."""
+    blob = json.dumps(sections, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Dict[str, float]:
+    """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on ``x`` [M, C, H, W], ``y`` [M]."""
+    model.eval()
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device)
+    for s in range(0, x.shape[0], batch_size):
+        logits = model(x[s:s + batch_size])
+        t = y[s:s + batch_size]
+        loss += F.cross_entropy(logits, t, reduction="sum").double()
+        correct += (logits.argmax(1) == t).sum()
+    model.train()
+    n = max(1, x.shape[0])
+    return {"test_acc": float(correct) / n, "test_loss": float(loss) / n}
+
+
+class Simulator:
+    """Runs R rounds of one algorithm for one seed, with checkpoints and resume.
+
+    Args:
+        model: the model (its parameters are overwritten by the seeded initialisation or the checkpoint).
+        algorithm: the (possibly wrapped) algorithm.
+        executor: an executor built on the same model/algorithm (``run_round``).
+        x_test, y_test: test tensors on the device.
+        num_clients, participation, sampler: client sampling (ALGORITHMS.md 1.5).
+        rounds, lr, lr_decay, eval_every, eval_batch_size: the schedule.
+        seed: the run seed.
+        checkpoint_path: file for the round state (None: no checkpoints); ``checkpoint_every`` in rounds.
+        logger: a :class:`RunLogger`.
+        callbacks: called as ``cb(round, row)`` after each round is logged (progress bars, tests).
+    """
+
+    def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
+                 participation: float, sampler: str, rounds: int, lr: float, lr_decay: float = 1.0,
+                 eval_every: int = 1, eval_batch_size: int = 1024, seed: int = 0,
+                 checkpoint_path: Optional[Path] = None, checkpoint_every: int = 0,
+                 logger: Optional[RunLogger] = None,
+                 callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None):
+        self.model = model
+        self.algo = algorithm
+        self.executor = executor
+        self.x_test, self.y_test = x_test, y_test
+        self.num_clients, self.participation, self.sampler = num_clients, participation, sampler
+        self.rounds, self.lr, self.lr_decay = rounds, lr, lr_decay
+        self.eval_every, self.eval_batch_size = eval_every, eval_batch_size
+        self.seed = seed
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.checkpoint_every = checkpoint_every
+        self.logger = logger or NullLogger()
+        self.callbacks = list(callbacks or [])
+        self.spec = ParamSpec.from_model(model)
+        self.device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ state
+    def _fresh_state(self) -> dict:
+        torch.manual_seed(derive_seed("init", self.seed))
+        for m in self.model.modules():
+            if m is not self.model and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        g = flatten_params(self.model).to(self.device)
+        return {"round": 0, "global": g, "server": self.algo.init_server_state(g), "clients": {},
+                "history": [], "comm_up": 0.0, "comm_down": 0.0, "logger": None}
+
+    def _save(self, st: dict, store: ClientStateStore) -> None:
+        if self.checkpoint_path is None:
+            return
+        atomic_torch_save({"version": CHECKPOINT_VERSION, "round": st["round"], "global": st["global"].cpu(),
+                           "server": {k: v.cpu() for k, v in st["server"].items()},
+                           "clients": store.state_dict(), "history": st["history"],
+                           "comm_up": st["comm_up"], "comm_down": st["comm_down"],
+                           "logger": self.logger.state(), "torch_rng": torch.get_rng_state()},
+                          self.checkpoint_path)
+
+    def _load(self) -> Optional[dict]:
+        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+            return None
+        ck = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        if ck.get("version") != CHECKPOINT_VERSION:
+            return None
+        ck["global"] = ck["global"].to(self.device)
+        ck["server"] = {k: v.to(self.device) for k, v in ck["server"].items()}
+        torch.set_rng_state(ck.pop("torch_rng"))
+        return ck
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> RunResult:
+        """Run (or resume) the rounds.
+
+        Raises:
+            RunFailed: non-finite loss; the logger's run is closed as FAILED with the reason.
+        """
+        st = self._load()
+        resumed_from = st["round"] if st else 0
+        st = st or self._fresh_state()
+        store = ClientStateStore("cpu")
+        store.load_state_dict(st["clients"])
+        self.logger.open(st.get("logger"))
+        d = self.spec.d
+        up, down = self.algo.comm_floats(d)
+        try:
+            for r in range(st["round"] + 1, self.rounds + 1):
+                t0 = time.perf_counter()
+                lr = self.lr * self.lr_decay ** (r - 1)
+                clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
+                rctx = RoundContext(round=r, lr=lr, global_flat=st["global"], spec=self.spec)
+                updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
+                st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
+                st["comm_up"] += up
+                st["comm_down"] += down
+                row: Dict[str, float] = {
+                    "round": r,
+                    "train_loss": sum(u.train_loss for u in updates) / len(updates),
+                    "lr": lr, "num_clients": len(updates),
+                    "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
+                }
+                if r % self.eval_every == 0 or r == self.rounds:
+                    load_flat(self.model, st["global"])
+                    row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size))
+                    if not math.isfinite(row["test_loss"]):
+                        raise NonFiniteLossError(f"non-finite test loss in round {r}")
+                row["round_time_s"] = time.perf_counter() - t0
+                st["history"].append(row)
+                st["round"] = r
+                self.logger.log_round(r, {k: v for k, v in row.items() if k != "round"})
+                if self.checkpoint_every and r % self.checkpoint_every == 0 and r < self.rounds:
+                    self.logger.flush()
+                    self._save(st, store)
+                for cb in self.callbacks:
+                    cb(r, row)
+        except NonFiniteLossError as err:
+            self.logger.flush()
+            self.logger.close("FAILED", str(err))
+            if self.checkpoint_path is not None and self.checkpoint_path.exists():
+                self.checkpoint_path.unlink()
+            raise RunFailed(str(err)) from None
+        self.logger.flush()
+        load_flat(self.model, st["global"])
+        result = RunResult(st["history"], st["global"].detach().cpu().clone(),
+                           {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                           resumed_from=resumed_from)
+        return result
+
+    def discard_checkpoint(self) -> None:
+        """Remove the checkpoint once the run's outputs are safely written."""
+        if self.checkpoint_path is not None and self.checkpoint_path.exists():
+            self.checkpoint_path.unlink()

@@ -1,0 +1,40 @@
+"""Summaries of a run's per-round history and across seeds."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+
+def rounds_to_target(history: Sequence[Dict[str, float]], target: float) -> Optional[int]:
+    """First round whose ``test_acc`` >= ``target`` (accuracy as a fraction), or None if never."""
+    for row in history:
+        if "test_acc" in row and row["test_acc"] >= target:
+            return int(row["round"])
+    return None
+
+
+def summarize_run(history: Sequence[Dict[str, float]], target: float) -> Dict[str, Optional[float]]:
+    """final/best test accuracy (fractions), final test and train loss, rounds to ``target``, cumulative comm."""
+    evals = [r for r in history if "test_acc" in r]
+    last = history[-1]
+    return {
+        "final_acc": evals[-1]["test_acc"] if evals else None,
+        "best_acc": max(r["test_acc"] for r in evals) if evals else None,
+        "final_test_loss": evals[-1]["test_loss"] if evals else None,
+        "final_train_loss": last["train_loss"],
+        "rounds_to_target": rounds_to_target(history, target),
+        "comm_up_floats": last["comm_up_floats"],
+        "comm_down_floats": last["comm_down_floats"],
+        "rounds": int(last["round"]),
+    }
+
+
+def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Mean and sample standard deviation (ddof = 1; 0 for a single value) of the non-None values."""
+    xs: List[float] = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "std": None, "n": 0}
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return {"mean": m, "std": sd, "n": len(xs)}

@@ -1,0 +1,49 @@
+"""The model interface the engine relies on."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+class FLModel(nn.Module):
+    """A classifier that also exposes its penultimate features and its ordered units.
+
+    Subclasses set ``self.unit_prefixes``: an ordered list (input side first) of
+    lists of module-name prefixes. A unit is what FedBug freezes and unfreezes as
+    one piece (ALGORITHMS.md sections 2 and 5: for CNNs one conv/linear layer with
+    its bias; the classifier is the last unit).
+    """
+
+    unit_prefixes: Sequence[Sequence[str]] = ()
+
+    def forward_features(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(logits [B, C], features [B, f])``; features are the penultimate representation."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(x)[0]
+
+    def units(self) -> List[List[str]]:
+        """Parameter names per unit, ordered from the input to the output.
+
+        Every named parameter belongs to exactly one unit.
+
+        Raises:
+            ValueError: if a parameter matches no unit or several units.
+        """
+        names = [n for n, _ in self.named_parameters()]
+        out: List[List[str]] = [[] for _ in self.unit_prefixes]
+        for n in names:
+            hits = [u for u, prefixes in enumerate(self.unit_prefixes)
+                    if any(n == p or n.startswith(p + ".") for p in prefixes)]
+            if len(hits) != 1:
+                raise ValueError(f"parameter {n!r} of {type(self).__name__} is in {len(hits)} units, expected 1")
+            out[hits[0]].append(n)
+        return out
+
+
+def conv_out(size: int, kernel: int, padding: int = 0, stride: int = 1) -> int:
+    return (size + 2 * padding - kernel) // stride + 1

@@ -1,0 +1,169 @@
+"""The experiment grid of ``params.yaml``: shared settings + one entry per experiment + seeds.
+
+``params.yaml`` layout::
+
+    seeds: [1, 2, 3]
+    dataset: {name: digits}          # shared sections: same keys as conf/, applied to every experiment
+    partition: {num_clients: 20}
+    train: {rounds: 40, ...}          # `dvc exp run -S train.rounds=5` edits these
+    experiments:
+      fedavg_iid: {algorithm: fedavg, partition: iid}   # Hydra overrides of this experiment
+      fedbug20_dir: {algorithm: fedbug, algorithm.fedbug.gu_percentage: 0.2, partition: dirichlet}
+
+Shared sections become dotted value overrides (``train.rounds=40``); experiment entries may also
+choose config groups (``partition: dirichlet``). Experiment entries win over shared values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+import yaml
+
+from fl_core.config import ConfigError, compose
+
+GRID_KEYS = ("seeds", "experiments")
+SHARED_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "engine", "tracking")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    return str(v)
+
+
+def _dotted(section: str, d: Any) -> List[str]:
+    if not isinstance(d, dict):
+        return [f"{section}={_value(d)}"]
+    out: List[str] = []
+    for k, v in d.items():
+        out.extend(_dotted(f"{section}.{k}", v))
+    return out
+
+
+@dataclass
+class Grid:
+    seeds: List[int]
+    shared: List[str]  # overrides from the shared sections
+    experiments: Dict[str, List[str]]  # name -> its own overrides
+
+    def overrides(self, name: str, seed: int) -> List[str]:
+        """All overrides of experiment ``name`` for ``seed`` (shared first, the experiment's after)."""
+        if name not in self.experiments:
+            raise ConfigError(f"experiments: no experiment named {name!r} in params.yaml "
+                              f"(known: {', '.join(self.experiments)})")
+        return self.shared + self.experiments[name] + [f"seed={seed}", f"name={name}"]
+
+    def compose_all(self, name: str) -> list:
+        """Composed and validated configs of every seed of ``name``.
+
+        Raises:
+            ConfigError: naming the experiment and the offending key.
+        """
+        cfgs = []
+        for s in self.seeds:
+            try:
+                cfgs.append(compose(self.overrides(name, s)))
+            except ConfigError as err:
+                raise ConfigError(f"experiments.{name}: {err}") from None
+        return cfgs
+
+
+def load_grid(path: Path = Path("params.yaml")) -> Grid:
+    """Read the grid from ``path``.
+
+    Raises:
+        ConfigError: missing file, no experiments, or a malformed entry (names the key).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: file not found (the experiment grid)")
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(raw) - set(GRID_KEYS) - set(SHARED_SECTIONS) - {"report"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key {unknown[0]!r} "
+                          f"(allowed: {', '.join(GRID_KEYS + SHARED_SECTIONS + ('report',))})")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    exps = raw.get("experiments") or {}
+    if not isinstance(exps, dict) or not exps:
+        raise ConfigError(f"{path}: experiments must map experiment names to overrides")
+    experiments: Dict[str, List[str]] = {}
+    for name, ov in exps.items():
+        if not str(name).replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"experiments.{name}: names may hold letters, digits, '_' and '-' only")
+        if not isinstance(ov, dict):
+            raise ConfigError(f"experiments.{name} must be a mapping of overrides, got {ov!r}")
+        experiments[str(name)] = [f"{k}={_value(v)}" for k, v in ov.items()]
+    shared: List[str] = []
+    for section in SHARED_SECTIONS:
+        if section in raw and raw[section] is not None:
+            shared.extend(_dotted(section, raw[section]))
+    return Grid([int(s) for s in seeds], shared, experiments)
+
+
+# --------------------------------------------------------------------------- dvc.yaml sync
+
+BEGIN_MARK = "# BEGIN grid deps"
+END_MARK = "# END grid deps"
+
+
+def report_deps(grid: Grid, results_dir: str = "results") -> List[str]:
+    """The report stage's dependencies: every experiment's metrics.json and runs.csv."""
+    return [f"{results_dir}/{n}/{f}" for n in grid.experiments for f in ("metrics.json", "runs.csv")]
+
+
+def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
+    """Rewrite the generated block of the report stage's deps in ``dvc_yaml``; True if it changed.
+
+    Raises:
+        ConfigError: the markers are missing from ``dvc_yaml``.
+    """
+    text = Path(dvc_yaml).read_text()
+    lines = text.splitlines(keepends=True)
+    try:
+        b = next(i for i, l in enumerate(lines) if l.strip().startswith(BEGIN_MARK))
+        e = next(i for i, l in enumerate(lines) if l.strip().startswith(END_MARK))
+    except StopIteration:
+        raise ConfigError(f"{dvc_yaml}: the report stage lacks the '{BEGIN_MARK}' / '{END_MARK}' markers") from None
+    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
+    block = [f"{indent}- {d}\n" for d in report_deps(grid)]
+    new = "".join(lines[: b + 1] + block + lines[e:])
+    if new != text:
+        Path(dvc_yaml).write_text(new)
+        return True
+    return False
+
+
+def main(argv=None) -> int:
+    """``python -m pipeline.grid sync-dvc | list``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("sync-dvc", "list"):
+        print("usage: python -m pipeline.grid sync-dvc   update the report deps of dvc.yaml from params.yaml\n"
+              "       python -m pipeline.grid list       print the experiments and their overrides")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        grid = load_grid(Path("params.yaml"))
+        if argv[0] == "list":
+            for name, ov in grid.experiments.items():
+                print(f"{name}: {' '.join(ov)}")
+            return 0
+        changed = sync_dvc(Path("dvc.yaml"), grid)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("dvc.yaml updated" if changed else "dvc.yaml already in sync")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,376 @@
+"""Train one experiment (all its seeds): ``python -m pipeline.train [OVERRIDES] | --grid NAME``.
+
+Single experiment from Hydra overrides (see ``conf/``)::
+
+    python -m pipeline.train dataset=digits partition=dirichlet partition.alpha=0.3 \\
+        algorithm=fedbug algorithm.fedbug.gu_percentage=0.2 train.rounds=50 \\
+        train.participation=0.5 train.local_epochs=2 train.batch_size=32 train.lr=0.05 seed=1
+
+DVC train stage (every seed of one experiment of ``params.yaml``)::
+
+    python -m pipeline.train --grid fedbug20_dir
+
+Outputs in ``results/<name>/``: ``metrics.json`` (mean +- std over seeds), ``rounds.csv`` (per-round
+mean over seeds), ``runs.csv`` (every seed and round), ``curves.png``, ``config.yaml``,
+``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``. MLflow: one parent run
+per experiment, one child run per seed with every round logged. A run killed midway resumes
+from its last checkpoint (``engine.checkpoint_every``) when the same command is run again.
+
+Exit status: 0 on success, 2 for a bad config (one line, nothing written), 1 if a run failed
+(e.g. non-finite loss; the other seeds still run).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from fl_core.algorithms import build_algorithm
+from fl_core.config import ConfigError, compose, to_container
+from fl_core.data.partition import partition_key, plot_label_distribution
+from fl_core.engine.executors import EXECUTORS, ClientData
+from fl_core.engine.simulator import RunFailed, Simulator, config_fingerprint
+from fl_core.engine.state import ParamSpec
+from fl_core.metrics import mean_std, summarize_run
+from fl_core.models import build_model, resolve_model_name
+from fl_core.tracking import Tracking, flatten, git_commit
+from fl_core.paths import project_root
+
+from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
+
+USAGE = """usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
+       python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
+
+Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking.
+Common keys: dataset=digits|cifar10|cifar100|mnist|fmnist  partition=iid|dirichlet|shards
+  partition.alpha  partition.num_clients  model=auto|small_cnn|std_cnn|mcmahan_cnn|mlp|logreg
+  algorithm=fedavg|fedprox|fedbug  algorithm.name (FedBug's base)  algorithm.fedbug.gu_percentage (P)
+  algorithm.fedprox.mu  algorithm.aggregation=weighted|uniform  train.rounds  train.participation
+  train.local_epochs  train.batch_size  train.lr  seed  name
+Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db).
+Show the composed config: python -m pipeline.train --cfg [KEY=VALUE ...]
+"""
+
+CURVE_KEYS = ("test_acc", "test_loss", "train_loss")
+
+
+def derive_name(cfg) -> str:
+    """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
+    a = cfg.algorithm
+    algo = a.name
+    for w in a.wrappers:
+        algo = f"{w}-p{a.fedbug.gu_percentage:g}-{algo}" if w == "fedbug" else f"{w}-{algo}"
+    part = cfg.partition.name
+    if part == "dirichlet":
+        part += f"-a{cfg.partition.alpha:g}"
+    elif part == "shards":
+        part += f"-s{cfg.partition.classes_per_client}"
+    return f"{algo}_{part}_{cfg.dataset.name}"
+
+
+def result_sections(cfg) -> Dict:
+    """The config sections that determine a run's numbers (for checkpoint names)."""
+    c = to_container(cfg)
+    return {k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train", "seed")}
+
+
+def _csv(rows: List[Dict], columns: List[str]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in columns})
+    return buf.getvalue()
+
+
+def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
+    """Per-round mean (and std of test_acc) over seeds; rounds without evaluation keep train columns."""
+    rows = []
+    by_round: Dict[int, List[Dict]] = {}
+    for hist in histories.values():
+        for row in hist:
+            by_round.setdefault(int(row["round"]), []).append(row)
+    for r in sorted(by_round):
+        group = by_round[r]
+        out: Dict = {"round": r}
+        for k in ("test_acc", "test_loss", "train_loss", "comm_up_floats", "comm_down_floats", "round_time_s"):
+            vals = [g[k] for g in group if k in g]
+            if vals:
+                ms = mean_std(vals)
+                out[k] = ms["mean"]
+                if k == "test_acc":
+                    out["test_acc_std"] = ms["std"]
+        rows.append(out)
+    return rows
+
+
+def plot_curves(histories: Dict[int, List[Dict]], title: str, path: Path) -> None:
+    """Accuracy, test loss and training loss per round, one line per seed and their mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    mean_rows = mean_curve(histories)
+    for ax, key in zip(axes, CURVE_KEYS):
+        for seed, hist in histories.items():
+            pts = [(r["round"], r[key]) for r in hist if key in r]
+            if pts:
+                ax.plot(*zip(*pts), lw=0.8, alpha=0.45, label=f"seed {seed}")
+        pts = [(r["round"], r[key]) for r in mean_rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), lw=2.0, color="black", label="mean")
+        ax.set_xlabel("round")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+
+
+class _Progress:
+    """One progress bar per experiment (rounds x seeds)."""
+
+    def __init__(self, name: str, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=name, unit="round", dynamic_ncols=True, mininterval=0.5,
+                            file=sys.stderr)
+
+    def __call__(self, r: int, row: Dict) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if "test_acc" in row:
+                self.bar.set_postfix(acc=f"{row['test_acc']:.3f}", loss=f"{row['train_loss']:.3f}", refresh=False)
+
+    def skip(self, n: int) -> None:
+        if self.bar is not None and n:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
+    """Train every seed of one experiment and write its outputs.
+
+    Args:
+        cfgs: composed configs, one per seed, identical except for ``seed``.
+        callbacks: extra ``cb(round, row)`` hooks passed to every simulator (tests).
+
+    Returns:
+        The experiment summary written to ``metrics.json``.
+
+    Raises:
+        RunFailed: only after every seed ran, if any of them failed (its reason in the message).
+    """
+    cfg0 = cfgs[0]
+    name = cfg0.name or derive_name(cfg0)
+    out_dir = Path(cfg0.results_dir) / name
+    device = resolve_device(cfg0.engine.device)
+    ds = dataset_for(cfg0, write_cache=False)
+    part = partition_for(cfg0, ds, write_cache=False)
+    x_train = ds.normalize(ds.x_train).to(device)
+    y_train = ds.y_train.to(device)
+    x_test = ds.normalize(ds.x_test).to(device)
+    y_test = ds.y_test.to(device)
+    data = ClientData(x_train, y_train, part.client_indices, ds.num_classes)
+    model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
+
+    # files that describe the experiment (written before training; the run itself adds the rest)
+    container = to_container(cfg0)
+    container.pop("seed")
+    import yaml
+
+    write_text(out_dir / "config.yaml", yaml.safe_dump({**container, "name": name,
+                                                        "seeds": [int(c.seed) for c in cfgs]}, sort_keys=False))
+    pkey = partition_key(cfg0.partition, cfg0.dataset.name)
+    write_json(out_dir / "partition" / "stats.json", part.stats())
+    plot_label_distribution(part, out_dir / "partition" / "labels_per_client.png", title=pkey)
+
+    tracking = None
+    parent_id = None
+    tags = {"algorithm": "", "dataset": cfg0.dataset.name, "partition": pkey, "model": model_name,
+            "git_commit": git_commit(project_root()), "experiment": name}
+    if cfg0.tracking.enabled:
+        tracking = Tracking(cfg0.tracking.experiment)
+
+    progress = _Progress(name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
+    histories: Dict[int, List[Dict]] = {}
+    summaries: Dict[int, Dict] = {}
+    failures: Dict[int, str] = {}
+    algo_desc = ""
+    try:
+        for cfg in cfgs:
+            seed = int(cfg.seed)
+            model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device)
+            spec = ParamSpec.from_model(model)
+            algo = build_algorithm(cfg.algorithm, spec)
+            algo_desc = algo.describe()
+            tags["algorithm"] = algo_desc
+            executor = EXECUTORS[cfg.engine.executor](
+                model, algo, data, batch_size=cfg.train.batch_size, local_epochs=cfg.train.local_epochs,
+                weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, seed=seed)
+            ckpt = None
+            if cfg.engine.checkpoint_every:
+                fp = config_fingerprint(result_sections(cfg))
+                ckpt = Path(cfg.engine.checkpoint_dir) / name / f"seed_{seed}-{fp}.pt"
+            logger = None
+            if tracking is not None:
+                if parent_id is None:
+                    parent_id = _parent_from_checkpoint(ckpt) or tracking.start_parent(name, tags)
+                params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": spec.d,
+                          "algorithm.describe": algo_desc}
+                logger = tracking.child_logger(parent_id, f"{name}/seed{seed}", {**tags, "seed": str(seed)},
+                                               params, cfg.tracking.log_every)
+            sim = Simulator(model=model, algorithm=algo, executor=executor, x_test=x_test, y_test=y_test,
+                            num_clients=part.num_clients, participation=cfg.train.participation,
+                            sampler=cfg.train.sampler, rounds=cfg.train.rounds, lr=cfg.train.lr,
+                            lr_decay=cfg.train.lr_decay, eval_every=cfg.train.eval_every,
+                            eval_batch_size=cfg.engine.eval_batch_size, seed=seed, checkpoint_path=ckpt,
+                            checkpoint_every=cfg.engine.checkpoint_every, logger=logger,
+                            callbacks=[progress] + list(callbacks or []))
+            try:
+                result = sim.run()
+            except RunFailed as err:
+                failures[seed] = str(err)
+                print(f"error: {name} seed {seed} FAILED: {err}", file=sys.stderr)
+                continue
+            except BaseException:
+                if logger is not None:
+                    logger.close("KILLED", "interrupted; run the same command again to resume")
+                raise
+            progress.skip(result.resumed_from)
+            histories[seed] = result.history
+            summaries[seed] = summarize_run(result.history, cfg.train.target_acc)
+            model_path = out_dir / "models" / f"seed_{seed}.pt"
+            atomic_write(model_path, lambda p: torch.save(result.state_dict, p))
+            if logger is not None:
+                logger.log_summary({f"summary_{k}": v for k, v in summaries[seed].items()
+                                    if isinstance(v, (int, float)) and v is not None})
+                seed_csv = out_dir / "seeds" / f"seed_{seed}.csv"
+                write_text(seed_csv, _csv(result.history, _history_columns(result.history)))
+                arts = [out_dir / "config.yaml", seed_csv]
+                if cfg.tracking.log_model:
+                    arts.append(model_path)
+                logger.log_artifacts(arts)
+                logger.log_artifacts([out_dir / "partition" / "stats.json",
+                                      out_dir / "partition" / "labels_per_client.png"], "partition")
+                logger.close("FINISHED")
+            sim.discard_checkpoint()
+    finally:
+        progress.close()
+
+    summary = _experiment_summary(name, cfg0, algo_desc, pkey, model_name, summaries, failures)
+    if histories:
+        all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
+        write_text(out_dir / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
+        mean_rows = mean_curve(histories)
+        write_text(out_dir / "rounds.csv", _csv(mean_rows, _history_columns(mean_rows)))
+        plot_curves(histories, f"{name}: {algo_desc}, {pkey}", out_dir / "curves.png")
+    write_json(out_dir / "metrics.json", summary)
+    if tracking is not None and parent_id is not None:
+        tracking.log_params(parent_id, {**flatten(container), "seeds": [int(c.seed) for c in cfgs]})
+        tracking.log_artifacts(parent_id, [out_dir / "metrics.json", out_dir / "rounds.csv", out_dir / "curves.png",
+                                           out_dir / "config.yaml"])
+        tracking.end_parent(parent_id, "FAILED" if failures else "FINISHED")
+    if failures:
+        raise RunFailed("; ".join(f"seed {s}: {r}" for s, r in failures.items()))
+    return summary
+
+
+def _parent_from_checkpoint(ckpt: Optional[Path]) -> Optional[str]:
+    if ckpt is None or not ckpt.exists():
+        return None
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False).get("logger") or {}
+    return saved.get("parent_id")
+
+
+def _history_columns(rows: List[Dict]) -> List[str]:
+    cols: List[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    return cols
+
+
+def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures) -> Dict:
+    out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
+                 "model": model_name, "rounds": int(cfg.train.rounds), "target_acc": float(cfg.train.target_acc),
+                 "seeds": sorted(summaries), "failed_seeds": sorted(failures)}
+    for key in ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target"):
+        ms = mean_std([s[key] for s in summaries.values()])
+        out[f"{key}_mean"] = ms["mean"]
+        out[f"{key}_std"] = ms["std"]
+    out["target_reached"] = sum(1 for s in summaries.values() if s["rounds_to_target"] is not None)
+    if summaries:
+        any_s = next(iter(summaries.values()))
+        out["comm_up_floats"] = any_s["comm_up_floats"]
+        out["comm_down_floats"] = any_s["comm_down_floats"]
+    out["per_seed"] = {str(s): v for s, v in summaries.items()}
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    show_cfg = "--cfg" in argv
+    argv = [a for a in argv if a != "--cfg"]
+    try:
+        if argv and argv[0] == "--grid":
+            from .grid import load_grid
+
+            if len(argv) < 2:
+                fail("--grid needs an experiment name")
+            params = Path("params.yaml")
+            if "--params" in argv:
+                i = argv.index("--params")
+                if i + 1 >= len(argv):
+                    fail("--params needs a file")
+                params = Path(argv[i + 1])
+            cfgs = load_grid(params).compose_all(argv[1])
+        else:
+            bad = [a for a in argv if a.startswith("-")]
+            if bad:
+                fail(f"unknown option {bad[0]} (see --help)")
+            cfgs = [compose(argv)]
+        if show_cfg:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfgs[0]))
+            return 0
+        resolve_device(cfgs[0].engine.device)
+    except (ConfigError, ValueError) as err:
+        fail(str(err))
+    try:
+        summary = run_experiment(cfgs)
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, OSError) as err:
+        if type(err).__name__ in ("DataSourceError", "PartitionError"):
+            fail(str(err))
+        raise
+    out = Path(cfgs[0].results_dir) / summary["experiment"]
+    fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
+    print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
+          f"seed(s); results in {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
