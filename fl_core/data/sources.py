@@ -1,0 +1,390 @@
+"""Raw dataset sources, and the cached "prepared" tensors every run starts from.
+
+A source turns the official files of a dataset into an :class:`FLDataset`: uint8
+image tensors ``[N, C, H, W]`` plus int64 labels, for a train and a test split,
+and the per-channel statistics used by :meth:`FLDataset.normalize`
+(ALGORITHMS.md section 1.6).
+
+Sources (``dataset.name``):
+
+- ``digits``: scikit-learn's bundled 8x8 digits (offline). Values 0..16, so
+  ``scale = 16``; a stratified train/test split with ``dataset.test_fraction``
+  and ``dataset.split_seed``; mean/std measured on the training split.
+- ``cifar10`` / ``cifar100``: torchvision's readers of the official python
+  pickles under ``dataset.root`` (``cifar-10-batches-py/``, ``cifar-100-python/``).
+  With ``dataset.verify=false`` torchvision's MD5 check is replaced by a check
+  that the files exist.
+- ``mnist`` / ``fmnist``: torchvision's readers of the idx files under
+  ``dataset.root/MNIST/raw`` and ``dataset.root/FashionMNIST/raw``. torchvision
+  only knows MD5 sums of the downloaded ``.gz`` archives, so ``verify`` has no
+  effect on already extracted files.
+
+:func:`get_dataset` caches the result as ``<data_dir>/prepared/<name>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fl_core.compat import torchvision
+
+__all__ = [
+    "DataSourceError",
+    "FLDataset",
+    "SOURCES",
+    "load_source",
+    "prepared_path",
+    "get_dataset",
+]
+
+SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist")
+_PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
+
+# Per-channel statistics of x/255 on the official training sets (ALGORITHMS.md 1.6).
+_CIFAR10_STATS = ((0.491, 0.482, 0.447), (0.247, 0.243, 0.262))
+_CIFAR100_STATS = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
+_MNIST_STATS = ((0.1307,), (0.3081,))
+_FMNIST_STATS = ((0.2860,), (0.3530,))
+
+
+class DataSourceError(RuntimeError):
+    """The raw files of a dataset are missing or unreadable, or the source is unknown.
+
+    The message is one line that names the config key, the path, and the fix.
+    """
+
+
+@dataclass
+class FLDataset:
+    """A dataset held in memory as raw integer tensors.
+
+    Attributes:
+        name: source name (``dataset.name``).
+        x_train: uint8 ``[N, C, H, W]`` training images, raw values in ``[0, scale]``.
+        y_train: int64 ``[N]`` training labels in ``[0, num_classes)``.
+        x_test: uint8 ``[M, C, H, W]`` test images.
+        y_test: int64 ``[M]`` test labels.
+        num_classes: number of classes C.
+        scale: the raw maximum (255.0 for 8-bit images, 16.0 for sklearn digits);
+            ``x / scale`` lies in ``[0, 1]``.
+        mean: per-channel mean of ``x / scale`` (length C_in).
+        std: per-channel standard deviation of ``x / scale`` (length C_in).
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    scale: float
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
+            if x.dtype != torch.uint8 or x.dim() != 4:
+                raise ValueError(f"x_{split} must be uint8 [N, C, H, W], got {x.dtype} {tuple(x.shape)}")
+            if y.dtype != torch.int64 or y.shape != (x.shape[0],):
+                raise ValueError(f"y_{split} must be int64 [{x.shape[0]}], got {y.dtype} {tuple(y.shape)}")
+        self.mean = tuple(float(m) for m in self.mean)
+        self.std = tuple(float(s) for s in self.std)
+        if len(self.mean) != self.x_train.shape[1] or len(self.std) != self.x_train.shape[1]:
+            raise ValueError(f"mean/std need one value per channel ({self.x_train.shape[1]})")
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one image."""
+        c, h, w = self.x_train.shape[1:]
+        return int(c), int(h), int(w)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Map raw images to the model's input space.
+
+        Args:
+            x: uint8 (or any numeric) tensor ``[..., C, H, W]`` of raw values, on any device.
+
+        Returns:
+            float32 ``(x / scale - mean) / std`` with per-channel mean/std, on ``x.device``.
+        """
+        shape = (-1, 1, 1)
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(shape)
+        std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(shape)
+        return (x.to(torch.float32) / self.scale - mean) / std
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _digits(cfg: Any) -> FLDataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = np.asarray(bunch.images)  # float64 [1797, 8, 8], integer values 0..16
+    x = torch.from_numpy(np.rint(images).astype(np.uint8)).unsqueeze(1)
+    y = torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
+    idx_train, idx_test = train_test_split(
+        np.arange(len(y)),
+        test_size=float(cfg.test_fraction),
+        random_state=int(cfg.split_seed),
+        stratify=bunch.target,
+    )
+    idx_train = torch.from_numpy(np.sort(idx_train))
+    idx_test = torch.from_numpy(np.sort(idx_test))
+    x_train = x[idx_train]
+    scaled = x_train.to(torch.float64) / 16.0
+    mean = tuple(scaled.mean(dim=(0, 2, 3)).tolist())
+    std = tuple(scaled.std(dim=(0, 2, 3), unbiased=False).tolist())
+    return FLDataset(
+        name="digits",
+        x_train=x_train.contiguous(),
+        y_train=y[idx_train].contiguous(),
+        x_test=x[idx_test].contiguous(),
+        y_test=y[idx_test].contiguous(),
+        num_classes=10,
+        scale=16.0,
+        mean=mean,
+        std=std,
+    )
+
+
+def _unverified(cls: type) -> type:
+    """A subclass of a torchvision CIFAR reader that only checks that the files exist.
+
+    torchvision compares MD5 sums of the data files (``_check_integrity``) and of
+    the meta file (inside ``_load_meta``); both are reduced to existence checks.
+    """
+
+    def _check_integrity(self) -> bool:
+        folder = os.path.join(self.root, self.base_folder)
+        return all(os.path.isfile(os.path.join(folder, f)) for f, _ in self.train_list + self.test_list)
+
+    attrs = {
+        "_check_integrity": _check_integrity,
+        "meta": {**cls.meta, "md5": None},  # check_integrity(path, None) = file exists
+        "__doc__": f"{cls.__name__} without the MD5 check (dataset.verify=false).",
+    }
+    return type(f"Unverified{cls.__name__}", (cls,), attrs)
+
+
+def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
+    datasets = torchvision().datasets
+    base = datasets.CIFAR100 if hundred else datasets.CIFAR10
+    reader = base if cfg.verify else _unverified(base)
+    title = "CIFAR-100" if hundred else "CIFAR-10"
+    folder = base.base_folder
+    _download(cfg, title, root, lambda: reader(str(root), train=True, download=True))
+    try:
+        train = reader(str(root), train=True, download=False)
+        test = reader(str(root), train=False, download=False)
+    except RuntimeError as err:
+        files = [f for f, _ in base.train_list + base.test_list] + [base.meta["filename"]]
+        if all((root / folder / f).is_file() for f in files):
+            raise DataSourceError(
+                f"dataset.root: {title} files under {root / folder} failed torchvision's MD5 check "
+                f"({err}); replace them with the official files or set dataset.verify=false"
+            ) from None
+        raise DataSourceError(
+            f"dataset.root: {title} not found under {root} (expected {folder}/ in the official "
+            f"python format; or set dataset.download=true)"
+        ) from None
+    except (OSError, EOFError, KeyError, ValueError) as err:
+        raise DataSourceError(
+            f"dataset.root: cannot read {title} under {root / folder} ({type(err).__name__}: {err})"
+        ) from None
+    mean, std = _CIFAR100_STATS if hundred else _CIFAR10_STATS
+
+    def to_tensor(data: np.ndarray) -> torch.Tensor:  # HWC uint8 numpy -> [N, 3, 32, 32]
+        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)).permute(0, 3, 1, 2).contiguous()
+
+    return FLDataset(
+        name=cfg.name,
+        x_train=to_tensor(train.data),
+        y_train=torch.as_tensor(train.targets, dtype=torch.int64),
+        x_test=to_tensor(test.data),
+        y_test=torch.as_tensor(test.targets, dtype=torch.int64),
+        num_classes=100 if hundred else 10,
+        scale=255.0,
+        mean=mean,
+        std=std,
+    )
+
+
+def _mnist(cfg: Any, root: Path, fashion: bool) -> FLDataset:
+    datasets = torchvision().datasets
+    reader = datasets.FashionMNIST if fashion else datasets.MNIST
+    title = "FashionMNIST" if fashion else "MNIST"
+    raw = root / reader.__name__ / "raw"
+    _download(cfg, title, root, lambda: reader(str(root), train=True, download=True))
+    try:
+        train = reader(str(root), train=True, download=False)
+        test = reader(str(root), train=False, download=False)
+    except RuntimeError:
+        raise DataSourceError(
+            f"dataset.root: {title} not found under {root} (expected {reader.__name__}/raw/ with "
+            f"train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+            f"t10k-labels-idx1-ubyte; or set dataset.download=true)"
+        ) from None
+    except (OSError, AssertionError, TypeError, ValueError) as err:
+        raise DataSourceError(
+            f"dataset.root: cannot read the {title} idx files under {raw} ({type(err).__name__}: {err})"
+        ) from None
+    mean, std = _FMNIST_STATS if fashion else _MNIST_STATS
+    return FLDataset(
+        name=cfg.name,
+        x_train=train.data.to(torch.uint8).unsqueeze(1).contiguous(),
+        y_train=train.targets.to(torch.int64),
+        x_test=test.data.to(torch.uint8).unsqueeze(1).contiguous(),
+        y_test=test.targets.to(torch.int64),
+        num_classes=10,
+        scale=255.0,
+        mean=mean,
+        std=std,
+    )
+
+
+def _download(cfg: Any, title: str, root: Path, fetch) -> None:
+    """Run torchvision's download when ``dataset.download`` is set; one-line error on failure."""
+    if not cfg.download:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fetch()
+    except Exception as err:  # network errors come as URLError, RuntimeError, OSError, ...
+        raise DataSourceError(
+            f"dataset.download: could not download {title} into {root} ({type(err).__name__}: {err}); "
+            f"place the official files there and set dataset.download=false"
+        ) from None
+
+
+def load_source(cfg: Any, root: Path) -> FLDataset:
+    """Read a dataset from its raw source.
+
+    Args:
+        cfg: a :class:`~fl_core.config.DatasetConfig` (or a DictConfig with its fields).
+        root: the resolved dataset root directory (unused by ``digits``).
+
+    Returns:
+        The dataset with uint8 images and int64 labels.
+
+    Raises:
+        DataSourceError: unknown ``dataset.name``; files missing under ``root`` (and
+            ``dataset.download`` false), failing the MD5 check, unreadable, or a failed download.
+    """
+    name = cfg.name
+    root = Path(root)
+    if name == "digits":
+        return _digits(cfg)
+    if name in ("cifar10", "cifar100"):
+        return _cifar(cfg, root, hundred=name == "cifar100")
+    if name in ("mnist", "fmnist"):
+        return _mnist(cfg, root, fashion=name == "fmnist")
+    raise DataSourceError(f"dataset.name must be one of {', '.join(SOURCES)}, got {name!r}")
+
+
+# --------------------------------------------------------------------------- prepared cache
+
+
+def prepared_path(cfg: Any, data_dir: Path) -> Path:
+    """Where :func:`get_dataset` caches a dataset: ``data_dir / "prepared" / f"{name}.pt"``."""
+    return Path(data_dir) / "prepared" / f"{cfg.name}.pt"
+
+
+def _signature(cfg: Any) -> dict:
+    """The config fields the prepared tensors depend on (a cached file must match them)."""
+    sig: dict = {"format": _PREPARED_FORMAT, "name": str(cfg.name)}
+    if cfg.name == "digits":
+        sig.update(test_fraction=float(cfg.test_fraction), split_seed=int(cfg.split_seed))
+    return sig
+
+
+def _to_blob(ds: FLDataset, signature: dict) -> dict:
+    return {
+        "signature": signature,
+        "name": ds.name,
+        "x_train": ds.x_train,
+        "y_train": ds.y_train,
+        "x_test": ds.x_test,
+        "y_test": ds.y_test,
+        "num_classes": int(ds.num_classes),
+        "scale": float(ds.scale),
+        "mean": list(ds.mean),
+        "std": list(ds.std),
+    }
+
+
+def _from_blob(blob: dict) -> FLDataset:
+    return FLDataset(
+        name=blob["name"],
+        x_train=blob["x_train"],
+        y_train=blob["y_train"],
+        x_test=blob["x_test"],
+        y_test=blob["y_test"],
+        num_classes=int(blob["num_classes"]),
+        scale=float(blob["scale"]),
+        mean=tuple(blob["mean"]),
+        std=tuple(blob["std"]),
+    )
+
+
+def _read_prepared(path: Path, signature: dict) -> FLDataset | None:
+    """The cached dataset at ``path`` if it exists, is readable and matches ``signature``."""
+    if not path.is_file():
+        return None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(blob, dict) or blob.get("signature") != signature:
+            return None
+        return _from_blob(blob)
+    except Exception:  # truncated or foreign file: rebuild it
+        return None
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
+    """Load the prepared dataset, building and caching it on first use.
+
+    The cache ``prepared_path(cfg, data_dir)`` is reused only when it was built
+    from the same source settings (for ``digits``: ``test_fraction`` and
+    ``split_seed``); otherwise the source is read again and the file replaced.
+    Writes are atomic (temporary file + ``os.replace``).
+
+    Args:
+        cfg: dataset config; a relative ``cfg.root`` is resolved against ``project_root``.
+        data_dir: the data directory holding ``prepared/``.
+        project_root: base of relative ``cfg.root`` paths.
+
+    Raises:
+        DataSourceError: see :func:`load_source`.
+    """
+    path = prepared_path(cfg, data_dir)
+    signature = _signature(cfg)
+    cached = _read_prepared(path, signature)
+    if cached is not None:
+        return cached
+    root = Path(cfg.root).expanduser()
+    if not root.is_absolute():
+        root = Path(project_root) / root
+    ds = load_source(cfg, root.resolve())
+    _save_atomic(_to_blob(ds, signature), path)
+    return ds

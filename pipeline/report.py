@@ -1,0 +1,579 @@
+"""Summarize every experiment of the grid: ``python -m pipeline.report [--params F] [--results D] [--out F]``.
+
+Reads the experiment names of ``params.yaml`` (in its order) and, for each name, ``<results>/<name>/
+metrics.json`` and ``runs.csv`` written by the train stage. Writes, each atomically (a temporary file
+renamed over the target), next to ``--out``:
+
+* ``report.md``: an "All experiments" table, a "Comparison" table (algorithm x partition, final
+  accuracy, best cell per column in bold), the curves figure, a "How to read" note, and the
+  experiments that have no results yet ("Missing") or lost seeds ("Notes").
+* ``curves.png``: one column per partition; test accuracy (mean over seeds with a min-max band) and
+  training loss (mean over seeds) per round, one line per algorithm.
+* ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
+  fractions.
+
+Exit status: 0 when at least one experiment has results; 2 (one-line ``error:`` on stderr, nothing
+written) for an unreadable ``params.yaml`` or when no experiment has results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import yaml
+
+from fl_core.config import ConfigError
+
+from .grid import Grid, load_grid
+
+DASH = "\u2014"
+PM = "\u00b1"
+
+ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedbug": "FedBug", "scaffold": "SCAFFOLD",
+                   "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON"}
+
+SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
+                   "model", "rounds", "target_acc", "n_seeds", "failed_seeds",
+                   "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
+                   "rounds_to_target_mean", "rounds_to_target_std", "target_reached",
+                   "final_train_loss_mean", "final_train_loss_std",
+                   "final_test_loss_mean", "final_test_loss_std", "comm_up_floats", "comm_down_floats"]
+
+
+# --------------------------------------------------------------------------- labels
+
+def _algo_name(name: str) -> str:
+    return ALGORITHM_NAMES.get(name.lower(), name)
+
+
+def _parse_algorithm(s: str) -> Optional[str]:
+    """``name[params](inner)`` -> readable label, or None if ``s`` does not have that shape."""
+    m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:\((.*)\))?\s*", s)
+    if not m:
+        return None
+    name, params, inner = m.groups()
+    label = _algo_name(name)
+    if params:
+        label += " " + ", ".join(p.strip() for p in params.split(",") if p.strip())
+    if inner is not None:
+        inner_label = _parse_algorithm(inner)
+        if inner_label is None:
+            return None
+        label += f" ({inner_label})"
+    return label
+
+
+def algorithm_label(s: str) -> str:
+    """A readable algorithm label from the engine's description string.
+
+    ``"fedbug[P=0.2](fedavg)"`` -> ``"FedBug P=0.2 (FedAvg)"``, ``"fedprox"`` -> ``"FedProx"``.
+    Strings of another shape are returned unchanged.
+    """
+    s = str(s or "").strip()
+    if not s:
+        return "?"
+    return _parse_algorithm(s) or s
+
+
+_PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
+
+
+def _parse_partition(key: str) -> Optional[Dict[str, str]]:
+    """Fields of a partition key (see ``fl_core.data.partition.partition_key``), or None."""
+    m = _PART_RE.match(key)
+    if not m:
+        return None
+    parts = re.split(r"-(?![\d.])", m.group("body"))  # "a1e-05" stays one token
+    out: Dict[str, str] = {"dataset": m.group("ds"), "kind": parts[0], "seed": m.group("seed")}
+    rest = parts[1:]
+    if out["kind"] == "dirichlet":
+        if not rest or rest[0] not in ("per_client", "per_class"):
+            return None
+        out["variant"] = rest.pop(0)
+    for tok in rest:
+        for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("a", "alpha"), ("n", "clients"),
+                             ("S", "classes")):
+            if tok.startswith(prefix) and len(tok) > len(prefix):
+                out[name] = tok[len(prefix):]
+                break
+        else:
+            return None
+    if out["kind"] == "dirichlet" and "alpha" not in out:
+        return None
+    if out["kind"] == "shards" and "classes" not in out:
+        return None
+    return out
+
+
+def partition_label(key: str, verbose: bool = False) -> str:
+    """A readable partition label from a partition key; the raw key if it cannot be parsed.
+
+    ``"digits-iid-n20-sgm0-s0"`` -> ``"IID"``, ``"digits-dirichlet-per_client-a0.3-n20-s0"`` ->
+    ``"Dirichlet α=0.3"``, ``"...-dirichlet-per_class-a0.5-..."`` -> ``"Dirichlet α=0.5 (per class)"``,
+    ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``.
+    With ``verbose`` the dataset, number of clients and every other field of the key are added, so
+    different keys give different labels.
+    """
+    key = str(key or "")
+    p = _parse_partition(key)
+    if p is None:
+        return key or "?"
+    kind = p["kind"]
+    extra: List[str] = []
+    if kind == "iid":
+        label = "IID"
+    elif kind == "dirichlet":
+        label = f"Dirichlet \u03b1={p['alpha']}"
+        if p["variant"] == "per_class":
+            extra.append("per class")
+    else:
+        label = "Shards"
+        extra.append(f"{p['classes']} classes/client")
+    if p.get("sigma") not in (None, "0"):
+        extra.append(f"size \u03c3={p['sigma']}")
+    if verbose:
+        if "clients" in p:
+            extra.append(f"{p['clients']} clients")
+        if "min_size" in p:
+            extra.append(f"min size {p['min_size']}")
+        extra.append(f"seed {p['seed']}")
+        label = f"{p['dataset']}: {label}"
+    return f"{label} ({', '.join(extra)})" if extra else label
+
+
+# --------------------------------------------------------------------------- loading
+
+@dataclass
+class Experiment:
+    """One experiment of the grid with its results (``metrics`` is None when they are missing)."""
+
+    name: str
+    overrides: List[str]
+    metrics: Optional[Dict] = None
+    curves: Optional[Dict[str, np.ndarray]] = None  # round, acc_mean/min/max, loss_round, loss_mean
+    problem: str = ""  # why metrics are missing
+    row_label: str = ""
+    col_label: str = ""
+    notes: List[str] = field(default_factory=list)
+
+
+def _float(s: str) -> float:
+    try:
+        v = float(s)
+    except (TypeError, ValueError):
+        return math.nan
+    return v
+
+
+def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
+    """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
+
+    Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. Returns
+    None when the file is missing, empty or lacks the ``round`` column.
+    """
+    if not path.exists():
+        return None
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "round" not in rows[0]:
+        return None
+    acc: Dict[int, List[float]] = {}
+    loss: Dict[int, List[float]] = {}
+    for r in rows:
+        rnd = _float(r.get("round"))
+        if math.isnan(rnd):
+            continue
+        a, lo = _float(r.get("test_acc")), _float(r.get("train_loss"))
+        if math.isfinite(a):
+            acc.setdefault(int(rnd), []).append(a)
+        if math.isfinite(lo):
+            loss.setdefault(int(rnd), []).append(lo)
+    ar = sorted(acc)
+    lr = sorted(loss)
+    return {
+        "acc_round": np.array(ar, dtype=float),
+        "acc_mean": np.array([np.mean(acc[r]) for r in ar], dtype=float),
+        "acc_min": np.array([np.min(acc[r]) for r in ar], dtype=float),
+        "acc_max": np.array([np.max(acc[r]) for r in ar], dtype=float),
+        "loss_round": np.array(lr, dtype=float),
+        "loss_mean": np.array([np.mean(loss[r]) for r in lr], dtype=float),
+    }
+
+
+def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
+    """Every experiment of ``grid`` (in params.yaml order) with its metrics and curves if present."""
+    out: List[Experiment] = []
+    for name, overrides in grid.experiments.items():
+        exp = Experiment(name, list(overrides))
+        d = Path(results_dir) / name
+        mpath = d / "metrics.json"
+        if not mpath.exists():
+            exp.problem = f"no {mpath.as_posix()}"
+        else:
+            try:
+                m = json.loads(mpath.read_text())
+                if not isinstance(m, dict):
+                    raise ValueError("not a JSON object")
+                exp.metrics = m
+            except (OSError, ValueError) as err:
+                exp.problem = f"unreadable {mpath.as_posix()} ({err})"
+        if exp.metrics is not None:
+            try:
+                exp.curves = read_curves(d / "runs.csv")
+            except (OSError, csv.Error, UnicodeDecodeError):
+                exp.curves = None
+            failed = exp.metrics.get("failed_seeds") or []
+            if failed:
+                n_ok = len(exp.metrics.get("seeds") or [])
+                exp.notes.append(f"seed(s) {', '.join(map(str, failed))} failed; numbers are over the "
+                                 f"remaining {n_ok} seed(s)")
+            if exp.curves is None:
+                exp.notes.append("no runs.csv: not in the curves figure")
+        out.append(exp)
+    _assign_labels([e for e in out if e.metrics is not None])
+    return out
+
+
+def _assign_labels(exps: List[Experiment]) -> None:
+    """Row (algorithm) and column (partition) labels of the comparison table, made unique per cell."""
+    keys = {str(e.metrics.get("partition", "")) for e in exps}
+    short = {k: partition_label(k) for k in keys}
+    by_label: Dict[str, List[str]] = {}
+    for k, lab in short.items():
+        by_label.setdefault(lab, []).append(k)
+    col = {}
+    for lab, ks in by_label.items():
+        if len(ks) == 1:
+            col[ks[0]] = lab
+            continue
+        verbose = {k: partition_label(k, verbose=True) for k in ks}
+        unique = len(set(verbose.values())) == len(ks)
+        for k in ks:
+            col[k] = verbose[k] if unique else k
+    for e in exps:
+        e.col_label = col[str(e.metrics.get("partition", ""))]
+        e.row_label = algorithm_label(e.metrics.get("algorithm", ""))
+
+    def collisions() -> set:
+        seen: Dict[Tuple[str, str], int] = {}
+        for e in exps:
+            seen[(e.row_label, e.col_label)] = seen.get((e.row_label, e.col_label), 0) + 1
+        return {r for (r, _), n in seen.items() if n > 1}
+
+    clash = collisions()
+    if not clash:
+        return
+    # same algorithm label in one cell: tell the rows apart by their non-partition overrides
+    for lab in clash:
+        group = [e for e in exps if e.row_label == lab]
+        own = {e.name: [o for o in e.overrides if not re.match(r"(partition|dataset)(\.|=)", o)] for e in group}
+        common = set.intersection(*(set(v) for v in own.values()))
+        for e in group:
+            diff = [o for o in own[e.name] if o not in common]
+            if diff:
+                e.row_label = f"{lab} ({', '.join(diff)})"
+    for lab in collisions():
+        for e in exps:
+            if e.row_label == lab:
+                e.row_label = f"{lab} [{e.name}]"
+
+
+# --------------------------------------------------------------------------- formatting
+
+def _num(v) -> Optional[float]:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def fmt_pct(mean, std) -> str:
+    """``0.85, 0.0707`` -> ``"85.00 ± 7.07"`` (percent); a dash when the mean is missing."""
+    m, s = _num(mean), _num(std)
+    if m is None:
+        return DASH
+    return f"{100 * m:.2f} {PM} {100 * (s or 0.0):.2f}"
+
+
+def fmt_plain(mean, std, digits: int = 4) -> str:
+    """Mean ± std with ``digits`` decimals; a dash when the mean is missing."""
+    m, s = _num(mean), _num(std)
+    if m is None:
+        return DASH
+    return f"{m:.{digits}f} {PM} {(s or 0.0):.{digits}f}"
+
+
+def fmt_rounds(m: Dict) -> str:
+    """Rounds to target, e.g. ``"12.5 ± 2.1 (2/3 seeds)"``; a dash when no seed reached it."""
+    reached = int(m.get("target_reached") or 0)
+    n = len(m.get("seeds") or [])
+    mean = _num(m.get("rounds_to_target_mean"))
+    if not reached or mean is None:
+        return DASH
+    return f"{mean:.1f} {PM} {(_num(m.get('rounds_to_target_std')) or 0.0):.1f} ({reached}/{n} seeds)"
+
+
+def _cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
+             "|" + "|".join({"l": ":---", "r": "---:", "c": ":---:"}[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _join_values(values: Sequence) -> str:
+    vals = []
+    for v in values:
+        if v is not None and v not in vals:
+            vals.append(v)
+    return ", ".join(str(v) for v in vals) if vals else "?"
+
+
+# --------------------------------------------------------------------------- report
+
+def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple[str, str], Experiment]]:
+    """Row labels, column labels (first-appearance order) and the experiment of each cell."""
+    rows: List[str] = []
+    cols: List[str] = []
+    cells: Dict[Tuple[str, str], Experiment] = {}
+    for e in exps:
+        if e.row_label not in rows:
+            rows.append(e.row_label)
+        if e.col_label not in cols:
+            cols.append(e.col_label)
+        cells[(e.row_label, e.col_label)] = e
+    return rows, cols, cells
+
+
+def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Experiment]] = None,
+                 params_name: str = "params.yaml", curves_name: str = "curves.png") -> str:
+    """The markdown report of ``grid``'s experiments under ``results_dir``.
+
+    Args:
+        grid: the experiment grid (its order is the order of the tables).
+        results_dir: folder holding ``<name>/metrics.json``.
+        experiments: already loaded experiments (from :func:`load_experiments`); loaded if None.
+        params_name: how the grid file is named in the text.
+        curves_name: the figure's path relative to the report.
+    """
+    exps_all = experiments if experiments is not None else load_experiments(grid, Path(results_dir))
+    exps = [e for e in exps_all if e.metrics is not None]
+    missing = [e for e in exps_all if e.metrics is None]
+    ms = [e.metrics for e in exps]
+    target = _num(ms[0].get("target_acc")) if ms else None
+    targets = {_num(m.get("target_acc")) for m in ms}
+
+    out: List[str] = ["# Federated learning results", ""]
+    out.append(
+        f"Produced by `python -m pipeline.report` from `{params_name}`: {len(exps_all)} experiment(s) "
+        f"({len(exps)} with results), seeds {', '.join(map(str, grid.seeds))} ({len(grid.seeds)} per experiment), "
+        f"dataset {_join_values([m.get('dataset') for m in ms])}, "
+        f"model {_join_values([m.get('model') for m in ms])}, "
+        f"{_join_values([m.get('rounds') for m in ms])} rounds"
+        + (f", target accuracy {100 * target:g}%." if target is not None and len(targets) == 1 else "."))
+    out.append("")
+
+    out += ["## All experiments", ""]
+    rows = []
+    for e in exps:
+        m = e.metrics
+        rows.append([f"`{e.name}`", e.row_label, e.col_label,
+                     fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
+                     fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
+                     fmt_rounds(m),
+                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std"))])
+    tgt = f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else ""
+    out.append(_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
+                       f"rounds to target{tgt}", "final train loss"],
+                      rows, "lllrrrr"))
+    out.append("")
+
+    out += ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
+            "is in bold.", ""]
+    row_labels, col_labels, cells = comparison(exps)
+    best: Dict[str, Optional[float]] = {}
+    for c in col_labels:
+        vals = [round(100 * v, 2) for r in row_labels if (r, c) in cells
+                for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
+        best[c] = max(vals) if len(vals) >= 2 else None
+    rows = []
+    for r in row_labels:
+        row = [r]
+        for c in col_labels:
+            e = cells.get((r, c))
+            if e is None:
+                row.append(DASH)
+                continue
+            text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
+            v = _num(e.metrics.get("final_acc_mean"))
+            if v is not None and best[c] is not None and round(100 * v, 2) == best[c]:
+                text = f"**{text}**"
+            row.append(text)
+        rows.append(row)
+    out.append(_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)))
+    out.append("")
+
+    out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", ""]
+
+    out += ["## How to read", ""]
+    out.append("- *final acc*: test accuracy of the global model after the last round; *best acc*: the "
+               "highest test accuracy over all rounds. Both in %, as mean \u00b1 std over seeds "
+               "(std is the sample standard deviation, ddof = 1; 0 for a single seed).")
+    out.append("- *rounds to target*: the first round whose test accuracy is >= the target accuracy"
+               + (f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else "")
+               + "; mean \u00b1 std over the seeds that reached it, with how many did "
+               f"(k/n seeds); {DASH} if none did.")
+    out.append("- *final train loss*: mean training loss of the participating clients in the last round.")
+    out.append("- Curves: mean over seeds; the shaded band spans the minimum and maximum over seeds.")
+    out.append("- `summary.csv` holds the numbers of the first table as plain fractions.")
+    out.append("")
+
+    noted = [e for e in exps if e.notes]
+    if noted:
+        out += ["## Notes", ""]
+        out += [f"- `{e.name}`: {'; '.join(e.notes)}" for e in noted]
+        out.append("")
+    if missing:
+        out += ["## Missing", "", "Experiments of the grid without results (run `dvc repro`):", ""]
+        out += [f"- `{e.name}`: {e.problem}" for e in missing]
+        out.append("")
+    return "\n".join(out)
+
+
+def summary_csv(exps: List[Experiment]) -> str:
+    """``summary.csv``: one row per experiment with results, numbers as plain fractions."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for e in exps:
+        if e.metrics is None:
+            continue
+        m = e.metrics
+        row = {k: m.get(k) for k in SUMMARY_COLUMNS}
+        row.update(experiment=e.name, algorithm_label=e.row_label, partition_label=e.col_label,
+                   n_seeds=len(m.get("seeds") or []),
+                   failed_seeds=" ".join(map(str, m.get("failed_seeds") or [])))
+        w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def plot_curves(exps: List[Experiment], path: Path) -> None:
+    """``curves.png``: per partition column, test accuracy (mean, min-max band) and training loss."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    exps = [e for e in exps if e.metrics is not None]
+    rows, cols, cells = comparison(exps)
+    ncol = max(1, len(cols))
+    fig = Figure(figsize=(6 * ncol, 8.5))
+    axes = fig.subplots(2, ncol, squeeze=False)
+    colors = {r: f"C{i % 10}" for i, r in enumerate(rows)}
+    if not cols:
+        axes[0][0].text(0.5, 0.5, "no results", ha="center", va="center")
+    for j, c in enumerate(cols):
+        ax_acc, ax_loss = axes[0][j], axes[1][j]
+        for r in rows:
+            e = cells.get((r, c))
+            if e is None or e.curves is None:
+                continue
+            cv = e.curves
+            if len(cv["acc_round"]):
+                ax_acc.plot(cv["acc_round"], 100 * cv["acc_mean"], color=colors[r], lw=1.8, label=r)
+                ax_acc.fill_between(cv["acc_round"], 100 * cv["acc_min"], 100 * cv["acc_max"],
+                                    color=colors[r], alpha=0.18, lw=0)
+            if len(cv["loss_round"]):
+                ax_loss.plot(cv["loss_round"], cv["loss_mean"], color=colors[r], lw=1.8, label=r)
+        ax_acc.set_title(c)
+        ax_acc.set_ylabel("test accuracy (%)")
+        ax_loss.set_ylabel("training loss")
+        ax_loss.set_xlabel("round")
+        for ax in (ax_acc, ax_loss):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.suptitle("Test accuracy (mean over seeds, min\u2013max band) and training loss (mean) per round")
+    fig.tight_layout()
+    _atomic(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+
+
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.report",
+        description="Summarize the experiments of the grid: writes report.md, curves.png and summary.csv "
+                    "(in the folder of --out) from <results>/<name>/metrics.json and runs.csv.",
+        epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid "
+               "cannot be read). Experiments without results are listed under 'Missing'.")
+    p.add_argument("--params", type=Path, default=Path("params.yaml"), metavar="FILE",
+                   help="the experiment grid (default: params.yaml)")
+    p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
+                   help="folder with one sub-folder per experiment (default: results)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="the markdown report; curves.png and summary.csv go beside it "
+                        "(default: <results>/report.md)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    out = args.out if args.out is not None else args.results / "report.md"
+    try:
+        grid = load_grid(args.params)
+    except (ConfigError, yaml.YAMLError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    exps = load_experiments(grid, args.results)
+    done = [e for e in exps if e.metrics is not None]
+    if not done:
+        print(f"error: no results found under {args.results.as_posix().rstrip('/')}/ (run dvc repro)",
+              file=sys.stderr)
+        return 2
+    curves = out.parent / "curves.png"
+    plot_curves(done, curves)
+    _write_text(out.parent / "summary.csv", summary_csv(done))
+    _write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
+                                  curves_name=curves.name))
+    missing = len(exps) - len(done)
+    print(f"report: {out} ({len(done)} experiment(s)" + (f", {missing} missing" if missing else "") + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Shared fixtures: the digits data set (loaded once) and a tiny config/simulator builder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Keep test runs away from the project's MLflow store.
+os.environ.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + str(Path(os.environ.get("TMPDIR", "/tmp")) /
+                                                             f"fl-tests-{os.getpid()}-mlflow.db"))
+
+TINY = ["partition.num_clients=6", "train.rounds=3", "train.participation=0.5", "train.local_epochs=2",
+        "train.batch_size=32", "train.lr=0.05", "engine.progress=false", "engine.checkpoint_every=0",
+        "tracking.enabled=false"]
+
+
+@pytest.fixture(scope="session")
+def digits():
+    from fl_core.config import compose
+    from fl_core.data import load_source
+
+    cfg = compose([])
+    return load_source(cfg.dataset, ROOT / "data" / "raw")
+
+
+def tiny_cfg(*overrides):
+    from fl_core.config import compose
+
+    return compose(TINY + list(overrides))
+
+
+def run_sim(ds, *overrides, **kw):
+    """Compose a tiny config, build its simulator on ``ds`` and run it; returns (sim, result)."""
+    from fl_core.data import make_partition
+    from fl_core.engine.factory import build_simulator
+
+    cfg = tiny_cfg(*overrides)
+    part = make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes)
+    sim = build_simulator(cfg, ds, part, **kw)
+    return sim, sim.run()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.set_num_threads(1)
+    yield

@@ -1,0 +1,190 @@
+"""pipeline.report on a hand-made results tree (no training): tables, figure, summary.csv, exit codes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pipeline.report import algorithm_label, main, partition_label
+
+PARTS = {"iid": "digits-iid-n20-sgm0-s0", "dir": "digits-dirichlet-per_client-a0.3-n20-sgm0-s0"}
+ALGOS = {"fedavg": "fedavg", "fedbug": "fedbug[P=0.2](fedavg)"}
+SEEDS = [1, 2]
+ROUNDS = 4
+# final test accuracy per (algorithm, partition) and seed
+FINAL = {("fedavg", "iid"): [0.80, 0.90], ("fedbug", "iid"): [0.86, 0.88],
+         ("fedavg", "dir"): [0.60, 0.70], ("fedbug", "dir"): [0.70, 0.74]}
+TARGET = 0.85
+
+PARAMS = """\
+seeds: [1, 2]
+dataset: {name: digits}
+train: {rounds: 4, target_acc: 0.85}
+experiments:
+  fedavg_iid: {algorithm: fedavg, partition: iid}
+  fedbug_iid: {algorithm: fedbug, algorithm.fedbug.gu_percentage: 0.2, partition: iid}
+  fedavg_dir: {algorithm: fedavg, partition: dirichlet, partition.alpha: 0.3}
+  fedbug_dir: {algorithm: fedbug, algorithm.fedbug.gu_percentage: 0.2, partition: dirichlet, partition.alpha: 0.3}
+  fedprox_iid: {algorithm: fedprox, partition: iid}
+"""
+
+
+def _curve(final: float):
+    """Test accuracy per round rising linearly to ``final``; train loss falling."""
+    return [round(final * r / ROUNDS, 6) for r in range(1, ROUNDS + 1)]
+
+
+def _write_experiment(results: Path, algo: str, part: str) -> None:
+    name = f"{algo}_{part}"
+    d = results / name
+    d.mkdir(parents=True)
+    per_seed = {}
+    rows = []
+    for seed, final in zip(SEEDS, FINAL[(algo, part)]):
+        accs = _curve(final)
+        rtt = next((r for r, a in enumerate(accs, 1) if a >= TARGET), None)
+        per_seed[str(seed)] = {"final_acc": final, "best_acc": max(accs), "rounds_to_target": rtt,
+                               "final_train_loss": 1.0 - final}
+        for r, a in enumerate(accs, 1):
+            rows.append({"seed": seed, "round": r, "train_loss": round(2.0 - a, 6), "lr": 0.05,
+                         "num_clients": 10, "comm_up_floats": 100, "comm_down_floats": 100,
+                         # round 2 not evaluated: empty test columns as the train stage writes them
+                         "test_acc": "" if r == 2 else a, "test_loss": "" if r == 2 else 1 - a,
+                         "round_time_s": 0.1})
+    finals = FINAL[(algo, part)]
+    rtts = [s["rounds_to_target"] for s in per_seed.values() if s["rounds_to_target"] is not None]
+    metrics = {
+        "experiment": name, "algorithm": ALGOS[algo], "dataset": "digits", "partition": PARTS[part],
+        "model": "small_cnn", "rounds": ROUNDS, "target_acc": TARGET, "seeds": SEEDS, "failed_seeds": [],
+        "final_acc_mean": statistics.mean(finals), "final_acc_std": statistics.stdev(finals),
+        "best_acc_mean": statistics.mean(finals), "best_acc_std": statistics.stdev(finals),
+        "final_test_loss_mean": 0.5, "final_test_loss_std": 0.01,
+        "final_train_loss_mean": statistics.mean(1 - f for f in finals),
+        "final_train_loss_std": statistics.stdev([1 - f for f in finals]),
+        "rounds_to_target_mean": statistics.mean(rtts) if rtts else None,
+        "rounds_to_target_std": (statistics.stdev(rtts) if len(rtts) > 1 else 0.0) if rtts else None,
+        "target_reached": len(rtts), "comm_up_floats": 400, "comm_down_floats": 400, "per_seed": per_seed,
+    }
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    with open(d / "runs.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    results = tmp_path / "results"
+    for algo, part in FINAL:
+        _write_experiment(results, algo, part)
+    params = tmp_path / "params.yaml"
+    params.write_text(PARAMS)
+    return tmp_path, params, results
+
+
+def _table(md: str, heading: str):
+    """The rows (lists of cells) of the first table after ``heading``."""
+    lines = md.split(heading, 1)[1].splitlines()
+    rows = [ln for ln in lines if ln.startswith("|")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    block = []
+    for ln in lines[start:]:
+        if not ln.startswith("|"):
+            break
+        block.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    assert rows
+    return block[0], block[2:]
+
+
+def test_labels():
+    assert algorithm_label("fedbug[P=0.2](fedavg)") == "FedBug P=0.2 (FedAvg)"
+    assert algorithm_label("fedprox") == "FedProx"
+    assert algorithm_label("odd thing(") == "odd thing("
+    assert partition_label("digits-iid-n20-s0") == "IID"
+    assert partition_label("digits-dirichlet-per_client-a0.3-n20-s0") == "Dirichlet α=0.3"
+    assert partition_label("digits-dirichlet-per_client-a1e-05-n20-sgm0-s0") == "Dirichlet α=1e-05"
+    assert partition_label("cifar100-shards-S20-n20-s0") == "Shards (20 classes/client)"
+    assert partition_label("not-a-key") == "not-a-key"
+
+
+def test_report(tree, capsys):
+    root, params, results = tree
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    after = sorted(p.relative_to(root) for p in root.rglob("*"))
+    added = {Path("results/report.md"), Path("results/curves.png"), Path("results/summary.csv")}
+    assert set(after) - set(before) == added  # nothing else written, no temp files left
+    md = (results / "report.md").read_text()
+
+    # header line: experiments, seeds, dataset, rounds
+    assert "5 experiment(s) (4 with results)" in md
+    assert "seeds 1, 2" in md and "dataset digits" in md and "4 rounds" in md
+
+    # Table 1
+    header, rows = _table(md, "## All experiments")
+    assert header[:3] == ["experiment", "algorithm", "partition"]
+    by_name = {r[0].strip("`"): r for r in rows}
+    assert list(by_name) == ["fedavg_iid", "fedbug_iid", "fedavg_dir", "fedbug_dir"]  # params order
+    r = by_name["fedavg_iid"]
+    assert r[1] == "FedAvg" and r[2] == "IID"
+    assert r[3] == "85.00 ± 7.07"  # 0.80, 0.90
+    assert r[5] == "4.0 ± 0.0 (1/2 seeds)"  # only seed 2 reaches 0.85 (at round 4)
+    assert r[6] == "0.1500 ± 0.0707"
+    assert by_name["fedbug_iid"][3] == "87.00 ± 1.41"  # 0.86, 0.88
+    assert by_name["fedbug_iid"][5] == "4.0 ± 0.0 (2/2 seeds)"
+    assert by_name["fedbug_dir"][1] == "FedBug P=0.2 (FedAvg)"
+    assert by_name["fedbug_dir"][2] == "Dirichlet α=0.3"
+    assert by_name["fedbug_dir"][3] == "72.00 ± 2.83"  # 0.70, 0.74
+    assert by_name["fedavg_dir"][5] == "—"
+
+    # Table 2
+    header, rows = _table(md, "## Comparison")
+    assert header == ["algorithm", "IID", "Dirichlet α=0.3"]
+    cells = {r[0]: r[1:] for r in rows}
+    assert list(cells) == ["FedAvg", "FedBug P=0.2 (FedAvg)"]
+    assert cells["FedAvg"] == ["85.00 ± 7.07", "65.00 ± 7.07"]
+    assert cells["FedBug P=0.2 (FedAvg)"] == ["**87.00 ± 1.41**", "**72.00 ± 2.83**"]
+
+    assert "![" in md and "](curves.png)" in md
+    assert "## How to read" in md and "sample standard deviation" in md
+    missing = md.split("## Missing", 1)[1]
+    assert "`fedprox_iid`" in missing
+
+    png = (results / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    with open(results / "summary.csv", newline="") as f:
+        summary = list(csv.DictReader(f))
+    assert [s["experiment"] for s in summary] == ["fedavg_iid", "fedbug_iid", "fedavg_dir", "fedbug_dir"]
+    s0 = summary[0]
+    assert float(s0["final_acc_mean"]) == pytest.approx(0.85)
+    assert float(s0["final_acc_std"]) == pytest.approx(0.0707107, abs=1e-6)
+    assert s0["algorithm_label"] == "FedAvg" and s0["partition_label"] == "IID"
+    assert s0["partition"] == PARTS["iid"] and s0["target_reached"] == "1"
+    assert summary[2]["rounds_to_target_mean"] == ""  # never reached
+
+    # --out elsewhere: the figure and csv go beside it, the link stays relative
+    out = root / "elsewhere" / "r.md"
+    assert main(["--params", str(params), "--results", str(results), "--out", str(out)]) == 0
+    assert (out.parent / "curves.png").exists() and (out.parent / "summary.csv").exists()
+    assert "](curves.png)" in out.read_text()
+
+
+def test_empty_results_exit_2(tree, capsys):
+    root, params, _ = tree
+    empty = root / "empty"
+    empty.mkdir()
+    assert main(["--params", str(params), "--results", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: no results found under {empty.as_posix()}/ (run dvc repro)"
+    assert list(empty.iterdir()) == []
+
+
+def test_bad_params_exit_2(tmp_path, capsys):
+    assert main(["--params", str(tmp_path / "nope.yaml"), "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err

@@ -1,0 +1,239 @@
+"""Dataset sources of fl_core.data.sources: sklearn digits, and torchvision's CIFAR/MNIST
+readers on tiny files written in the official formats."""
+
+import io
+import pickle
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fl_core.config import DatasetConfig
+from fl_core.data import sources
+from fl_core.data.sources import DataSourceError, FLDataset, get_dataset, load_source, prepared_path
+
+# --------------------------------------------------------------------------- official-format writers
+
+
+class _Py2Pickler(pickle._Pickler):
+    """Writes ``bytes`` as Python 2 ``str`` (SHORT_BINSTRING / BINSTRING), as in the official CIFAR
+    pickles: torchvision reads them with ``encoding="latin1"``, so the keys b'data', b'labels'
+    arrive as 'data', 'labels' and the numpy payload is restored from a latin-1 string."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def _save_py2_str(self, obj):
+        n = len(obj)
+        head = pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + struct.pack("<i", n)
+        self.write(head + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_py2_str
+
+
+def _dump_py2(obj, path: Path) -> None:
+    buf = io.BytesIO()
+    _Py2Pickler(buf, protocol=2).dump(obj)
+    path.write_bytes(buf.getvalue())
+
+
+def _images(rng, n) -> np.ndarray:
+    return rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)  # row = 1024 R, 1024 G, 1024 B
+
+
+def write_cifar10(root: Path, per_batch=3, n_test=4, seed=0):
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    xs, ys = [], []
+    for b in range(1, 6):
+        x, y = _images(rng, per_batch), rng.integers(0, 10, per_batch).tolist()
+        _dump_py2({b"batch_label": b"training batch %d of 5" % b, b"labels": y, b"data": x,
+                   b"filenames": [b"img%d.png" % i for i in range(per_batch)]}, folder / f"data_batch_{b}")
+        xs.append(x)
+        ys += y
+    xt, yt = _images(rng, n_test), rng.integers(0, 10, n_test).tolist()
+    _dump_py2({b"batch_label": b"testing batch 1 of 1", b"labels": yt, b"data": xt}, folder / "test_batch")
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    _dump_py2({b"num_cases_per_batch": per_batch, b"label_names": names, b"num_vis": 3072}, folder / "batches.meta")
+    return np.concatenate(xs), np.array(ys), xt, np.array(yt)
+
+
+def write_cifar100(root: Path, n_train=7, n_test=5, seed=1):
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    x, y = _images(rng, n_train), rng.integers(0, 100, n_train).tolist()
+    xt, yt = _images(rng, n_test), rng.integers(0, 100, n_test).tolist()
+    for name, xx, yy in (("train", x, y), ("test", xt, yt)):
+        _dump_py2({b"filenames": [b"f"] * len(yy), b"batch_label": name.encode(), b"fine_labels": yy,
+                   b"coarse_labels": [v // 5 for v in yy], b"data": xx}, folder / name)
+    _dump_py2({b"fine_label_names": [b"c%d" % i for i in range(100)],
+               b"coarse_label_names": [b"k%d" % i for i in range(20)]}, folder / "meta")
+    return x, np.array(y), xt, np.array(yt)
+
+
+def write_mnist(root: Path, folder="MNIST", n_train=6, n_test=3, seed=2):
+    rng = np.random.default_rng(seed)
+    raw = root / folder / "raw"
+    raw.mkdir(parents=True)
+    out = []
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        x = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">iiii", 2051, n, 28, 28) + x.tobytes())
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">ii", 2049, n) + y.tobytes())
+        out += [x, y.astype(np.int64)]
+    return out
+
+
+# --------------------------------------------------------------------------- digits
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_source(DatasetConfig(name="digits"), Path("/nonexistent"))
+
+
+def test_digits_shapes_and_split(digits):
+    d = digits
+    assert isinstance(d, FLDataset) and d.name == "digits"
+    assert d.x_train.dtype == torch.uint8 and d.x_train.shape == (1347, 1, 8, 8)
+    assert d.x_test.dtype == torch.uint8 and d.x_test.shape == (450, 1, 8, 8)
+    assert d.y_train.dtype == torch.int64 and d.y_test.dtype == torch.int64
+    assert d.num_classes == 10 and d.scale == 16.0 and d.input_shape == (1, 8, 8)
+    assert int(d.x_train.max()) == 16 and int(d.x_train.min()) == 0
+    # stratified: every class keeps its share in both splits
+    tr = np.bincount(d.y_train.numpy(), minlength=10) / 1347
+    te = np.bincount(d.y_test.numpy(), minlength=10) / 450
+    assert np.abs(tr - te).max() < 0.01
+
+
+def test_digits_split_is_deterministic(digits):
+    again = load_source(DatasetConfig(name="digits"), Path("."))
+    assert torch.equal(again.x_train, digits.x_train) and torch.equal(again.y_test, digits.y_test)
+    other = load_source(DatasetConfig(name="digits", split_seed=1), Path("."))
+    assert not torch.equal(other.x_train, digits.x_train)
+    half = load_source(DatasetConfig(name="digits", test_fraction=0.5), Path("."))
+    assert len(half.y_test) in (898, 899) and len(half.y_train) + len(half.y_test) == 1797
+
+
+def test_digits_normalize(digits):
+    z = digits.normalize(digits.x_train)
+    assert z.dtype == torch.float32 and z.shape == digits.x_train.shape
+    assert abs(float(z.mean())) < 1e-4 and abs(float(z.std(unbiased=False)) - 1) < 1e-4
+    assert digits.mean[0] == pytest.approx(float(digits.x_train.double().mean() / 16))
+    # single image [C, H, W] and values: (x/16 - mean)/std
+    one = digits.normalize(digits.x_train[0])
+    expect = (digits.x_train[0].double() / 16 - digits.mean[0]) / digits.std[0]
+    assert one.shape == (1, 8, 8) and torch.allclose(one.double(), expect, atol=1e-6)
+
+
+def test_normalize_per_channel():
+    ds = FLDataset("t", torch.full((2, 3, 1, 1), 255, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64),
+                   torch.zeros((1, 3, 1, 1), dtype=torch.uint8), torch.zeros(1, dtype=torch.int64),
+                   num_classes=2, scale=255.0, mean=(0.5, 0.25, 0.0), std=(0.5, 0.25, 2.0))
+    out = ds.normalize(ds.x_train)
+    assert torch.allclose(out[0, :, 0, 0], torch.tensor([1.0, 3.0, 0.5]))
+
+
+# --------------------------------------------------------------------------- CIFAR / MNIST readers
+
+
+def test_cifar10_roundtrip(tmp_path):
+    x, y, xt, yt = write_cifar10(tmp_path)
+    d = load_source(DatasetConfig(name="cifar10", verify=False), tmp_path)
+    assert d.x_train.dtype == torch.uint8 and d.x_train.shape == (15, 3, 32, 32)
+    assert torch.equal(d.x_train, torch.from_numpy(x).reshape(-1, 3, 32, 32))
+    assert torch.equal(d.x_test, torch.from_numpy(xt).reshape(-1, 3, 32, 32))
+    assert d.y_train.dtype == torch.int64 and d.y_train.tolist() == y.tolist() and d.y_test.tolist() == yt.tolist()
+    assert d.num_classes == 10 and d.scale == 255.0 and d.input_shape == (3, 32, 32)
+    assert d.mean == (0.491, 0.482, 0.447) and d.std == (0.247, 0.243, 0.262)
+    # the red plane of pixel (0, 1) is byte 1 of the row, the green plane starts at 1024
+    assert d.x_train[0, 0, 0, 1] == x[0, 1] and d.x_train[0, 1, 0, 0] == x[0, 1024]
+
+
+def test_cifar10_verify_rejects_unofficial_files(tmp_path):
+    write_cifar10(tmp_path)
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: CIFAR-10 files .* MD5 .*dataset\.verify=false"):
+        load_source(DatasetConfig(name="cifar10", verify=True), tmp_path)
+
+
+def test_cifar100_roundtrip(tmp_path):
+    x, y, xt, yt = write_cifar100(tmp_path)
+    d = load_source(DatasetConfig(name="cifar100", verify=False), tmp_path)
+    assert torch.equal(d.x_train, torch.from_numpy(x).reshape(-1, 3, 32, 32))
+    assert torch.equal(d.x_test, torch.from_numpy(xt).reshape(-1, 3, 32, 32))
+    assert d.y_train.tolist() == y.tolist() and d.y_test.tolist() == yt.tolist()
+    assert d.num_classes == 100 and d.mean == (0.5071, 0.4867, 0.4408) and d.std == (0.2675, 0.2565, 0.2761)
+
+
+@pytest.mark.parametrize("name,folder,mean", [("mnist", "MNIST", 0.1307), ("fmnist", "FashionMNIST", 0.2860)])
+def test_mnist_idx_roundtrip(tmp_path, name, folder, mean):
+    x, y, xt, yt = write_mnist(tmp_path, folder)
+    d = load_source(DatasetConfig(name=name), tmp_path)
+    assert d.x_train.dtype == torch.uint8 and d.x_train.shape == (6, 1, 28, 28)
+    assert torch.equal(d.x_train[:, 0], torch.from_numpy(x)) and torch.equal(d.x_test[:, 0], torch.from_numpy(xt))
+    assert d.y_train.dtype == torch.int64 and d.y_train.tolist() == y.tolist() and d.y_test.tolist() == yt.tolist()
+    assert d.num_classes == 10 and d.mean == (mean,) and d.input_shape == (1, 28, 28)
+
+
+@pytest.mark.parametrize("name,title", [("cifar10", "CIFAR-10"), ("cifar100", "CIFAR-100"), ("mnist", "MNIST"),
+                                        ("fmnist", "FashionMNIST")])
+def test_missing_files_name_dataset_root(tmp_path, name, title):
+    root = tmp_path / "nowhere"
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name=name, verify=False), root)
+    msg = str(err.value)
+    assert msg.startswith(f"dataset.root: {title} not found under {root} ")
+    assert "dataset.download=true" in msg and "\n" not in msg
+
+
+def test_unknown_source():
+    with pytest.raises(DataSourceError, match=r"^dataset\.name must be one of .*'svhn'"):
+        load_source(DatasetConfig(name="svhn"), Path("."))
+
+
+# --------------------------------------------------------------------------- prepared cache
+
+
+def test_get_dataset_caches(tmp_path, monkeypatch):
+    cfg = DatasetConfig(name="digits")
+    first = get_dataset(cfg, tmp_path / "data", tmp_path)
+    path = prepared_path(cfg, tmp_path / "data")
+    assert path == tmp_path / "data" / "prepared" / "digits.pt" and path.is_file()
+    mtime = path.stat().st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("load_source called although the prepared file exists")
+
+    monkeypatch.setattr(sources, "load_source", boom)
+    second = get_dataset(cfg, tmp_path / "data", tmp_path)
+    assert path.stat().st_mtime_ns == mtime
+    for f in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(first, f), getattr(second, f))
+    assert (second.mean, second.std, second.scale, second.num_classes) == (first.mean, first.std, 16.0, 10)
+    assert [p.name for p in path.parent.iterdir()] == ["digits.pt"]  # no temp file left behind
+
+    # another split of digits must not be served from the cache
+    monkeypatch.undo()
+    calls = []
+    real = sources.load_source
+    monkeypatch.setattr(sources, "load_source", lambda *a: calls.append(a) or real(*a))
+    third = get_dataset(replace(cfg, split_seed=3), tmp_path / "data", tmp_path)
+    assert len(calls) == 1 and not torch.equal(third.x_train, first.x_train)
+
+
+def test_get_dataset_resolves_root_against_project(tmp_path, monkeypatch):
+    project = tmp_path / "proj"
+    write_cifar10(project / "raw")
+    monkeypatch.chdir(tmp_path)
+    cfg = DatasetConfig(name="cifar10", root="raw", verify=False)
+    d = get_dataset(cfg, project / "data", project)
+    assert d.x_train.shape == (15, 3, 32, 32)
+    assert (project / "data" / "prepared" / "cifar10.pt").is_file()
+    with pytest.raises(DataSourceError, match=str(tmp_path / "elsewhere" / "raw")):
+        get_dataset(cfg, tmp_path / "other-data", tmp_path / "elsewhere")
