@@ -30,14 +30,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fl_core.algorithms import build_algorithm
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.data.partition import partition_key, plot_label_distribution
-from fl_core.engine.executors import EXECUTORS, ClientData
-from fl_core.engine.simulator import RunFailed, Simulator, config_fingerprint
-from fl_core.engine.state import ParamSpec
+from fl_core.engine.factory import build_simulator, client_data
+from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run
-from fl_core.models import build_model, resolve_model_name
+from fl_core.models import resolve_model_name
 from fl_core.tracking import Tracking, flatten, git_commit
 from fl_core.paths import project_root
 
@@ -181,11 +179,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     device = resolve_device(cfg0.engine.device)
     ds = dataset_for(cfg0, write_cache=False)
     part = partition_for(cfg0, ds, write_cache=False)
-    x_train = ds.normalize(ds.x_train).to(device)
-    y_train = ds.y_train.to(device)
-    x_test = ds.normalize(ds.x_test).to(device)
-    y_test = ds.y_test.to(device)
-    data = ClientData(x_train, y_train, part.client_indices, ds.num_classes)
+    data = client_data(ds, part, device)
     model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
 
     # files that describe the experiment (written before training; the run itself adds the rest)
@@ -214,33 +208,23 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     try:
         for cfg in cfgs:
             seed = int(cfg.seed)
-            model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device)
-            spec = ParamSpec.from_model(model)
-            algo = build_algorithm(cfg.algorithm, spec)
-            algo_desc = algo.describe()
-            tags["algorithm"] = algo_desc
-            executor = EXECUTORS[cfg.engine.executor](
-                model, algo, data, batch_size=cfg.train.batch_size, local_epochs=cfg.train.local_epochs,
-                weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, seed=seed)
             ckpt = None
             if cfg.engine.checkpoint_every:
                 fp = config_fingerprint(result_sections(cfg))
                 ckpt = Path(cfg.engine.checkpoint_dir) / name / f"seed_{seed}-{fp}.pt"
             logger = None
+            sim = build_simulator(cfg, ds, part, device=device, data=data, checkpoint_path=ckpt,
+                                  callbacks=[progress] + list(callbacks or []))
+            algo_desc = sim.algo.describe()
+            tags["algorithm"] = algo_desc
             if tracking is not None:
                 if parent_id is None:
                     parent_id = _parent_from_checkpoint(ckpt) or tracking.start_parent(name, tags)
-                params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": spec.d,
+                params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": sim.spec.d,
                           "algorithm.describe": algo_desc}
-                logger = tracking.child_logger(parent_id, f"{name}/seed{seed}", {**tags, "seed": str(seed)},
-                                               params, cfg.tracking.log_every)
-            sim = Simulator(model=model, algorithm=algo, executor=executor, x_test=x_test, y_test=y_test,
-                            num_clients=part.num_clients, participation=cfg.train.participation,
-                            sampler=cfg.train.sampler, rounds=cfg.train.rounds, lr=cfg.train.lr,
-                            lr_decay=cfg.train.lr_decay, eval_every=cfg.train.eval_every,
-                            eval_batch_size=cfg.engine.eval_batch_size, seed=seed, checkpoint_path=ckpt,
-                            checkpoint_every=cfg.engine.checkpoint_every, logger=logger,
-                            callbacks=[progress] + list(callbacks or []))
+                sim.logger = logger = tracking.child_logger(parent_id, f"{name}/seed{seed}",
+                                                            {**tags, "seed": str(seed)}, params,
+                                                            cfg.tracking.log_every)
             try:
                 result = sim.run()
             except RunFailed as err:
@@ -358,9 +342,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         fail(str(err))
     try:
         summary = run_experiment(cfgs)
-    except RunFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except RunFailed:
+        return 1  # each failed seed already printed its one-line reason
     except (ValueError, RuntimeError, OSError) as err:
         if type(err).__name__ in ("DataSourceError", "PartitionError"):
             fail(str(err))

@@ -64,8 +64,18 @@ def flatten_params(model: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy ``flat`` [d] into the model's parameters in place."""
-    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    """Copy ``flat`` [d] into the model's parameters in place.
+
+    (``torch.nn.utils.vector_to_parameters`` is not used: it turns the parameters into views of
+    ``flat``, so training the model would silently write into the broadcast global vector.)
+    """
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} entries, the model {offset}")
 
 
 class ClientStateStore:

@@ -1,0 +1,49 @@
+"""Build a ready-to-run :class:`~fl_core.engine.simulator.Simulator` from a composed config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+from ..algorithms import build_algorithm
+from ..models import build_model
+from .executors import EXECUTORS, ClientData
+from .simulator import RunLogger, Simulator
+from .state import ParamSpec
+
+
+def client_data(ds, partition, device: torch.device) -> ClientData:
+    """Normalised training tensors of ``ds`` on ``device`` with ``partition``'s client index arrays."""
+    return ClientData(ds.normalize(ds.x_train).to(device), ds.y_train.to(device), partition.client_indices,
+                      ds.num_classes)
+
+
+def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),
+                    data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
+                    checkpoint_path: Optional[Path] = None,
+                    callbacks: Optional[List[Callable]] = None) -> Simulator:
+    """Model, algorithm stack, executor and round loop for one seed of ``cfg``.
+
+    Args:
+        cfg: composed config (see :func:`fl_core.config.compose`).
+        ds: the :class:`~fl_core.data.FLDataset`; partition: its :class:`~fl_core.data.Partition`.
+        device: where data, model and states live.
+        data: pre-built :class:`ClientData` to share across seeds (else built here).
+        logger, checkpoint_path, callbacks: passed to the simulator.
+    """
+    data = data or client_data(ds, partition, device)
+    model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device)
+    algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model))
+    t = cfg.train
+    executor = EXECUTORS[cfg.engine.executor](model, algo, data, batch_size=t.batch_size,
+                                              local_epochs=t.local_epochs, weight_decay=t.weight_decay,
+                                              grad_clip=t.grad_clip, seed=int(cfg.seed))
+    return Simulator(model=model, algorithm=algo, executor=executor,
+                     x_test=ds.normalize(ds.x_test).to(device), y_test=ds.y_test.to(device),
+                     num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
+                     rounds=t.rounds, lr=t.lr, lr_decay=t.lr_decay, eval_every=t.eval_every,
+                     eval_batch_size=cfg.engine.eval_batch_size, seed=int(cfg.seed),
+                     checkpoint_path=checkpoint_path, checkpoint_every=cfg.engine.checkpoint_every,
+                     logger=logger, callbacks=callbacks)

@@ -1,0 +1,120 @@
+"""Round loop: resume after a kill, MLflow logging, non-finite losses, torchvision import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_core.engine.simulator import RunFailed
+from fl_core.tracking import Tracking
+
+from conftest import run_sim
+
+
+class Killed(Exception):
+    pass
+
+
+def _kill_after(n):
+    def cb(r, row):
+        if r == n:
+            raise Killed(f"killed after round {r}")
+    return cb
+
+
+def test_interrupted_then_resumed_run_ends_identical(digits, tmp_path):
+    common = ["algorithm=fedbug", "algorithm.name=fedprox", "partition=dirichlet", "train.rounds=7",
+              "engine.checkpoint_every=2", "train.lr_decay=0.95"]
+    _, ref = run_sim(digits, *common)
+    ckpt = tmp_path / "ck.pt"
+    with pytest.raises(Killed):
+        run_sim(digits, *common, checkpoint_path=ckpt, callbacks=[_kill_after(5)])
+    assert ckpt.exists()  # last checkpoint: round 4
+    assert torch.load(ckpt, weights_only=False)["round"] == 4
+    sim, res = run_sim(digits, *common, checkpoint_path=ckpt)
+    assert res.resumed_from == 4
+    assert torch.equal(ref.final_flat, res.final_flat)
+    assert [r["round"] for r in res.history] == list(range(1, 8))
+    assert [r["test_acc"] for r in res.history] == [r["test_acc"] for r in ref.history]
+
+
+def _metric_steps(tracking, run_id, key):
+    return [m.step for m in tracking.client.get_metric_history(run_id, key)]
+
+
+def test_mlflow_run_has_one_test_acc_per_round_also_after_resume(digits, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracking = Tracking("test-engine", root=tmp_path)
+    R = 6
+    common = [f"train.rounds={R}", "engine.checkpoint_every=2"]
+
+    def logger():
+        return tracking.child_logger(None, "run", {"seed": "0"}, {"train.rounds": R}, log_every=1)
+
+    lg = logger()
+    with pytest.raises(Killed):
+        run_sim(digits, *common, checkpoint_path=tmp_path / "ck.pt", logger=lg, callbacks=[_kill_after(3)])
+    lg.close("KILLED")
+    assert _metric_steps(tracking, lg.run_id, "test_acc") == [1, 2, 3]  # round 3 logged, checkpoint at 2
+    lg2 = logger()
+    run_sim(digits, *common, checkpoint_path=tmp_path / "ck.pt", logger=lg2)
+    lg2.close("FINISHED")
+    assert lg2.run_id == lg.run_id  # the same MLflow run continues
+    assert sorted(_metric_steps(tracking, lg.run_id, "test_acc")) == list(range(1, R + 1))
+    for key in ("test_loss", "train_loss", "lr", "comm_up_floats", "comm_down_floats", "round_time_s"):
+        assert sorted(_metric_steps(tracking, lg.run_id, key)) == list(range(1, R + 1)), key
+    run = tracking.client.get_run(lg.run_id)
+    assert run.info.status == "FINISHED"
+    d = run.data.metrics["comm_up_floats"] / R  # cumulative: R rounds of d floats
+    assert d == 71754  # small_cnn on 1x8x8 digits
+
+
+def test_non_finite_loss_fails_the_run_with_a_reason(digits, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracking = Tracking("test-nan", root=tmp_path)
+    lg = tracking.child_logger(None, "nan", {}, {}, log_every=1)
+    with pytest.raises(RunFailed, match="non-finite training loss"):
+        run_sim(digits, "train.lr=1e8", logger=lg)
+    run = tracking.client.get_run(lg.run_id)
+    assert run.info.status == "FAILED"
+    assert "non-finite" in run.data.tags["failure_reason"]
+    assert "\n" not in run.data.tags["failure_reason"]
+
+
+def test_torchvision_imports_through_compat():
+    from fl_core import compat
+
+    tv = compat.torchvision()
+    assert compat.TORCHVISION_OPS in (True, False)
+    net = tv.models.resnet18(num_classes=7).eval()
+    assert net(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
+    assert hasattr(tv.datasets, "CIFAR10") and hasattr(tv.datasets, "MNIST")
+
+
+def test_compat_reraises_unrelated_import_errors(monkeypatch):
+    import builtins
+    import sys
+
+    from fl_core import compat
+
+    compat.torchvision.cache_clear()
+    saved = {k: v for k, v in sys.modules.items() if k == "torchvision" or k.startswith("torchvision.")}
+    for k in saved:
+        del sys.modules[k]
+    real_import = builtins.__import__
+
+    def broken(name, *a, **kw):
+        if name == "torchvision":
+            raise RuntimeError("something else broke")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    try:
+        with pytest.raises(RuntimeError, match="something else broke"):
+            compat.torchvision()
+    finally:
+        monkeypatch.setattr(builtins, "__import__", real_import)
+        sys.modules.update(saved)
+        compat.torchvision.cache_clear()
