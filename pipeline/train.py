@@ -245,7 +245,9 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                                     if isinstance(v, (int, float)) and v is not None})
                 seed_csv = out_dir / "seeds" / f"seed_{seed}.csv"
                 write_text(seed_csv, _csv(result.history, _history_columns(result.history)))
-                arts = [out_dir / "config.yaml", seed_csv]
+                seed_png = out_dir / "seeds" / f"seed_{seed}.png"
+                plot_curves({seed: result.history}, f"{name} seed {seed}: {algo_desc}", seed_png)
+                arts = [out_dir / "config.yaml", seed_csv, seed_png]
                 if cfg.tracking.log_model:
                     arts.append(model_path)
                 logger.log_artifacts(arts)

@@ -79,4 +79,4 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert child.data.params["partition.alpha"] == "0.3"
     assert [m.step for m in client.get_metric_history(child.info.run_id, "test_acc")] == [1, 2, 3]
     arts = {a.path for a in client.list_artifacts(child.info.run_id)}
-    assert {"config.yaml", "seed_1.pt", "seed_1.csv", "partition"} <= arts
+    assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition"} <= arts
