@@ -27,7 +27,7 @@ SAMPLERS = ("bernoulli", "fixed")
 BASE_ALGORITHMS = ("fedavg", "fedprox")
 WRAPPERS = ("fedbug",)
 AGGREGATIONS = ("weighted", "uniform")
-EXECUTORS = ("sequential",)
+EXECUTORS = ("sequential", "vectorized", "auto")
 FEDBUG_SCHEDULES = ("paper", "code")
 
 
@@ -103,7 +103,8 @@ class TrainConfig:
 
 @dataclass
 class EngineConfig:
-    executor: str = "sequential"
+    executor: str = "sequential"  # sequential (reference) | vectorized (torch.func) | auto
+    max_parallel_clients: int = 0  # vectorized: clients trained at once (0 = all sampled clients)
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
     checkpoint_every: int = 10  # rounds; 0 = never
     checkpoint_dir: str = "checkpoints"
@@ -197,6 +198,7 @@ def validate(cfg: Any) -> None:
     if not (e.device in ("cpu", "cuda", "auto") or str(e.device).startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {e.device!r}")
     _range("engine.checkpoint_every", e.checkpoint_every, 0)
+    _range("engine.max_parallel_clients", e.max_parallel_clients, 0)
     _range("engine.eval_batch_size", e.eval_batch_size, 1)
     _range("tracking.log_every", cfg.tracking.log_every, 1)
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):

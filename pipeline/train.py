@@ -217,6 +217,10 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                                   callbacks=[progress] + list(callbacks or []))
             algo_desc = sim.algo.describe()
             tags["algorithm"] = algo_desc
+            tags["executor"] = sim.executor.name
+            tags["executor_reason"] = sim.executor.reason
+            if cfg.engine.executor == "auto" and seed == int(cfgs[0].seed):
+                print(f"executor: {sim.executor.name} ({sim.executor.reason})", file=sys.stderr)
             if tracking is not None:
                 if parent_id is None:
                     parent_id = _parent_from_checkpoint(ckpt) or tracking.start_parent(name, tags)

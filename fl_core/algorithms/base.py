@@ -62,9 +62,16 @@ class ClientUpdate:
 
 
 class Algorithm:
-    """Base class: FedAvg-compatible defaults for every hook (no extra loss, all params train)."""
+    """Base class: FedAvg-compatible defaults for every hook (no extra loss, all params train).
+
+    ``vectorizable``: the client-side hooks also run in the vectorised executor, i.e.
+    ``local_loss`` and ``transform_grads`` work under ``torch.func.vmap`` (per-client values come
+    from ``ctx.label_counts`` / ``ctx.state`` tensors, never from Python ints of the context) and
+    ``update_mask`` is a plain function of (ctx, k).
+    """
 
     name = "base"
+    vectorizable = True
 
     # ------------------------------------------------------------------ state
     def init_server_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -113,6 +120,12 @@ class Wrapper(Algorithm):
 
     def __init__(self, base: Algorithm):
         self.base = base
+
+    @property
+    def vectorizable(self) -> bool:  # type: ignore[override]
+        return type(self).wrapper_vectorizable and self.base.vectorizable
+
+    wrapper_vectorizable = True
 
     def describe(self) -> str:
         return f"{self.name}({self.base.describe()})"

@@ -23,6 +23,8 @@ class FedProx(FedAvg):
     def local_loss(self, ctx, params, logits, features, y):
         if self.mu == 0.0:
             return None
+        # Frozen parameters (FedBug) equal the anchor exactly, so summing over all of them adds 0
+        # and keeps the hook free of per-tensor flags (it also runs under torch.func.vmap).
         anchor = ctx.round.global_params()
-        sq = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items() if p.requires_grad)
+        sq = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
         return 0.5 * self.mu * sq

@@ -133,3 +133,144 @@ class SequentialExecutor:
 
 
 EXECUTORS = {"sequential": SequentialExecutor}
+
+
+class _FeatureForward(torch.nn.Module):
+    """Exposes ``model.forward_features`` as ``forward`` for ``torch.func.functional_call``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model.forward_features(x)
+
+
+class VectorizedExecutor:
+    """Trains the sampled clients of a round together: one ``torch.func.vmap``'ed grad step per local step.
+
+    The clients' parameters are stacked ``[C, ...]``. Every local step k gathers each client's
+    mini-batch from device-resident data (the same batches as :func:`batch_schedule`, padded to B
+    with zero-weight samples), computes all C gradients with ``vmap(grad(loss))``, and applies
+    the SGD step where a ``[C, P]`` mask allows it: per-client masks cover unequal step counts K_i
+    (a client with fewer steps simply stops moving) and per-client schedules such as FedBug's
+    m(k). Clipping is per client over its trainable tensors, as ``clip_grad_norm_`` does.
+    Clients are processed in chunks of ``max_parallel_clients`` (0: all at once) to bound memory.
+
+    Matches :class:`SequentialExecutor` up to float32 rounding (tests state the tolerance).
+    Needs ``algorithm.vectorizable`` and a model without buffers that change in training (no BatchNorm).
+    """
+
+    name = "vectorized"
+
+    def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
+                 local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
+                 max_parallel_clients: int = 0):
+        if not algorithm.vectorizable:
+            raise ValueError(f"engine.executor=vectorized: {algorithm.describe()} has hooks that only run "
+                             "sequentially (use engine.executor=sequential or auto)")
+        if any(True for _ in model.buffers()):
+            raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
+        self.model = model
+        self.algo = algorithm
+        self.data = data
+        self.batch_size = batch_size
+        self.local_epochs = local_epochs
+        self.weight_decay = weight_decay
+        self.grad_clip = grad_clip
+        self.seed = seed
+        self.max_parallel_clients = max_parallel_clients
+        self._fwd = _FeatureForward(model)
+        self._names = [n for n, _ in model.named_parameters()]
+        self._cpu_indices = [ix.cpu() for ix in data.indices]
+        self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None))
+
+    def _loss(self, params, x, y, w, label_counts, state, rctx):
+        logits, feats = torch.func.functional_call(self._fwd, {f"model.{n}": p for n, p in params.items()}, (x,))
+        ce = F.cross_entropy(logits, y, reduction="none")
+        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
+        ctx = ClientContext(round=rctx, client_id=-1, num_samples=-1, num_steps=-1, label_counts=label_counts,
+                            state=state)
+        extra = self.algo.local_loss(ctx, params, logits, feats, y)
+        total = loss if extra is None else loss + extra
+        return total, loss.detach()
+
+    def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
+        """Train ``client_ids`` (in chunks) from ``rctx.global_flat``; same contract as the sequential executor."""
+        chunk = self.max_parallel_clients or len(client_ids)
+        updates: List[ClientUpdate] = []
+        for s in range(0, len(client_ids), chunk):
+            updates.extend(self._train_chunk(rctx, [int(c) for c in client_ids[s:s + chunk]], store))
+        return updates
+
+    def _schedule(self, rctx: RoundContext, ctxs: List[ClientContext]):
+        """Positions [C, Kmax, B] into the training set and sample weights [C, Kmax, B] (0 = padding)."""
+        C, B = len(ctxs), self.batch_size
+        kmax = max(c.num_steps for c in ctxs)
+        pos = torch.zeros(C, kmax, B, dtype=torch.long)
+        w = torch.zeros(C, kmax, B)
+        for c, ctx in enumerate(ctxs):
+            idx = self._cpu_indices[ctx.client_id]
+            batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, B, self.local_epochs)
+            for k, b in enumerate(batches):
+                pos[c, k, :len(b)] = idx[b]
+                w[c, k, :len(b)] = 1.0
+        dev = self.data.x.device
+        return pos.to(dev), w.to(dev), kmax
+
+    def _train_chunk(self, rctx: RoundContext, ids: List[int], store: ClientStateStore) -> List[ClientUpdate]:
+        data, algo, dev = self.data, self.algo, self.data.x.device
+        ctxs = [ClientContext(round=rctx, client_id=cid, num_samples=data.size(cid),
+                              num_steps=local_steps(data.size(cid), self.batch_size, self.local_epochs),
+                              label_counts=data.label_counts[cid],
+                              state=store.get(cid, lambda: algo.init_client_state(rctx.global_flat)))
+                for cid in ids]
+        C = len(ctxs)
+        g = rctx.global_params()
+        params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
+        steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
+        label_counts = torch.stack([c.label_counts for c in ctxs])
+        state = ({k: torch.stack([c.state[k] for c in ctxs]) for k in ctxs[0].state}
+                 if ctxs[0].state is not None else {})
+        pos, w, kmax = self._schedule(rctx, ctxs)
+        # hooks see per-client values as stacked tensors [C, ...]
+        batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=-1, num_steps=-1,
+                                    label_counts=label_counts, state=state)
+        loss_sum = torch.zeros(C, device=dev)
+        for k in range(kmax):
+            b = pos[:, k]
+            x, y = data.x[b], data.y[b]
+            grads, loss = self._grad_fn(params, x, y, w[:, k], label_counts, state, rctx)
+            active = k < steps  # [C]
+            masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]
+            mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)
+            mask &= active[:, None]  # [C, P]
+            algo.transform_grads(batched_ctx, k + 1, params, grads)
+            if self.grad_clip is not None:
+                sq = torch.stack([grads[n].pow(2).flatten(1).sum(1) for n in self._names], 1)  # [C, P]
+                norm = (sq * mask).sum(1).sqrt()
+                coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for j, n in enumerate(self._names):
+                p, gr = params[n], grads[n]
+                shape = (C,) + (1,) * (p.dim() - 1)
+                if self.grad_clip is not None:
+                    gr = gr * coef.view(shape)
+                d_p = gr + self.weight_decay * p if self.weight_decay else gr
+                params[n] = torch.where(mask[:, j].view(shape), p - rctx.lr * d_p, p)
+            loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+        flat = torch.cat([params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
+        deltas = flat - rctx.global_flat
+        mean_loss = (loss_sum / steps.clamp_min(1)).tolist()
+        updates = []
+        for c, ctx in enumerate(ctxs):
+            if not math.isfinite(mean_loss[c]):
+                raise NonFiniteLossError(f"non-finite training loss ({mean_loss[c]}) in round {rctx.round}, "
+                                         f"client {ctx.client_id}")
+            up = algo.finish_client(ctx, ClientUpdate(ctx.client_id, ctx.num_samples, ctx.num_steps, deltas[c],
+                                                      mean_loss[c]))
+            store.put(ctx.client_id, ctx.state)
+            updates.append(up)
+        return updates
+
+
+EXECUTORS["vectorized"] = VectorizedExecutor

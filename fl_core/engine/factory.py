@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -18,6 +18,24 @@ def client_data(ds, partition, device: torch.device) -> ClientData:
     """Normalised training tensors of ``ds`` on ``device`` with ``partition``'s client index arrays."""
     return ClientData(ds.normalize(ds.x_train).to(device), ds.y_train.to(device), partition.client_indices,
                       ds.num_classes)
+
+
+def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.device) -> Tuple[str, str]:
+    """Resolve ``engine.executor`` (``auto`` included) to an executor name and the reason for it.
+
+    ``auto`` picks the vectorised executor on CUDA when every hook of the algorithm stack supports
+    it and the model has no buffers; on the CPU it keeps the sequential executor, which the round
+    benchmark measured faster there for the models of this project (docs/benchmarks.md).
+    """
+    if requested != "auto":
+        return requested, "engine.executor=" + requested
+    if not algo.vectorizable:
+        return "sequential", f"auto: {algo.describe()} has hooks that only run sequentially"
+    if any(True for _ in model.buffers()):
+        return "sequential", "auto: the model has buffers (e.g. BatchNorm)"
+    if device.type != "cuda":
+        return "sequential", "auto: CPU device, where the sequential executor is faster (docs/benchmarks.md)"
+    return "vectorized", "auto: CUDA device and every hook supports vmap"
 
 
 def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),
@@ -37,9 +55,13 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device)
     algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model))
     t = cfg.train
-    executor = EXECUTORS[cfg.engine.executor](model, algo, data, batch_size=t.batch_size,
-                                              local_epochs=t.local_epochs, weight_decay=t.weight_decay,
-                                              grad_clip=t.grad_clip, seed=int(cfg.seed))
+    name, reason = choose_executor(cfg.engine.executor, algo, model, device)
+    kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
+                  grad_clip=t.grad_clip, seed=int(cfg.seed))
+    if name == "vectorized":
+        kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
+    executor = EXECUTORS[name](model, algo, data, **kwargs)
+    executor.reason = reason
     return Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,

@@ -1,0 +1,496 @@
+#!/usr/bin/env python
+"""Round-speed benchmark: milliseconds per federated round of the standard CNN.
+
+Compares, on the same in-memory CIFAR-shaped random data and the same sampled clients:
+
+- ``naive``: the per-client loop of the papers' code, written here: for every sampled client a
+  fresh :class:`~fl_core.models.cnn.StandardCNN` loaded with the global ``state_dict`` and a new
+  ``torch.optim.SGD``, shuffled mini-batches from index tensors, then a data-size weighted average
+  of the client models into the global one.
+- ``sequential`` / ``vectorized`` (and any other registered executor): the engine's
+  :class:`~fl_core.engine.simulator.Simulator` built by
+  :func:`~fl_core.engine.factory.build_simulator`, with MLflow logging on (a temporary SQLite store,
+  metrics flushed every round). A row is skipped with a note when the config rejects the executor
+  (``ConfigError``), so the script runs before an executor lands.
+
+Workloads (FedAvg, IID equal-size partition, fixed sampler, 10 clients per round):
+
+- ``W1``: 100 clients x 100 samples, E = 1, B = 50.
+- ``W2``: 100 clients x 500 samples, E = 5, B = 50.
+
+Timing: median over the timed rounds after the warm-up rounds. Executors: the history's
+``round_time_s`` (sampling, local training, aggregation); evaluation is switched off
+(``train.eval_every`` > rounds) and the last round, which the simulator always evaluates, is run
+but not timed. The "wall" column adds what ``round_time_s`` leaves out (MLflow logging, loop
+overhead): the time between consecutive round callbacks. Naive: ``time.perf_counter`` around the
+round, with ``torch.cuda.synchronize()`` on CUDA.
+
+Examples::
+
+    python benchmarks/round_speed.py --quick
+    python benchmarks/round_speed.py --device cuda --workloads W1,W2 --out results/round_speed.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:  # run as a script from anywhere, without an install
+    sys.path.insert(0, str(_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fl_core.config import ConfigError, compose  # noqa: E402
+from fl_core.data.partition import Partition  # noqa: E402
+from fl_core.data.sampling import sample_clients  # noqa: E402
+from fl_core.data.sources import FLDataset  # noqa: E402
+from fl_core.engine.executors import ClientData  # noqa: E402
+from fl_core.engine.factory import build_simulator, client_data  # noqa: E402
+from fl_core.models.cnn import StandardCNN  # noqa: E402
+
+# Per-channel statistics of x/255 on the CIFAR-10 training set (ALGORITHMS.md 1.6).
+CIFAR10_MEAN = (0.491, 0.482, 0.447)
+CIFAR10_STD = (0.247, 0.243, 0.262)
+INPUT_SHAPE = (3, 32, 32)
+NUM_CLASSES = 10
+TEST_SAMPLES = 10  # tiny: only the last (untimed) round evaluates
+LR = 0.05  # train.lr (the project default), for the naive loop and the executors alike
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_clients: int
+    samples_per_client: int
+    clients_per_round: int
+    local_epochs: int
+    batch_size: int
+
+    @property
+    def participation(self) -> float:
+        return self.clients_per_round / self.num_clients
+
+    @property
+    def samples_per_round(self) -> int:
+        """Samples processed per round: E x n_i x clients."""
+        return self.local_epochs * self.samples_per_client * self.clients_per_round
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.clients_per_round * self.local_epochs * -(-self.samples_per_client // self.batch_size)
+
+    def describe(self) -> str:
+        return (f"{self.num_clients} clients x {self.samples_per_client} samples, "
+                f"{self.clients_per_round} per round, E={self.local_epochs}, B={self.batch_size} "
+                f"({self.samples_per_round} samples, {self.steps_per_round} SGD steps per round)")
+
+
+WORKLOADS: Dict[str, Workload] = {
+    "W1": Workload("W1", 100, 100, 10, 1, 50),
+    "W2": Workload("W2", 100, 500, 10, 5, 50),
+}
+EXECUTOR_ROWS = ("naive", "sequential", "vectorized")
+
+
+@dataclass
+class Row:
+    workload: str
+    executor: str
+    device: str
+    ms: Optional[float] = None  # median ms per round
+    wall_ms: Optional[float] = None  # median ms between round ends (includes logging)
+    note: str = ""
+    spread: str = ""  # min-max of the timed rounds (progress log only)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {name} but no CUDA device is available (use cpu or auto)")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def forward_flops(model: Optional[nn.Module], input_shape: Sequence[int]) -> int:
+    """Forward FLOP of one sample, counted analytically on the Conv2d and Linear layers.
+
+    conv: 2 * k_h * k_w * (C_in / groups) * C_out * H_out * W_out; linear: 2 * in * out. Biases,
+    activations and pooling are left out. Output sizes come from one forward pass (batch 1) on a
+    CPU copy of the model.
+    """
+    total = 0
+
+    def hook(mod, _inp, out):
+        nonlocal total
+        if isinstance(mod, nn.Conv2d):
+            kh, kw = mod.kernel_size
+            total += 2 * kh * kw * (mod.in_channels // mod.groups) * mod.out_channels * out.shape[-2] * out.shape[-1]
+        elif isinstance(mod, nn.Linear):
+            total += 2 * mod.in_features * mod.out_features
+
+    probe = StandardCNN(tuple(input_shape), NUM_CLASSES) if model is None else model
+    handles = [m.register_forward_hook(hook) for m in probe.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        with torch.no_grad():
+            probe(torch.zeros(1, *input_shape, device=next(probe.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def make_dataset(w: Workload, seed: int) -> FLDataset:
+    """CIFAR-shaped random data: uint8 [N, 3, 32, 32], 10 classes, CIFAR-10 mean/std."""
+    g = torch.Generator().manual_seed(seed)
+    n = w.num_clients * w.samples_per_client
+    return FLDataset(
+        name="cifar10",
+        x_train=torch.randint(0, 256, (n, *INPUT_SHAPE), dtype=torch.uint8, generator=g),
+        y_train=torch.randint(0, NUM_CLASSES, (n,), dtype=torch.int64, generator=g),
+        x_test=torch.randint(0, 256, (TEST_SAMPLES, *INPUT_SHAPE), dtype=torch.uint8, generator=g),
+        y_test=torch.randint(0, NUM_CLASSES, (TEST_SAMPLES,), dtype=torch.int64, generator=g),
+        num_classes=NUM_CLASSES, scale=255.0, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+
+
+def make_partition(w: Workload, ds: FLDataset, seed: int) -> Partition:
+    """IID, equal sizes: a random permutation cut into ``num_clients`` pieces."""
+    perm = np.random.default_rng(seed).permutation(w.num_clients * w.samples_per_client)
+    pieces = np.split(perm.astype(np.int64), w.num_clients)
+    return Partition.from_indices(pieces, ds.y_train.numpy(), NUM_CLASSES)
+
+
+def overrides(w: Workload, executor: str, device: torch.device, rounds: int, seed: int,
+              extra: Sequence[str] = ()) -> List[str]:
+    return [
+        "dataset=cifar10", "model=std_cnn", "partition=iid", "algorithm=fedavg",
+        f"partition.num_clients={w.num_clients}",
+        f"train.participation={w.participation}", "train.sampler=fixed",
+        f"train.local_epochs={w.local_epochs}", f"train.batch_size={w.batch_size}",
+        f"train.lr={LR}", "train.lr_decay=1.0", "train.weight_decay=0.0", "train.grad_clip=null",
+        f"train.rounds={rounds}", f"train.eval_every={rounds + 1}",
+        f"engine.executor={executor}", f"engine.device={device.type}", "engine.checkpoint_every=0",
+        "engine.progress=false", "tracking.log_every=1", f"seed={seed}", *extra,
+    ]
+
+
+def _spread(xs: Sequence[float]) -> str:
+    return f"min {1e3 * min(xs):.1f}, max {1e3 * max(xs):.1f}" if xs else ""
+
+
+def _median_ms(xs: Sequence[float]) -> Optional[float]:
+    return 1e3 * statistics.median(xs) if xs else None
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, timed: int, seed: int) -> Row:
+    """The papers' per-client loop: fresh model + optimiser per client, state_dict averaging."""
+    torch.manual_seed(seed)
+    global_sd = {k: v.detach().clone() for k, v in StandardCNN(INPUT_SHAPE, NUM_CLASSES).to(device).state_dict().items()}
+    times: List[float] = []
+    loss = float("nan")
+    for r in range(1, warmup + timed + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        clients = sample_clients(w.num_clients, w.participation, "fixed", seed, r)
+        total = sum(data.size(int(c)) for c in clients)
+        new_sd = {k: torch.zeros_like(v) for k, v in global_sd.items()}
+        losses = []
+        for c in clients:
+            model = StandardCNN(INPUT_SHAPE, NUM_CLASSES).to(device)
+            model.load_state_dict(global_sd)
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            idx = data.indices[int(c)]
+            n = idx.numel()
+            loss_sum = torch.zeros((), device=device)
+            steps = 0
+            for _ in range(w.local_epochs):
+                perm = torch.randperm(n, device=device)
+                for s in range(0, n, w.batch_size):
+                    b = idx[perm[s:s + w.batch_size]]
+                    out = F.cross_entropy(model(data.x[b]), data.y[b])
+                    opt.zero_grad()
+                    out.backward()
+                    opt.step()
+                    loss_sum += out.detach()
+                    steps += 1
+            losses.append(float(loss_sum) / steps)  # one host sync per client, as the engine does
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    new_sd[k].add_(v, alpha=n / total)
+        global_sd = new_sd
+        sync(device)
+        dt = time.perf_counter() - t0
+        loss = sum(losses) / len(losses)
+        if r > warmup:
+            times.append(dt)
+        log(f"  {w.name} naive round {r}: {1e3 * dt:.1f} ms{' (warm-up)' if r <= warmup else ''}, "
+            f"train_loss {loss:.4f}")
+    ms = _median_ms(times)
+    return Row(w.name, "naive", device.type, ms, ms, spread=_spread(times))
+
+
+class _Tracking:
+    """A lazily created MLflow Tracking on a temporary SQLite store (never the project's store)."""
+
+    def __init__(self):
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        self._tracking = None
+        self._saved_uri: Optional[str] = None
+
+    def get(self):
+        if self._tracking is None:
+            from fl_core.tracking import Tracking
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="round_speed_mlflow_")
+            self._saved_uri = os.environ.pop("MLFLOW_TRACKING_URI", None)  # force the temporary store
+            self._tracking = Tracking("round-speed-benchmark", root=Path(self._tmp.name))
+            log(f"  MLflow store: {self._tracking.uri}")
+        return self._tracking
+
+    def close(self) -> None:
+        if self._saved_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = self._saved_uri
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: ClientData, device: torch.device,
+                 warmup: int, timed: int, seed: int, tracking: _Tracking, extra: Sequence[str]) -> Row:
+    rounds = warmup + timed + 1  # the last round always evaluates: run it, do not time it
+    try:
+        cfg = compose(overrides(w, name, device, rounds, seed, extra))
+    except ConfigError as err:
+        return Row(w.name, name, device.type, note=f"skipped: config rejects it ({err})")
+    stamps: Dict[int, float] = {}
+
+    def on_round(r: int, row: Dict[str, float]) -> None:
+        stamps[r] = time.perf_counter()
+        kind = "warm-up" if r <= warmup else "timed" if r <= warmup + timed else "untimed, evaluates"
+        log(f"  {w.name} {name} round {r}: {1e3 * row['round_time_s']:.1f} ms ({kind}), "
+            f"train_loss {row['train_loss']:.4f}")
+
+    torch.manual_seed(seed)
+    try:
+        sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=[on_round])
+    except KeyError as err:  # config accepts the name but the registry does not have it (yet)
+        return Row(w.name, name, device.type, note=f"skipped: no executor registered as {err}")
+    except ValueError as err:  # the executor refuses this model/algorithm
+        return Row(w.name, name, device.type, note=f"skipped: {err}")
+    logger = tracking.get().child_logger(None, f"{w.name}/{name}", {"benchmark": "round_speed"},
+                                         {"workload": w.name, "executor": name, "device": device.type},
+                                         log_every=1)
+    sim.logger = logger
+    try:
+        result = sim.run()
+    except BaseException:
+        logger.close("KILLED", "benchmark interrupted")
+        raise
+    logger.close("FINISHED")
+    timed_rows = [h for h in result.history if warmup < h["round"] <= warmup + timed]
+    assert all("test_acc" not in h for h in timed_rows), "a timed round evaluated"
+    times = [h["round_time_s"] for h in timed_rows]
+    walls = [stamps[r] - stamps[r - 1] for r in range(warmup + 1, warmup + timed + 1) if r - 1 in stamps]
+    del sim, result
+    return Row(w.name, name, device.type, _median_ms(times), _median_ms(walls), spread=_spread(times))
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _fmt_ms(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd_flop: int, peak_tflops: float,
+           warmup: int, timed: int, elapsed_s: float) -> str:
+    threads = torch.get_num_threads()
+    date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines = [
+        f"Round speed: torch {torch.__version__}, {device_name(device)} ({device.type}), "
+        f"{threads} threads, {date}",
+        "",
+        "| workload | executor | device | ms/round (median) | wall ms/round (median) | speed-up vs naive "
+        "| FLOP-floor fraction |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    by_w = {w.name: w for w in workloads}
+    notes: List[str] = []
+    for r in rows:
+        naive = next((x for x in rows if x.workload == r.workload and x.executor == "naive"), None)
+        speed = "n/a"
+        if r.ms is not None and naive is not None and naive.ms is not None:
+            speed = f"{naive.ms / r.ms:.2f}x"
+        frac = "n/a"
+        if r.ms is not None and device.type == "cuda":
+            floor_ms = 1e3 * 3 * fwd_flop * by_w[r.workload].samples_per_round / (peak_tflops * 1e12)
+            frac = f"{floor_ms / r.ms:.3f}"
+        ms = _fmt_ms(r.ms)
+        if r.note:
+            notes.append(r.note)
+            ms = f"{r.note.split(':')[0]} [{len(notes)}]"
+        lines.append(f"| {r.workload} | {r.executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {speed} | {frac} |")
+    lines.append("")
+    for w in workloads:
+        flop = 3 * fwd_flop * w.samples_per_round
+        floor = f", floor {1e3 * flop / (peak_tflops * 1e12):.2f} ms at {peak_tflops:g} TFLOP/s" if device.type == "cuda" else ""
+        lines.append(f"- {w.name}: {w.describe()}; {flop / 1e9:.1f} GFLOP per round{floor}; standard CNN, "
+                     f"FedAvg, IID, fixed sampler, lr {LR}.")
+    lines += [
+        f"- Median over {timed} timed rounds after {warmup} warm-up round(s). Executors: `round_time_s` of the "
+        "history (sampling, training, aggregation). Wall: time between consecutive round ends, i.e. also "
+        "MLflow logging (temporary SQLite store, flushed every round) and loop overhead. Naive: "
+        "`perf_counter` around the whole round" + (" with `torch.cuda.synchronize()`." if device.type == "cuda" else "."),
+        f"- No evaluation in timed rounds: `train.eval_every` > rounds; the executors' extra last round "
+        f"(always evaluated, on a {TEST_SAMPLES}-sample test set) is not timed. The naive loop does no evaluation.",
+        f"- Speed-up: naive ms / row ms, same run. FLOP floor: 3 x forward FLOP ({fwd_flop / 1e6:.2f} MFLOP/sample, "
+        f"conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out, biases/ReLU/pooling excluded) x samples per round, "
+        f"at an assumed peak of {peak_tflops:g} TFLOP/s (`--peak-tflops`; H200: ~67 fp32, ~990 bf16 dense); "
+        "fraction = floor time / measured time (`n/a` on CPU). The issue's 80.6 MFLOP/sample/step is "
+        f"3 x forward minus conv1's input gradient ({(3 * fwd_flop - _conv1_dgrad()) / 1e6:.1f}).",
+        f"- Data: random uint8 CIFAR-shaped images (not CIFAR-10), normalised with CIFAR-10 mean/std. "
+        f"Total benchmark time {elapsed_s:.0f} s.",
+    ]
+    for i, n in enumerate(notes, start=1):
+        lines.append(f"- [{i}] {n}")
+    return "\n".join(lines) + "\n"
+
+
+def _conv1_dgrad() -> int:
+    """FLOP of conv1's input gradient (not needed in training: the input is data)."""
+    m = StandardCNN(INPUT_SHAPE, NUM_CLASSES).conv1
+    k = m.kernel_size[0] * m.kernel_size[1]
+    hout = INPUT_SHAPE[1] - m.kernel_size[0] + 1
+    return 2 * k * m.in_channels * m.out_channels * hout * hout
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Milliseconds per federated round of the standard CNN: a naive per-client loop vs the "
+                    "engine's executors (MLflow logging on), on CIFAR-shaped random data.")
+    p.add_argument("--quick", action="store_true",
+                   help="W1 only (unless --workloads), 5 timed rounds after 1 warm-up (a few minutes on 2 CPU cores)")
+    p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"), help="where to train (default: auto = cuda if available)")
+    p.add_argument("--workloads", default=None, help="comma-separated subset of W1,W2 (default: W1,W2; --quick: W1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
+    p.add_argument("--executors", default=",".join(EXECUTOR_ROWS),
+                   help="comma-separated rows: naive and engine executors (engine.executor values) (default: naive,sequential,vectorized)")
+    p.add_argument("--max-parallel-clients", type=int, default=None,
+                   help="engine.max_parallel_clients for the vectorized executor (default: the config's)")
+    p.add_argument("--peak-tflops", type=float, default=60.0, help="assumed device peak in TFLOP/s for the FLOP-floor column (default: 60)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="data, partition, model and sampling seed (default: 0)")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    args = p.parse_args(argv)
+    args.workloads = args.workloads or ("W1" if args.quick else "W1,W2")
+    args.rounds = args.rounds if args.rounds is not None else (5 if args.quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be >= 1 and --warmup >= 0")
+    names = [s.strip() for s in args.workloads.split(",") if s.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        p.error(f"--workloads: unknown {bad or names}; choose from {', '.join(WORKLOADS)}")
+    args.workload_list = [WORKLOADS[n] for n in names]
+    args.executor_list = [s.strip() for s in args.executors.split(",") if s.strip()]
+    if not args.executor_list:
+        p.error("--executors is empty")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    fwd = forward_flops(None, INPUT_SHAPE)
+    log(f"device {device} ({device_name(device)}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"forward {fwd / 1e6:.2f} MFLOP/sample")
+    t_start = time.perf_counter()
+    tracking = _Tracking()
+    rows: List[Row] = []
+    try:
+        for w in args.workload_list:
+            log(f"{w.name}: {w.describe()}")
+            ds = make_dataset(w, args.seed)
+            part = make_partition(w, ds, args.seed)
+            data = client_data(ds, part, device)  # shared by every row of the workload
+            for name in args.executor_list:
+                if name == "naive":
+                    row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
+                else:
+                    extra = []
+                    if name == "vectorized" and args.max_parallel_clients is not None:
+                        extra.append(f"engine.max_parallel_clients={args.max_parallel_clients}")
+                    row = run_executor(name, w, ds, part, data, device, args.warmup, args.rounds, args.seed,
+                                       tracking, extra)
+                if row.note:
+                    log(f"  {w.name} {name}: {row.note}")
+                else:
+                    log(f"  {w.name} {name}: median {row.ms:.1f} ms/round ({row.spread})")
+                rows.append(row)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del ds, part, data
+            gc.collect()
+    finally:
+        tracking.close()
+    table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
+                   time.perf_counter() - t_start)
+    print(table, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
