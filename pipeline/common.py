@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 from fl_core.data import FLDataset, Partition, get_dataset, get_partition, load_source, make_partition
 from fl_core.data.partition import partition_key
 from fl_core.data.sources import prepared_path
-from fl_core.paths import project_root
+
+from .files import atomic_write, write_json, write_text  # noqa: F401  (re-exported)
 
 
 def dataset_for(cfg, *, write_cache: bool) -> FLDataset:
@@ -54,28 +51,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"engine.device={name} but no CUDA device is available (use cpu or auto)")
     return torch.device(name)
-
-
-def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda p: p.write_text(text))
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def fail(message: str, code: int = 2) -> "None":

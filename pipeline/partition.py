@@ -8,26 +8,18 @@ client) and ``labels_per_client.png``. The same partition seed gives the same pa
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import List, Optional
 
-from fl_core.config import ConfigError
 from fl_core.data.partition import partition_key
 
 from .common import dataset_for, fail, partition_for
-from .prepare import grid_configs
+from .prepare import stage_configs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
+    cfgs = stage_configs(argv, __doc__)
+    if cfgs is None:
         return 0
-    params = Path(argv[argv.index("--params") + 1]) if "--params" in argv else Path("params.yaml")
-    try:
-        cfgs = grid_configs(params)
-    except ConfigError as err:
-        fail(str(err))
     seen = set()
     for cfg in cfgs:
         key = partition_key(cfg.partition, cfg.dataset.name)

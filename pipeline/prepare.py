@@ -22,16 +22,30 @@ def grid_configs(params: Path) -> list:
     return [grid.compose_all(name)[0] for name in grid.experiments]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def stage_configs(argv: Optional[List[str]], doc: str) -> Optional[list]:
+    """Parse ``[--params FILE] [--help]`` of a data stage; the grid's configs, or None after --help.
+
+    Exits with a one-line error (status 2) on a bad grid."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    params = Path(argv[argv.index("--params") + 1]) if "--params" in argv else Path("params.yaml")
+        print(doc)
+        return None
+    params = Path("params.yaml")
+    if "--params" in argv:
+        i = argv.index("--params")
+        if i + 1 >= len(argv):
+            fail("--params needs a file")
+        params = Path(argv[i + 1])
     try:
-        cfgs = grid_configs(params)
+        return grid_configs(params)
     except ConfigError as err:
         fail(str(err))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    cfgs = stage_configs(argv, __doc__)
+    if cfgs is None:
+        return 0
     seen = set()
     for cfg in cfgs:
         key = (cfg.dataset.name, cfg.data_dir)

@@ -23,19 +23,18 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
 
 from fl_core.config import ConfigError
 
+from .files import atomic_write, write_text
 from .grid import Grid, load_grid
 
 DASH = "\u2014"
@@ -512,25 +511,7 @@ def plot_curves(exps: List[Experiment], path: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("Test accuracy (mean over seeds, min\u2013max band) and training loss (mean) per round")
     fig.tight_layout()
-    _atomic(path, lambda p: fig.savefig(p, dpi=100, format="png"))
-
-
-def _atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -567,8 +548,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
-    _write_text(out.parent / "summary.csv", summary_csv(done))
-    _write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
+    write_text(out.parent / "summary.csv", summary_csv(done))
+    write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
                                   curves_name=curves.name))
     missing = len(exps) - len(done)
     print(f"report: {out} ({len(done)} experiment(s)" + (f", {missing} missing" if missing else "") + ")")

@@ -57,10 +57,11 @@ class ClientData:
         return int(self.indices[client_id].numel())
 
 
-class SequentialExecutor:
-    """Trains clients one after another with a plain module and torch.optim.SGD (the reference)."""
+class Executor:
+    """What every executor shares: the model, the algorithm stack, the data and the local-step settings."""
 
-    name = "sequential"
+    name = "executor"
+    reason = ""  # why this executor was chosen (set by the factory, logged as an MLflow tag)
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0):
@@ -73,6 +74,23 @@ class SequentialExecutor:
         self.grad_clip = grad_clip
         self.seed = seed
 
+    def client_context(self, rctx: RoundContext, cid: int, store: ClientStateStore) -> ClientContext:
+        """Client ``cid``'s context for the round, with its stored state (or the algorithm's initial one)."""
+        n_i = self.data.size(cid)
+        return ClientContext(round=rctx, client_id=int(cid), num_samples=n_i,
+                             num_steps=local_steps(n_i, self.batch_size, self.local_epochs),
+                             label_counts=self.data.label_counts[cid],
+                             state=store.get(int(cid), lambda: self.algo.init_client_state(rctx.global_flat)))
+
+    def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
+        raise NotImplementedError
+
+
+class SequentialExecutor(Executor):
+    """Trains clients one after another with a plain module and torch.optim.SGD (the reference)."""
+
+    name = "sequential"
+
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         """Train every client in ``client_ids`` from ``rctx.global_flat`` and return their updates.
 
@@ -81,11 +99,7 @@ class SequentialExecutor:
         """
         updates = []
         for cid in client_ids:
-            n_i = self.data.size(cid)
-            ctx = ClientContext(round=rctx, client_id=int(cid), num_samples=n_i,
-                                num_steps=local_steps(n_i, self.batch_size, self.local_epochs),
-                                label_counts=self.data.label_counts[cid],
-                                state=store.get(int(cid), lambda: self.algo.init_client_state(rctx.global_flat)))
+            ctx = self.client_context(rctx, cid, store)
             update = self._train_client(ctx)
             update = self.algo.finish_client(ctx, update)
             store.put(int(cid), ctx.state)
@@ -146,7 +160,7 @@ class _FeatureForward(torch.nn.Module):
         return self.model.forward_features(x)
 
 
-class VectorizedExecutor:
+class VectorizedExecutor(Executor):
     """Trains the sampled clients of a round together: one ``torch.func.vmap``'ed grad step per local step.
 
     The clients' parameters are stacked ``[C, ...]``. Every local step k gathers each client's
@@ -171,14 +185,8 @@ class VectorizedExecutor:
                              "sequentially (use engine.executor=sequential or auto)")
         if any(True for _ in model.buffers()):
             raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
-        self.model = model
-        self.algo = algorithm
-        self.data = data
-        self.batch_size = batch_size
-        self.local_epochs = local_epochs
-        self.weight_decay = weight_decay
-        self.grad_clip = grad_clip
-        self.seed = seed
+        super().__init__(model, algorithm, data, batch_size=batch_size, local_epochs=local_epochs,
+                         weight_decay=weight_decay, grad_clip=grad_clip, seed=seed)
         self.max_parallel_clients = max_parallel_clients
         self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
@@ -220,11 +228,7 @@ class VectorizedExecutor:
 
     def _train_chunk(self, rctx: RoundContext, ids: List[int], store: ClientStateStore) -> List[ClientUpdate]:
         data, algo, dev = self.data, self.algo, self.data.x.device
-        ctxs = [ClientContext(round=rctx, client_id=cid, num_samples=data.size(cid),
-                              num_steps=local_steps(data.size(cid), self.batch_size, self.local_epochs),
-                              label_counts=data.label_counts[cid],
-                              state=store.get(cid, lambda: algo.init_client_state(rctx.global_flat)))
-                for cid in ids]
+        ctxs = [self.client_context(rctx, cid, store) for cid in ids]
         C = len(ctxs)
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}

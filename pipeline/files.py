@@ -1,0 +1,34 @@
+"""Atomic file writes (torch-free, so light stages such as the report import it cheaply)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
+
+    A crash midway leaves the previous ``path`` intact (no half-written outputs).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
