@@ -29,6 +29,7 @@ WRAPPERS = ("fedbug",)
 AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto")
 FEDBUG_SCHEDULES = ("paper", "code")
+AUGMENTATIONS = ("none", "crop_flip", "fedbug")
 
 
 @dataclass
@@ -97,6 +98,8 @@ class TrainConfig:
     lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
     weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters
     grad_clip: Optional[float] = None  # max global grad norm over trainable params; None = off
+    augmentation: str = "none"  # none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5)
+    crop_padding: int = 4  # zero padding of the random crop, pixels
     eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
     target_acc: float = 0.9  # report: rounds to reach this test accuracy
 
@@ -192,6 +195,8 @@ def validate(cfg: Any) -> None:
     _range("train.weight_decay", t.weight_decay, 0)
     if t.grad_clip is not None:
         _range("train.grad_clip", t.grad_clip, 0, lo_open=True)
+    _choice("train.augmentation", t.augmentation, AUGMENTATIONS)
+    _range("train.crop_padding", t.crop_padding, 0)
     _range("train.eval_every", t.eval_every, 1)
     _range("train.target_acc", t.target_acc, 0, 1)
     _choice("engine.executor", e.executor, EXECUTORS)

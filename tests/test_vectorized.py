@@ -30,6 +30,8 @@ STACKS = {
     "fedbug_fedavg": ["algorithm=fedbug", "algorithm.fedbug.gu_percentage=0.5"],
     "fedbug_fedprox": ["algorithm=fedbug", "algorithm.name=fedprox", "algorithm.fedprox.mu=0.1",
                        "algorithm.fedbug.gu_percentage=0.4", "train.weight_decay=0.01", "train.grad_clip=1.0"],
+    "fedavg_crop_flip": ["algorithm=fedavg", "train.augmentation=crop_flip", "train.crop_padding=2"],
+    "fedbug_fedbug_augmentation": ["algorithm=fedbug", "train.augmentation=fedbug", "train.crop_padding=2"],
     "fedbug_code_schedule": ["algorithm=fedbug", "algorithm.fedbug.schedule=code",
                              "algorithm.fedbug.gu_percentage=0.8"],
 }

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms.base import Algorithm, ClientContext, ClientUpdate, RoundContext
+from ..data import augment
 from ..seeding import torch_generator
 from .state import ClientStateStore, flatten_params, load_flat
 
@@ -64,7 +65,12 @@ class Executor:
     reason = ""  # why this executor was chosen (set by the factory, logged as an MLflow tag)
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
-                 local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0):
+                 local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
+                 augmentation: str = "none", crop_padding: int = 4):
+        if augmentation not in augment.MODES:
+            raise ValueError(f"train.augmentation must be one of {', '.join(augment.MODES)}, got {augmentation!r}")
+        self.augmentation = augmentation
+        self.crop_padding = crop_padding
         self.model = model
         self.algo = algorithm
         self.data = data
@@ -84,6 +90,12 @@ class Executor:
 
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         raise NotImplementedError
+
+    def augment_params(self, rctx: RoundContext, cid: int, k: int) -> Optional[augment.AugmentParams]:
+        """Augmentation draws of client ``cid``'s k-th local step (1-indexed), or None without augmentation."""
+        if self.augmentation == "none":
+            return None
+        return augment.draw(self.augmentation, self.batch_size, self.crop_padding, self.seed, rctx.round, cid, k)
 
 
 class SequentialExecutor(Executor):
@@ -124,6 +136,9 @@ class SequentialExecutor(Executor):
                 p.requires_grad_(True if mask is None else bool(mask[j]))
             b = idx[pos.to(idx.device)]
             x, y = data.x[b], data.y[b]
+            aug = self.augment_params(rctx, ctx.client_id, k)
+            if aug is not None:
+                x = augment.apply(x, aug, self.crop_padding)
             logits, feats = model.forward_features(x)
             loss = F.cross_entropy(logits, y)
             extra = algo.local_loss(ctx, params, logits, feats, y)
@@ -179,14 +194,15 @@ class VectorizedExecutor(Executor):
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 max_parallel_clients: int = 0):
+                 augmentation: str = "none", crop_padding: int = 4, max_parallel_clients: int = 0):
         if not algorithm.vectorizable:
             raise ValueError(f"engine.executor=vectorized: {algorithm.describe()} has hooks that only run "
                              "sequentially (use engine.executor=sequential or auto)")
         if any(True for _ in model.buffers()):
             raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
         super().__init__(model, algorithm, data, batch_size=batch_size, local_epochs=local_epochs,
-                         weight_decay=weight_decay, grad_clip=grad_clip, seed=seed)
+                         weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, augmentation=augmentation,
+                         crop_padding=crop_padding)
         self.max_parallel_clients = max_parallel_clients
         self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
@@ -243,7 +259,10 @@ class VectorizedExecutor(Executor):
         loss_sum = torch.zeros(C, device=dev)
         for k in range(kmax):
             b = pos[:, k]
-            x, y = data.x[b], data.y[b]
+            x, y = data.x[b], data.y[b]  # [C, B, ...]
+            if self.augmentation != "none":
+                aug = augment.stack([self.augment_params(rctx, ctx.client_id, k + 1) for ctx in ctxs])
+                x = augment.apply(x, aug, self.crop_padding)
             grads, loss = self._grad_fn(params, x, y, w[:, k], label_counts, state, rctx)
             active = k < steps  # [C]
             masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]

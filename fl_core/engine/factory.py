@@ -57,7 +57,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     t = cfg.train
     name, reason = choose_executor(cfg.engine.executor, algo, model, device)
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
-                  grad_clip=t.grad_clip, seed=int(cfg.seed))
+                  grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
+                  crop_padding=t.crop_padding)
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
