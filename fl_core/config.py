@@ -19,16 +19,19 @@ class ConfigError(ValueError):
     """A configuration value is out of range or not one of the allowed choices."""
 
 
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist")
-MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg")
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet")
+MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34")
 PARTITIONS = ("iid", "dirichlet", "shards")
 DIRICHLET_VARIANTS = ("per_client", "per_class")
 SAMPLERS = ("bernoulli", "fixed")
-BASE_ALGORITHMS = ("fedavg", "fedprox")
+BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr")
 WRAPPERS = ("fedbug",)
 AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto")
 FEDBUG_SCHEDULES = ("paper", "code")
+FEDBUG_STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
+FEDEXP_VARIANTS = ("official", "fedbug_code")
+FEDDYN_EVAL = ("sel", "cloud")
 AUGMENTATIONS = ("none", "crop_flip", "fedbug")
 
 
@@ -60,8 +63,10 @@ class PartitionConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "auto"  # auto: small_cnn for digits, mcmahan_cnn for (f)mnist, std_cnn for CIFAR
+    name: str = "auto"  # auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn (Tiny-ImageNet)
     hidden: int = 200  # mlp width
+    units: str = "default"  # FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6
+    norm_groups: int = 2  # ResNets: GroupNorm(norm_groups, C) in place of BatchNorm
 
 
 @dataclass
@@ -73,6 +78,27 @@ class FedProxConfig:
 class FedBugConfig:
     gu_percentage: float = 0.2  # P: share of the local steps spent on gradual unfreezing, in [0, 1]
     schedule: str = "paper"  # paper: m(k)=min(M, ceil(kM/(PK))) | code: period floor(PK/M)
+    strategy: str = "bottom_up"  # bottom_up (FedBug) | ablations: top_down, fixed_last (FedBABU), fixed_last_two
+
+
+@dataclass
+class FedDynConfig:
+    alpha: float = 0.01  # FedDyn regulariser alpha (Acar et al.; FedBug uses 0.01)
+    adaptive_alpha: bool = True  # alpha_i = alpha / w_i with w_i = n_i / mean_j n_j (Acar/FedBug code)
+    eval_model: str = "sel"  # sel: mean of the active clients' models (FedBug/Acar logs) | cloud: broadcast model
+
+
+@dataclass
+class FedExPConfig:
+    variant: str = "official"  # official (Jhunjhunwala et al.) | fedbug_code (FedBug's implementation)
+    eps: float = 1e-3  # epsilon of the step size; 0.1 for EMNIST in the paper
+    eps_decay: float = 0.998  # eps <- eps * eps_decay**2 after every round
+    average_last_two: bool = True  # evaluate (x_t + x_{t+1}) / 2 (official only)
+
+
+@dataclass
+class FedDecorrConfig:
+    beta: float = 0.01  # weight of the decorrelation loss (FedBug paper 0.01, FedBug code 0.001)
 
 
 @dataclass
@@ -84,6 +110,9 @@ class AlgorithmConfig:
     aggregation: str = "weighted"  # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S|
     eta_g: float = 1.0  # server learning rate
     fedprox: FedProxConfig = field(default_factory=FedProxConfig)
+    feddyn: FedDynConfig = field(default_factory=FedDynConfig)
+    fedexp: FedExPConfig = field(default_factory=FedExPConfig)
+    feddecorr: FedDecorrConfig = field(default_factory=FedDecorrConfig)
     fedbug: FedBugConfig = field(default_factory=FedBugConfig)
 
 
@@ -177,6 +206,7 @@ def validate(cfg: Any) -> None:
     _range("partition.size_sigma", p.size_sigma, 0)
     _choice("model.name", m.name, MODELS)
     _range("model.hidden", m.hidden, 1)
+    _range("model.norm_groups", m.norm_groups, 1)
     _choice("algorithm.name", a.name, BASE_ALGORITHMS)
     for i, w in enumerate(a.wrappers):
         _choice(f"algorithm.wrappers[{i}]", w, WRAPPERS)
@@ -185,6 +215,13 @@ def validate(cfg: Any) -> None:
     _range("algorithm.fedprox.mu", a.fedprox.mu, 0)
     _range("algorithm.fedbug.gu_percentage", a.fedbug.gu_percentage, 0, 1)
     _choice("algorithm.fedbug.schedule", a.fedbug.schedule, FEDBUG_SCHEDULES)
+    _choice("algorithm.fedbug.strategy", a.fedbug.strategy, FEDBUG_STRATEGIES)
+    _range("algorithm.feddyn.alpha", a.feddyn.alpha, 0, lo_open=True)
+    _choice("algorithm.feddyn.eval_model", a.feddyn.eval_model, FEDDYN_EVAL)
+    _choice("algorithm.fedexp.variant", a.fedexp.variant, FEDEXP_VARIANTS)
+    _range("algorithm.fedexp.eps", a.fedexp.eps, 0)
+    _range("algorithm.fedexp.eps_decay", a.fedexp.eps_decay, 0, 1, lo_open=True)
+    _range("algorithm.feddecorr.beta", a.feddecorr.beta, 0)
     _range("train.rounds", t.rounds, 1)
     _range("train.participation", t.participation, 0, 1, lo_open=True)
     _choice("train.sampler", t.sampler, SAMPLERS)
