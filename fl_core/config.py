@@ -138,6 +138,7 @@ class EngineConfig:
     executor: str = "sequential"  # sequential (reference) | vectorized (torch.func) | auto
     max_parallel_clients: int = 0  # vectorized: clients trained at once (0 = all sampled clients)
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    dtype: str = "float32"  # float32 | float64 (slow; for numerical checks)
     checkpoint_every: int = 10  # rounds; 0 = never
     checkpoint_dir: str = "checkpoints"
     eval_batch_size: int = 1024
@@ -239,6 +240,7 @@ def validate(cfg: Any) -> None:
     _choice("engine.executor", e.executor, EXECUTORS)
     if not (e.device in ("cpu", "cuda", "auto") or str(e.device).startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {e.device!r}")
+    _choice("engine.dtype", e.dtype, ("float32", "float64"))
     _range("engine.checkpoint_every", e.checkpoint_every, 0)
     _range("engine.max_parallel_clients", e.max_parallel_clients, 0)
     _range("engine.eval_batch_size", e.eval_batch_size, 1)

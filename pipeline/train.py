@@ -32,7 +32,7 @@ import torch
 
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.data.partition import partition_key, plot_label_distribution
-from fl_core.engine.factory import build_simulator, client_data
+from fl_core.engine.factory import DTYPES, build_simulator, client_data
 from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run
 from fl_core.models import resolve_model_name
@@ -179,7 +179,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     device = resolve_device(cfg0.engine.device)
     ds = dataset_for(cfg0, write_cache=False)
     part = partition_for(cfg0, ds, write_cache=False)
-    data = client_data(ds, part, device)
+    data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
     model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
 
     # files that describe the experiment (written before training; the run itself adds the rest)

@@ -32,6 +32,12 @@ STACKS = {
                        "algorithm.fedbug.gu_percentage=0.4", "train.weight_decay=0.01", "train.grad_clip=1.0"],
     "fedavg_crop_flip": ["algorithm=fedavg", "train.augmentation=crop_flip", "train.crop_padding=2"],
     "fedbug_fedbug_augmentation": ["algorithm=fedbug", "train.augmentation=fedbug", "train.crop_padding=2"],
+    "feddyn": ["algorithm=feddyn", "algorithm.feddyn.alpha=0.1"],
+    "fedbug_feddyn": ["algorithm=fedbug", "algorithm.name=feddyn", "algorithm.feddyn.alpha=0.1",
+                      "train.weight_decay=0.001"],
+    "fedbug_fedexp": ["algorithm=fedbug", "algorithm.name=fedexp"],
+    "fedbug_top_down": ["algorithm=fedbug", "algorithm.fedbug.strategy=top_down"],
+    "fedbug_fixed_last_two": ["algorithm=fedbug", "algorithm.fedbug.strategy=fixed_last_two"],
     "fedbug_code_schedule": ["algorithm=fedbug", "algorithm.fedbug.schedule=code",
                              "algorithm.fedbug.gu_percentage=0.8"],
 }
@@ -63,6 +69,23 @@ def test_vectorized_matches_sequential_on_the_cnn(digits, stack):
     _, vec = run_sim(digits, *ov, "engine.executor=vectorized")
     diff = (seq.final_flat - vec.final_flat).abs().max().item()
     assert diff < ATOL, f"max |seq - vec| = {diff}"
+
+
+@pytest.mark.parametrize("stack", [["algorithm=feddecorr", "algorithm.feddecorr.beta=0.1"],
+                                   ["algorithm=fedbug", "algorithm.name=feddecorr", "algorithm.feddecorr.beta=0.1"]])
+def test_feddecorr_executors_match_in_float64(digits, stack):
+    """FedDecorr is compared over one round in float64. For a feature with a tiny spread in a small batch
+    (here the 2-sample tail batch of a client) the z-score (d/2)/sqrt(d^2/2 + 1e-8) has a slope of ~1e4,
+    so the method itself magnifies any difference: in float64 a 3e-15 gap after the first local step
+    grows to 7e-9 after 16 steps and to 5e-2 after three rounds (0.04 after one round in float32).
+    One round still covers every client, unequal K_i and the padded tail batches."""
+    ov = [o for o in UNEQUAL if not o.startswith("train.rounds")] + stack + ["engine.dtype=float64",
+                                                                             "train.rounds=1"]
+    _, seq = run_sim(digits, *ov, "engine.executor=sequential")
+    _, vec = run_sim(digits, *ov, "engine.executor=vectorized")
+    assert seq.final_flat.dtype == torch.float64
+    diff = (seq.final_flat - vec.final_flat).abs().max().item()
+    assert diff < 1e-6, f"max |seq - vec| = {diff}"
 
 
 def test_unequal_step_counts_really_occur(digits):

@@ -16,7 +16,7 @@ the hooks they change, so FedBug(FedProx) composes without either knowing the ot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,8 @@ class RoundContext:
     lr: float  # eta_l of this round (after lr decay)
     global_flat: torch.Tensor  # [d] broadcast model (read-only)
     spec: ParamSpec
+    num_clients: int = 1  # N, all clients of the federation
+    mean_client_size: float = 1.0  # mean n_j over all N clients
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm broadcast (e.g. SCAFFOLD's c)
 
     def global_params(self) -> Dict[str, torch.Tensor]:
@@ -39,14 +41,21 @@ class RoundContext:
 
 @dataclass
 class ClientContext:
-    """One client's view of the round."""
+    """One client's view of the round.
+
+    In the vectorised executor the hooks that run under ``vmap`` (``local_loss``) see the per-client
+    values ``num_samples``, ``num_steps``, ``label_counts`` and ``state`` as tensors of that client
+    (0-d for the counts) and ``client_id = -1``; ``sample_weight`` [B] then marks padding samples
+    with 0. Write hooks with arithmetic that works for both ints and tensors.
+    """
 
     round: RoundContext
     client_id: int
-    num_samples: int  # n_i
-    num_steps: int  # K_i = E * ceil(n_i / B)
+    num_samples: Any  # n_i (int, or 0-d tensor under vmap)
+    num_steps: Any  # K_i = E * ceil(n_i / B)
     label_counts: Optional[torch.Tensor] = None  # [C] local class counts
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
+    sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
 
 
 @dataclass
@@ -111,6 +120,19 @@ class Algorithm:
         """Floats sent (up, down) per participating client per round (ALGORITHMS.md section 13)."""
         return float(d), float(d)
 
+    def eval_flat(self, server_state: Dict[str, torch.Tensor], global_flat: torch.Tensor) -> torch.Tensor:
+        """The model [d] to evaluate after a round (default: the broadcast global model)."""
+        return global_flat
+
+    def round_metrics(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
+                      updates: List[ClientUpdate]) -> Dict[str, float]:
+        """Extra per-round metrics logged with step = round (e.g. FedExP's eta_g)."""
+        return {}
+
+    def schedule_rows(self, num_steps: Sequence[int]) -> Optional[List[Dict[str, float]]]:
+        """A table describing what the algorithm does over local steps (FedBug: units per step), or None."""
+        return None
+
     def describe(self) -> str:
         return self.name
 
@@ -156,3 +178,12 @@ class Wrapper(Algorithm):
 
     def comm_floats(self, d):
         return self.base.comm_floats(d)
+
+    def eval_flat(self, server_state, global_flat):
+        return self.base.eval_flat(server_state, global_flat)
+
+    def round_metrics(self, rctx, server_state, updates):
+        return self.base.round_metrics(rctx, server_state, updates)
+
+    def schedule_rows(self, num_steps):
+        return self.base.schedule_rows(num_steps)

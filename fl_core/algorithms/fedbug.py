@@ -10,13 +10,19 @@ units 1..m(k) move at local step k (1-indexed, counted across epochs)::
 A frozen unit gets no update at all: no gradient, no weight decay, no base-algorithm correction,
 and it is left out of the gradient-norm clip. P = 0 is exactly the base algorithm.
 Communication is the base algorithm's.
+
+Ablations of FedBug's appendix A.2 (``strategy``): ``top_down`` unfreezes from the output side with
+the same m(k); ``fixed_last`` keeps the last unit frozen for the whole training (FedBABU-style) and
+``fixed_last_two`` the last two units (P plays no role in those two).
+Per round it logs ``fedbug_gu_steps_mean`` (mean number of local steps before every unit trains)
+and ``fedbug_trainable_share`` (mean over clients and steps of m(k)/M).
 """
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from .base import Algorithm, ClientContext, Wrapper
 
@@ -49,25 +55,69 @@ def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float,
 class FedBug(Wrapper):
     name = "fedbug"
 
+    STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
+
     def __init__(self, base: Algorithm, gu_percentage: float, unit_of: List[int], num_units: int,
-                 schedule: str = "paper"):
+                 schedule: str = "paper", strategy: str = "bottom_up"):
         super().__init__(base)
         if not 0.0 <= gu_percentage <= 1.0:
             raise ValueError(f"algorithm.fedbug.gu_percentage must be in [0, 1], got {gu_percentage}")
+        if strategy not in self.STRATEGIES:
+            raise ValueError(f"algorithm.fedbug.strategy must be one of {', '.join(self.STRATEGIES)}, "
+                             f"got {strategy!r}")
+        if strategy == "fixed_last_two" and num_units < 3:
+            raise ValueError(f"algorithm.fedbug.strategy=fixed_last_two needs a model with >= 3 units, got {num_units}")
         self.gu_percentage = float(gu_percentage)
         self.unit_of = list(unit_of)
         self.num_units = int(num_units)
         self.schedule = schedule
+        self.strategy = strategy
 
     def describe(self) -> str:
-        return f"fedbug[P={self.gu_percentage}]({self.base.describe()})"
+        what = f"P={self.gu_percentage:g}" if self.strategy in ("bottom_up", "top_down") else ""
+        tag = what if self.strategy == "bottom_up" else ",".join(x for x in (self.strategy, what) if x)
+        return f"fedbug[{tag}]({self.base.describe()})"
+
+    def trainable_units(self, k: int, num_steps: int) -> range:
+        """Indices of the units that may move at local step k (1-indexed) of K_i = ``num_steps``."""
+        M = self.num_units
+        if self.strategy == "fixed_last":
+            return range(0, M - 1)
+        if self.strategy == "fixed_last_two":
+            return range(0, M - 2)
+        m = unfrozen_units(k, num_steps, M, self.gu_percentage, self.schedule)
+        return range(0, m) if self.strategy == "bottom_up" else range(M - m, M)
 
     def update_mask(self, ctx: ClientContext, k: int) -> Optional[List[bool]]:
         base_mask = self.base.update_mask(ctx, k)
-        if self.gu_percentage == 0.0:
+        if self.gu_percentage == 0.0 and self.strategy in ("bottom_up", "top_down"):
             return base_mask
-        m = unfrozen_units(k, ctx.num_steps, self.num_units, self.gu_percentage, self.schedule)
-        mask = [u < m for u in self.unit_of]
+        units = self.trainable_units(k, int(ctx.num_steps))
+        mask = [u in units for u in self.unit_of]
         if base_mask is not None:
             mask = [a and b for a, b in zip(mask, base_mask)]
         return mask
+
+    def _profile(self, K: int):
+        counts = [len(self.trainable_units(k, K)) for k in range(1, K + 1)]
+        full = next((k for k, c in enumerate(counts, 1) if c == self.num_units), K + 1)
+        return counts, full - 1
+
+    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
+        out = dict(self.base.round_metrics(rctx, server_state, updates))
+        profiles = [self._profile(u.num_steps) for u in updates if u.num_steps > 0]
+        if profiles:
+            out["fedbug_gu_steps_mean"] = sum(p[1] for p in profiles) / len(profiles)
+            out["fedbug_trainable_share"] = (sum(sum(c) / (len(c) * self.num_units) for c, _ in profiles)
+                                             / len(profiles))
+        return out
+
+    def schedule_rows(self, num_steps: Sequence[int]):
+        """Trainable units at every local step for each step count K_i in ``num_steps``."""
+        rows = []
+        for K in sorted(set(int(k) for k in num_steps if k > 0)):
+            for k in range(1, K + 1):
+                units = self.trainable_units(k, K)
+                rows.append({"K_i": K, "step": k, "trainable_units": len(units),
+                             "units": " ".join(str(u + 1) for u in units)})
+        return rows

@@ -83,10 +83,12 @@ class Executor:
     def client_context(self, rctx: RoundContext, cid: int, store: ClientStateStore) -> ClientContext:
         """Client ``cid``'s context for the round, with its stored state (or the algorithm's initial one)."""
         n_i = self.data.size(cid)
+        state = store.get(int(cid), lambda: self.algo.init_client_state(rctx.global_flat))
+        if state is not None:  # the store may live in host memory; compute where the data is
+            state = {k: v.to(self.data.x.device) for k, v in state.items()}
         return ClientContext(round=rctx, client_id=int(cid), num_samples=n_i,
                              num_steps=local_steps(n_i, self.batch_size, self.local_epochs),
-                             label_counts=self.data.label_counts[cid],
-                             state=store.get(int(cid), lambda: self.algo.init_client_state(rctx.global_flat)))
+                             label_counts=self.data.label_counts[cid], state=state)
 
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         raise NotImplementedError
@@ -129,7 +131,7 @@ class SequentialExecutor(Executor):
         idx = data.indices[ctx.client_id]
         batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
                                  self.local_epochs)
-        loss_sum = torch.zeros((), device=data.x.device)
+        loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
         for k, pos in enumerate(batches, start=1):
             mask = algo.update_mask(ctx, k)
             for j, (_, p) in enumerate(named):
@@ -207,14 +209,16 @@ class VectorizedExecutor(Executor):
         self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
         self._cpu_indices = [ix.cpu() for ix in data.indices]
-        self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None))
+        self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
 
-    def _loss(self, params, x, y, w, label_counts, state, rctx):
+    def _loss(self, params, x, y, w, client, rctx):
+        """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks."""
         logits, feats = torch.func.functional_call(self._fwd, {f"model.{n}": p for n, p in params.items()}, (x,))
         ce = F.cross_entropy(logits, y, reduction="none")
         loss = (ce * w).sum() / w.sum().clamp_min(1.0)
-        ctx = ClientContext(round=rctx, client_id=-1, num_samples=-1, num_steps=-1, label_counts=label_counts,
-                            state=state)
+        ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
+                            num_steps=client["num_steps"], label_counts=client["label_counts"],
+                            state=client["state"], sample_weight=w)
         extra = self.algo.local_loss(ctx, params, logits, feats, y)
         total = loss if extra is None else loss + extra
         return total, loss.detach()
@@ -232,7 +236,7 @@ class VectorizedExecutor(Executor):
         C, B = len(ctxs), self.batch_size
         kmax = max(c.num_steps for c in ctxs)
         pos = torch.zeros(C, kmax, B, dtype=torch.long)
-        w = torch.zeros(C, kmax, B)
+        w = torch.zeros(C, kmax, B, dtype=self.data.x.dtype)
         for c, ctx in enumerate(ctxs):
             idx = self._cpu_indices[ctx.client_id]
             batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, B, self.local_epochs)
@@ -249,21 +253,25 @@ class VectorizedExecutor(Executor):
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
         steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
-        label_counts = torch.stack([c.label_counts for c in ctxs])
-        state = ({k: torch.stack([c.state[k] for c in ctxs]) for k in ctxs[0].state}
-                 if ctxs[0].state is not None else {})
+        # per-client values as stacked tensors [C, ...] (vmap hands each client its slice)
+        dtype = data.x.dtype
+        client = {"num_samples": torch.tensor([float(c.num_samples) for c in ctxs], dtype=dtype, device=dev),
+                  "num_steps": steps.to(dtype),
+                  "label_counts": torch.stack([c.label_counts for c in ctxs]),
+                  "state": ({k: torch.stack([c.state[k] for c in ctxs]) for k in ctxs[0].state}
+                            if ctxs[0].state is not None else {})}
         pos, w, kmax = self._schedule(rctx, ctxs)
-        # hooks see per-client values as stacked tensors [C, ...]
-        batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=-1, num_steps=-1,
-                                    label_counts=label_counts, state=state)
-        loss_sum = torch.zeros(C, device=dev)
+        batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
+                                    num_steps=client["num_steps"], label_counts=client["label_counts"],
+                                    state=client["state"])
+        loss_sum = torch.zeros(C, dtype=dtype, device=dev)
         for k in range(kmax):
             b = pos[:, k]
             x, y = data.x[b], data.y[b]  # [C, B, ...]
             if self.augmentation != "none":
                 aug = augment.stack([self.augment_params(rctx, ctx.client_id, k + 1) for ctx in ctxs])
                 x = augment.apply(x, aug, self.crop_padding)
-            grads, loss = self._grad_fn(params, x, y, w[:, k], label_counts, state, rctx)
+            grads, loss = self._grad_fn(params, x, y, w[:, k], client, rctx)
             active = k < steps  # [C]
             masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]
             mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)

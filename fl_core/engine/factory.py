@@ -14,9 +14,12 @@ from .simulator import RunLogger, Simulator
 from .state import ParamSpec
 
 
-def client_data(ds, partition, device: torch.device) -> ClientData:
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def client_data(ds, partition, device: torch.device, dtype: torch.dtype = torch.float32) -> ClientData:
     """Normalised training tensors of ``ds`` on ``device`` with ``partition``'s client index arrays."""
-    return ClientData(ds.normalize(ds.x_train).to(device), ds.y_train.to(device), partition.client_indices,
+    return ClientData(ds.normalize(ds.x_train).to(device, dtype), ds.y_train.to(device), partition.client_indices,
                       ds.num_classes)
 
 
@@ -51,8 +54,9 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
         data: pre-built :class:`ClientData` to share across seeds (else built here).
         logger, checkpoint_path, callbacks: passed to the simulator.
     """
-    data = data or client_data(ds, partition, device)
-    model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device)
+    dtype = DTYPES[cfg.engine.dtype]
+    data = data or client_data(ds, partition, device, dtype)
+    model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
     algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model))
     t = cfg.train
     name, reason = choose_executor(cfg.engine.executor, algo, model, device)
@@ -64,7 +68,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     executor = EXECUTORS[name](model, algo, data, **kwargs)
     executor.reason = reason
     return Simulator(model=model, algorithm=algo, executor=executor,
-                     x_test=ds.normalize(ds.x_test).to(device), y_test=ds.y_test.to(device),
+                     x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
                      rounds=t.rounds, lr=t.lr, lr_decay=t.lr_decay, eval_every=t.eval_every,
                      eval_batch_size=cfg.engine.eval_batch_size, seed=int(cfg.seed),

@@ -64,7 +64,7 @@ class RunFailed(RuntimeError):
 @dataclass
 class RunResult:
     history: List[Dict[str, float]]  # one row per round: round, test_acc, test_loss, train_loss, ...
-    final_flat: torch.Tensor  # [d] final global model
+    final_flat: torch.Tensor  # [d] final model as evaluated (algo.eval_flat: the global model for most rules)
     state_dict: Dict[str, torch.Tensor]
     resumed_from: int = 0  # round of the checkpoint the run resumed from (0: fresh)
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -128,6 +128,8 @@ class Simulator:
         self.callbacks = list(callbacks or [])
         self.spec = ParamSpec.from_model(model)
         self.device = next(model.parameters()).device
+        data = getattr(executor, "data", None)
+        self.mean_client_size = (sum(data.size(i) for i in range(num_clients)) / num_clients) if data else 1.0
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self) -> dict:
@@ -180,7 +182,8 @@ class Simulator:
                 t0 = time.perf_counter()
                 lr = self.lr * self.lr_decay ** (r - 1)
                 clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
-                rctx = RoundContext(round=r, lr=lr, global_flat=st["global"], spec=self.spec)
+                rctx = RoundContext(round=r, lr=lr, global_flat=st["global"], spec=self.spec,
+                                    num_clients=self.num_clients, mean_client_size=self.mean_client_size)
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
                 st["comm_up"] += up
@@ -191,8 +194,9 @@ class Simulator:
                     "lr": lr, "num_clients": len(updates),
                     "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
                 }
+                row.update(self.algo.round_metrics(rctx, st["server"], updates))
                 if r % self.eval_every == 0 or r == self.rounds:
-                    load_flat(self.model, st["global"])
+                    load_flat(self.model, self.algo.eval_flat(st["server"], st["global"]))
                     row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size))
                     if not math.isfinite(row["test_loss"]):
                         raise NonFiniteLossError(f"non-finite test loss in round {r}")
@@ -212,8 +216,9 @@ class Simulator:
                 self.checkpoint_path.unlink()
             raise RunFailed(str(err)) from None
         self.logger.flush()
-        load_flat(self.model, st["global"])
-        result = RunResult(st["history"], st["global"].detach().cpu().clone(),
+        final = self.algo.eval_flat(st["server"], st["global"])
+        load_flat(self.model, final)
+        result = RunResult(st["history"], final.detach().cpu().clone(),
                            {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                            resumed_from=resumed_from)
         return result

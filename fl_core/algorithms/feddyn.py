@@ -1,0 +1,71 @@
+"""FedDyn (Acar et al. 2021; ALGORITHMS.md section 4.3).
+
+Client i starts from the broadcast "cloud" model theta and minimises, with its gradient memory
+hist_i = sum over its past rounds of (theta_i - theta) (so g_i = -alpha_i hist_i)::
+
+    L_i(w) + alpha_i <w, hist_i> + (alpha_i / 2) ||w - theta||^2      (gradient: dL + alpha_i (hist_i + w - theta))
+    after training: hist_i <- hist_i + (theta_i - theta)
+
+with alpha_i = alpha / w_i, w_i = n_i / mean_j n_j when ``adaptive_alpha`` (Acar/FedBug code;
+hist_i is not rescaled). Server, with N = all clients and S the active ones::
+
+    h     <- h - (alpha / N) sum_{i in S} (theta_i - theta)
+    sel    = (1/|S|) sum_{i in S} theta_i             (the model FedBug/Acar evaluate, "sel")
+    cloud  = sel - h / alpha                          (broadcast next round)
+
+Communication: d up, d down; state: hist_i (d per client), h (d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Algorithm
+
+
+class FedDyn(Algorithm):
+    name = "feddyn"
+
+    def __init__(self, alpha: float = 0.01, adaptive_alpha: bool = True, eval_model: str = "sel"):
+        if alpha <= 0:
+            raise ValueError(f"algorithm.feddyn.alpha must be > 0, got {alpha}")
+        if eval_model not in ("sel", "cloud"):
+            raise ValueError(f"algorithm.feddyn.eval_model must be sel or cloud, got {eval_model!r}")
+        self.alpha = float(alpha)
+        self.adaptive_alpha = adaptive_alpha
+        self.eval_model = eval_model
+
+    def describe(self) -> str:
+        return f"feddyn[alpha={self.alpha:g}]"
+
+    def client_alpha(self, ctx):
+        """alpha_i = alpha * mean_n / n_i (adaptive) or alpha; works for ints and 0-d tensors."""
+        if not self.adaptive_alpha:
+            return self.alpha
+        return self.alpha * ctx.round.mean_client_size / ctx.num_samples
+
+    def init_server_state(self, global_flat):
+        return {"h": torch.zeros_like(global_flat), "sel": global_flat.clone()}
+
+    def init_client_state(self, global_flat):
+        return {"hist": torch.zeros_like(global_flat)}
+
+    def local_loss(self, ctx, params, logits, features, y):
+        anchor = ctx.round.global_params()
+        hist = ctx.round.spec.views(ctx.state["hist"])
+        lin = sum((p * hist[n]).sum() for n, p in params.items())
+        quad = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
+        return self.client_alpha(ctx) * (lin + 0.5 * quad)
+
+    def finish_client(self, ctx, update):
+        ctx.state["hist"] = ctx.state["hist"] + update.delta
+        return update
+
+    def aggregate(self, rctx, server_state, updates):
+        deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
+        sel = rctx.global_flat + deltas.mean(0)
+        h = server_state["h"] - (self.alpha / rctx.num_clients) * deltas.sum(0)
+        return sel - h / self.alpha, {"h": h, "sel": sel}
+
+    def eval_flat(self, server_state, global_flat):
+        return server_state["sel"] if self.eval_model == "sel" else global_flat

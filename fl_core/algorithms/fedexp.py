@@ -1,0 +1,71 @@
+"""FedExP (Jhunjhunwala et al. 2023; ALGORITHMS.md section 4.6): an adaptive server step size.
+
+Clients train as in FedAvg. With p_i the aggregation weights over S and Delta_bar = sum p_i Delta_i::
+
+    official:     eta_g = max(1, 0.5 * sum_i p_i ||Delta_i||^2 / (||Delta_bar||^2 + |S| eps))
+                  x_{t+1} = x_t + eta_g Delta_bar;   evaluate (x_t + x_{t+1}) / 2 (x_1 after round 1)
+                  eps <- eps * eps_decay^2 after every round
+    fedbug_code:  eta_g = max(1, mean_i ||Delta_i||^2 / (||Delta_bar||^2 + |S|)), uniform mean,
+                  no iterate averaging (FedBug's implementation, section 9 item 7)
+
+eta_g >= 1 always; with one client eta_g = 1 (then A = B). Logs ``fedexp_eta_g`` every round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fedavg import FedAvg
+
+
+class FedExP(FedAvg):
+    name = "fedexp"
+
+    def __init__(self, aggregation: str = "weighted", variant: str = "official", eps: float = 1e-3,
+                 eps_decay: float = 0.998, average_last_two: bool = True):
+        super().__init__(aggregation, 1.0)
+        if variant not in ("official", "fedbug_code"):
+            raise ValueError(f"algorithm.fedexp.variant must be official or fedbug_code, got {variant!r}")
+        self.variant = variant
+        self.eps0 = float(eps)
+        self.eps_decay = float(eps_decay)
+        self.average_last_two = average_last_two and variant == "official"
+
+    def describe(self) -> str:
+        return f"fedexp[{self.variant}]"
+
+    def init_server_state(self, global_flat):
+        return {"eps": torch.tensor(self.eps0, dtype=torch.float64), "prev": global_flat.clone(),
+                "eta_g": torch.tensor(1.0, dtype=torch.float64), "round": torch.tensor(0)}
+
+    @staticmethod
+    def step_size(deltas: torch.Tensor, p: torch.Tensor, eps: float, variant: str = "official") -> float:
+        """eta_g for client updates ``deltas`` [|S|, d] with weights ``p`` [|S|] (sum 1)."""
+        deltas = deltas.double()
+        p = p.to(deltas)
+        mean = p @ deltas
+        sq = (deltas ** 2).sum(1)
+        if variant == "fedbug_code":
+            return max(1.0, float(sq.mean() / ((mean ** 2).sum() + deltas.shape[0])))
+        return max(1.0, float(0.5 * (p * sq).sum() / ((mean ** 2).sum() + deltas.shape[0] * eps)))
+
+    def aggregate(self, rctx, server_state, updates):
+        deltas = torch.stack([u.delta for u in updates])
+        if self.variant == "fedbug_code":
+            p = torch.full((len(updates),), 1.0 / len(updates), dtype=torch.float64)
+        else:
+            p = self.aggregation_weights(updates)
+        eta = self.step_size(deltas, p, float(server_state["eps"]), self.variant)
+        mean = p.to(deltas) @ deltas
+        new = rctx.global_flat + eta * mean
+        state = {"eps": server_state["eps"] * self.eps_decay ** 2, "prev": rctx.global_flat.clone(),
+                 "eta_g": torch.tensor(eta, dtype=torch.float64), "round": server_state["round"] + 1}
+        return new, state
+
+    def eval_flat(self, server_state, global_flat):
+        if not self.average_last_two or int(server_state["round"]) <= 1:
+            return global_flat
+        return 0.5 * (server_state["prev"] + global_flat)
+
+    def round_metrics(self, rctx, server_state, updates):
+        return {"fedexp_eta_g": float(server_state["eta_g"])}
