@@ -32,7 +32,7 @@ FEDBUG_SCHEDULES = ("paper", "code")
 FEDBUG_STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
 FEDEXP_VARIANTS = ("official", "fedbug_code")
 FEDDYN_EVAL = ("sel", "cloud")
-AUGMENTATIONS = ("none", "crop_flip", "fedbug")
+AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
 
 
 @dataclass
@@ -127,7 +127,7 @@ class TrainConfig:
     lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
     weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters
     grad_clip: Optional[float] = None  # max global grad norm over trainable params; None = off
-    augmentation: str = "none"  # none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5)
+    augmentation: str = "none"  # none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | flip
     crop_padding: int = 4  # zero padding of the random crop, pixels
     eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
     target_acc: float = 0.9  # report: rounds to reach this test accuracy

@@ -51,6 +51,8 @@ def test_draw_frequencies_and_determinism():
     fb = augment.draw("fedbug", 20000, 4, 1, 2, 3, 4)
     untouched = ((fb.dy == 4) & (fb.dx == 4)).float().mean().item()
     assert abs(untouched - (0.5 + 0.5 / 81)) < 0.02  # FedBug crops only half of the samples
+    flip = augment.draw("flip", 20000, 4, 1, 2, 3, 4)
+    assert bool(((flip.dy == 4) & (flip.dx == 4)).all()) and abs(flip.flip.float().mean().item() - 0.5) < 0.02
     again = augment.draw("fedbug", 20000, 4, 1, 2, 3, 4)
     assert torch.equal(fb.dy, again.dy) and torch.equal(fb.flip, again.flip)
     other = augment.draw("fedbug", 20000, 4, 1, 2, 3, 5)

@@ -237,3 +237,105 @@ def test_get_dataset_resolves_root_against_project(tmp_path, monkeypatch):
     assert (project / "data" / "prepared" / "cifar10.pt").is_file()
     with pytest.raises(DataSourceError, match=str(tmp_path / "elsewhere" / "raw")):
         get_dataset(cfg, tmp_path / "other-data", tmp_path / "elsewhere")
+
+
+# --------------------------------------------------------------------------- Tiny-ImageNet
+
+
+def write_tiny_imagenet(root: Path):
+    """A 3-class tree in the official tiny-imagenet-200 layout, written with PIL as JPEG (quality 100).
+
+    Each image is one flat colour, so JPEG decoding returns it within a few levels. Class c's train images
+    are (40c + 10i, ..) and the val images are listed out of class order in val_annotations.txt; one train
+    image is grayscale ("L") like a few of the official ones. Returns {file name: (label, rgb)}.
+    """
+    from PIL import Image
+
+    base = root / "tiny-imagenet-200"
+    wnids = ["n0300", "n0100", "n0200"]  # not sorted: the sorted ids, not the file order, give the class index
+    (base / "val" / "images").mkdir(parents=True)
+    (base / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    truth = {}
+    for c, w in enumerate(wnids):
+        folder = base / "train" / w / "images"
+        folder.mkdir(parents=True)
+        (base / "train" / w / f"{w}_boxes.txt").write_text("")
+        for i in range(2):
+            name = f"{w}_{i}.JPEG"
+            if c == 2 and i == 1:
+                Image.new("L", (64, 64), 200).save(folder / name, quality=100)
+                truth[name] = (c, (200, 200, 200))
+            else:
+                rgb = (40 * c + 10 * i, 100, 250 - 40 * c)
+                Image.new("RGB", (64, 64), rgb).save(folder / name, quality=100)
+                truth[name] = (c, rgb)
+    rows = [("val_0.JPEG", "n0200"), ("val_1.JPEG", "n0300"), ("val_2.JPEG", "n0200")]
+    for k, (name, w) in enumerate(rows):
+        rgb = (20 + 60 * k, 30, 90)
+        Image.new("RGB", (64, 64), rgb).save(base / "val" / "images" / name, quality=100)
+        truth[name] = (sorted(wnids).index(w), rgb)
+    (base / "val" / "val_annotations.txt").write_text("".join(f"{n}\t{w}\t0\t0\t63\t63\n" for n, w in rows))
+    return truth
+
+
+def _colours(x: torch.Tensor) -> list:
+    return [tuple(int(v) for v in img.float().mean(dim=(1, 2)).round()) for img in x]
+
+
+def _close(a, b, tol=3):
+    return len(a) == len(b) and all(abs(u - v) <= tol for p, q in zip(a, b) for u, v in zip(p, q))
+
+
+def test_tiny_imagenet_reader(tmp_path):
+    truth = write_tiny_imagenet(tmp_path)
+    d = load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
+    assert d.name == "tiny_imagenet" and d.num_classes == 3 and d.scale == 255.0
+    assert d.x_train.dtype == torch.uint8 and d.x_train.shape == (6, 3, 64, 64) and d.input_shape == (3, 64, 64)
+    assert d.x_test.dtype == torch.uint8 and d.x_test.shape == (3, 3, 64, 64)
+    assert d.mean == (0.5, 0.5, 0.5) and d.std == (0.5, 0.5, 0.5)
+    # train: sorted class ids as in FedBug's ImageFolder (n0100 -> 0, n0200 -> 1, n0300 -> 2), then file name
+    assert d.y_train.dtype == torch.int64 and d.y_train.tolist() == [0, 0, 1, 1, 2, 2]
+    train_names = [f"{w}_{i}.JPEG" for w in ("n0100", "n0200", "n0300") for i in range(2)]
+    assert _close(_colours(d.x_train), [truth[n][1] for n in train_names])
+    # the grayscale JPEG comes back as three equal channels
+    gray = d.x_train[3]  # n0200_1.JPEG
+    assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])
+    # test = official val, labelled by val_annotations.txt and re-sorted by class
+    assert d.y_test.tolist() == [1, 1, 2]
+    assert _close(_colours(d.x_test), [truth[n][1] for n in ("val_0.JPEG", "val_2.JPEG", "val_1.JPEG")])
+    # flat images stay flat: every pixel equals the image's colour up to JPEG rounding
+    assert int((d.x_test.int() - d.x_test.float().mean(dim=(2, 3), keepdim=True).round().int()).abs().max()) <= 3
+
+
+def test_tiny_imagenet_missing_root(tmp_path):
+    root = tmp_path / "nowhere"
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="tiny_imagenet"), root)
+    msg = str(err.value)
+    assert msg.startswith(f"dataset.root: Tiny-ImageNet not found under {root} ")
+    assert "tiny-imagenet-200/" in msg and "wnids.txt" in msg and "val/val_annotations.txt" in msg
+    assert "\n" not in msg
+
+
+def test_tiny_imagenet_bad_image_named(tmp_path):
+    write_tiny_imagenet(tmp_path)
+    broken = tmp_path / "tiny-imagenet-200" / "train" / "n0100" / "images" / "n0100_1.JPEG"
+    broken.write_bytes(b"not a jpeg")
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: cannot read the Tiny-ImageNet image .*n0100_1\.JPEG"):
+        load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
+    broken.unlink()
+    missing = tmp_path / "tiny-imagenet-200" / "val" / "images" / "val_2.JPEG"
+    missing.unlink()
+    # the train listing no longer has n0100_1; the val image named in the annotations is missing
+    with pytest.raises(DataSourceError, match=r"val_2\.JPEG"):
+        load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
+
+
+def test_tiny_imagenet_wrong_size_named(tmp_path):
+    from PIL import Image
+
+    write_tiny_imagenet(tmp_path)
+    odd = tmp_path / "tiny-imagenet-200" / "val" / "images" / "val_0.JPEG"
+    Image.new("RGB", (32, 64)).save(odd)
+    with pytest.raises(DataSourceError, match=r"val_0\.JPEG is 32x64, expected 64x64"):
+        load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)

@@ -4,8 +4,9 @@ Modes (``train.augmentation``):
 - ``none``: no augmentation (the IID-to-non-IID study, digits).
 - ``crop_flip``: torchvision-style ``RandomCrop(H, padding)`` + ``RandomHorizontalFlip()`` on every
   sample (FedBCGD, FedExP).
-- ``fedbug``: Acar/FedBug: horizontal flip with p = 0.5, then with p = 0.5 a random crop from the
-  zero-padded image (padding in normalised space, since FedBug normalises before augmenting).
+- ``fedbug``: Acar/FedBug on CIFAR: horizontal flip with p = 0.5, then with p = 0.5 a random crop from
+  the zero-padded image (padding in normalised space, since FedBug normalises before augmenting).
+- ``flip``: horizontal flip with p = 0.5 only (FedBug on Tiny-ImageNet, whose crop code is disabled).
 
 The random draws of a mini-batch are a pure function of ``(seed, round, client, step)`` and are
 made for a full batch of B samples, so the sequential and the vectorised executor (whose batches
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from ..seeding import torch_generator
 
-MODES = ("none", "crop_flip", "fedbug")
+MODES = ("none", "crop_flip", "fedbug", "flip")
 
 
 @dataclass
@@ -38,7 +39,10 @@ def draw(mode: str, batch_size: int, padding: int, seed: int, round_idx: int, cl
     flip = torch.rand(batch_size, generator=g) < 0.5
     dy = torch.randint(0, 2 * padding + 1, (batch_size,), generator=g)
     dx = torch.randint(0, 2 * padding + 1, (batch_size,), generator=g)
-    if mode == "fedbug":
+    if mode == "flip":
+        dy = torch.full_like(dy, padding)
+        dx = torch.full_like(dx, padding)
+    elif mode == "fedbug":
         crop = torch.rand(batch_size, generator=g) < 0.5
         dy = torch.where(crop, dy, torch.full_like(dy, padding))  # offset = padding: the original image
         dx = torch.where(crop, dx, torch.full_like(dx, padding))

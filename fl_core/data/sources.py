@@ -18,6 +18,12 @@ Sources (``dataset.name``):
   ``dataset.root/MNIST/raw`` and ``dataset.root/FashionMNIST/raw``. torchvision
   only knows MD5 sums of the downloaded ``.gz`` archives, so ``verify`` has no
   effect on already extracted files.
+- ``tiny_imagenet``: the official ``tiny-imagenet-200/`` folder under ``dataset.root``
+  (read with PIL, see :func:`_tiny_imagenet`): 200 classes of 64x64 RGB images,
+  100,000 training images and the 10,000 labelled official validation images as
+  the test set; mean = std = 0.5 per channel, as FedBug normalises it.
+  ``dataset.download=true`` fetches and unpacks ``tiny-imagenet-200.zip``
+  (MD5-checked unless ``dataset.verify=false``).
 
 :func:`get_dataset` caches the result as ``<data_dir>/prepared/<name>.pt``.
 """
@@ -44,7 +50,7 @@ __all__ = [
     "get_dataset",
 ]
 
-SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist")
+SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
 
 # Per-channel statistics of x/255 on the official training sets (ALGORITHMS.md 1.6).
@@ -52,6 +58,15 @@ _CIFAR10_STATS = ((0.491, 0.482, 0.447), (0.247, 0.243, 0.262))
 _CIFAR100_STATS = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
 _MNIST_STATS = ((0.1307,), (0.3081,))
 _FMNIST_STATS = ((0.2860,), (0.3530,))
+_TINY_STATS = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # FedBug's Tiny-ImageNet normalisation, not measured
+
+_TINY_FOLDER = "tiny-imagenet-200"
+_TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
+_TINY_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
+_TINY_SIZE = 64
+_TINY_LAYOUT = (f"{_TINY_FOLDER}/ with wnids.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG and "
+                f"val/val_annotations.txt, as unpacked from the official tiny-imagenet-200.zip")
+_PROGRESS_MIN = 1000  # show a progress bar when decoding more images than this
 
 
 class DataSourceError(RuntimeError):
@@ -251,6 +266,101 @@ def _mnist(cfg: Any, root: Path, fashion: bool) -> FLDataset:
     )
 
 
+def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
+    """Tiny-ImageNet from the official ``root/tiny-imagenet-200/`` layout (ALGORITHMS.md 1.6, 2.2).
+
+    - ``wnids.txt``: the 200 WordNet ids, one per line; class index = position in the *sorted* ids, as
+      in FedBug's ImageFolder reader (sorted folder names), so partitions match its class order.
+    - train: ``train/<wnid>/images/*.JPEG`` (500 per class), ordered by class, then file name.
+    - test: the official validation set ``val/images/*.JPEG`` labelled by ``val/val_annotations.txt``
+      (tab-separated: file name, wnid, bounding box), re-sorted by class, then file name -- the
+      same images FedBug re-folders by class and uses as its test set. The unlabelled official
+      ``test/`` folder is not used.
+
+    Images are decoded with PIL and converted to RGB (a few official images are grayscale);
+    every image must be 64x64. Returns uint8 ``[100000, 3, 64, 64]`` / ``[10000, 3, 64, 64]``
+    for the official files.
+
+    Raises:
+        DataSourceError: the folder or one of its index files is missing or malformed, an image
+            cannot be decoded or is not 64x64 (the message names the file).
+    """
+    base = root / _TINY_FOLDER
+    if cfg.download and not (base / "wnids.txt").is_file():
+        def fetch() -> None:
+            from_url = torchvision().datasets.utils.download_and_extract_archive
+            from_url(_TINY_URL, download_root=str(root), md5=_TINY_MD5 if cfg.verify else None)
+
+        _download(cfg, "Tiny-ImageNet", root, fetch)
+    wnids_file = base / "wnids.txt"
+    annotations = base / "val" / "val_annotations.txt"
+    if not (wnids_file.is_file() and (base / "train").is_dir() and annotations.is_file()):
+        raise DataSourceError(
+            f"dataset.root: Tiny-ImageNet not found under {root} (expected {_TINY_LAYOUT}; "
+            f"or set dataset.download=true)"
+        )
+    try:
+        wnids = sorted(line.strip() for line in wnids_file.read_text().splitlines() if line.strip())
+        val_lines = [line for line in annotations.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataSourceError(f"dataset.root: cannot read the Tiny-ImageNet index files under {base} "
+                              f"({type(err).__name__}: {err})") from None
+    index = {w: i for i, w in enumerate(wnids)}
+    if not wnids or len(index) != len(wnids):
+        raise DataSourceError(f"dataset.root: {wnids_file} must list distinct class ids, one per line")
+
+    train: list[tuple[Path, int]] = []
+    for w, c in index.items():
+        folder = base / "train" / w / "images"
+        if not folder.is_dir():
+            raise DataSourceError(f"dataset.root: Tiny-ImageNet class {w} of wnids.txt has no folder {folder}")
+        train += [(f, c) for f in sorted(folder.iterdir()) if f.suffix.lower() in (".jpeg", ".jpg")]
+    test: list[tuple[Path, int]] = []
+    for line in val_lines:
+        row = line.split("\t")
+        if len(row) < 2 or row[1] not in index:
+            raise DataSourceError(f"dataset.root: {annotations} has a line that does not name a file and a "
+                                  f"class of wnids.txt: {line!r}")
+        test.append((base / "val" / "images" / row[0], index[row[1]]))
+    test.sort(key=lambda item: (item[1], item[0].name))
+    return FLDataset(
+        name=cfg.name,
+        x_train=_decode_images(train, "train"),
+        y_train=torch.tensor([c for _, c in train], dtype=torch.int64),
+        x_test=_decode_images(test, "val"),
+        y_test=torch.tensor([c for _, c in test], dtype=torch.int64),
+        num_classes=len(wnids),
+        scale=255.0,
+        mean=_TINY_STATS[0],
+        std=_TINY_STATS[1],
+    )
+
+
+def _decode_images(items: list[tuple[Path, int]], split: str) -> torch.Tensor:
+    """Decode ``items``' image files into one preallocated uint8 ``[N, 3, 64, 64]`` tensor (RGB)."""
+    from PIL import Image, UnidentifiedImageError
+
+    out = torch.empty((len(items), 3, _TINY_SIZE, _TINY_SIZE), dtype=torch.uint8)
+    view = out.numpy()
+    paths = [p for p, _ in items]
+    if len(paths) > _PROGRESS_MIN:
+        from tqdm.auto import tqdm
+
+        paths = tqdm(paths, desc=f"Tiny-ImageNet {split}", unit="img", leave=False)
+    for i, path in enumerate(paths):
+        try:
+            with Image.open(path) as img:
+                rgb = np.asarray(img.convert("RGB"))
+        except (OSError, UnidentifiedImageError, ValueError) as err:  # missing, truncated, not an image
+            raise DataSourceError(f"dataset.root: cannot read the Tiny-ImageNet image {path} "
+                                  f"({type(err).__name__}: {err})") from None
+        if rgb.shape != (_TINY_SIZE, _TINY_SIZE, 3):
+            raise DataSourceError(f"dataset.root: Tiny-ImageNet image {path} is {rgb.shape[1]}x{rgb.shape[0]}, "
+                                  f"expected {_TINY_SIZE}x{_TINY_SIZE}")
+        view[i] = rgb.transpose(2, 0, 1)
+    return out
+
+
 def _download(cfg: Any, title: str, root: Path, fetch) -> None:
     """Run torchvision's download when ``dataset.download`` is set; one-line error on failure."""
     if not cfg.download:
@@ -277,7 +387,8 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
 
     Raises:
         DataSourceError: unknown ``dataset.name``; files missing under ``root`` (and
-            ``dataset.download`` false), failing the MD5 check, unreadable, or a failed download.
+            ``dataset.download`` false), failing the MD5 check, unreadable (the message names the
+            file where one is to blame), or a failed download.
     """
     name = cfg.name
     root = Path(root)
@@ -287,6 +398,8 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         return _cifar(cfg, root, hundred=name == "cifar100")
     if name in ("mnist", "fmnist"):
         return _mnist(cfg, root, fashion=name == "fmnist")
+    if name == "tiny_imagenet":
+        return _tiny_imagenet(cfg, root)
     raise DataSourceError(f"dataset.name must be one of {', '.join(SOURCES)}, got {name!r}")
 
 

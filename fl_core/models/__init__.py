@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Callable, Dict, Tuple
 
 from .base import FLModel
-from .cnn import McMahanCNN, SmallCNN, StandardCNN
+from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
+from .resnet import ResNet18GN, ResNet34GN, ResNetGN
 
 MODELS: Dict[str, Callable[..., FLModel]] = {
     "small_cnn": SmallCNN,
@@ -14,11 +15,14 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "mcmahan_cnn": McMahanCNN,
     "mlp": MLP,
     "logreg": LogisticRegression,
+    "tiny_cnn": TinyCNN,
+    "resnet18": ResNet18GN,
+    "resnet34": ResNet34GN,
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits)
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
-              "cifar10": "std_cnn", "cifar100": "std_cnn"}
+              "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn"}
 
 
 def resolve_model_name(name: str, dataset: str) -> str:
@@ -26,18 +30,38 @@ def resolve_model_name(name: str, dataset: str) -> str:
     return AUTO_MODEL[dataset] if name == "auto" else name
 
 
+def unit_layouts(name: str) -> Tuple[str, ...]:
+    """The FedBug unit layouts ``model.units`` may name for model ``name`` besides ``default``.
+
+    Empty for models with a single layout (they accept only ``default``).
+    """
+    return tuple(getattr(MODELS[name], "UNIT_LAYOUTS", ()))
+
+
 def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classes: int) -> FLModel:
     """Build the model named by ``cfg.name`` for inputs ``[B, *input_shape]`` and ``num_classes`` logits.
 
+    ``cfg.units`` picks the FedBug unit layout (``tiny_cnn``: code5 | paper6; ``resnet18``/``resnet34``:
+    module | block; ``default`` everywhere, the only value for the other models); ``cfg.norm_groups`` is
+    the ResNets' GroupNorm group count.
+
     Raises:
-        ValueError: unknown model name (``model.name``) or an input too small for it.
+        ValueError: unknown model name (``model.name``), a unit layout the model does not have
+            (``model.units``), a bad ``model.norm_groups``, or an input too small for the model.
     """
     name = resolve_model_name(cfg.name, dataset)
     if name not in MODELS:
         raise ValueError(f"model.name must be one of auto, {', '.join(MODELS)}, got {name!r}")
+    units = str(getattr(cfg, "units", "default"))
+    layouts = unit_layouts(name)
+    resolve_units(name, units, layouts, "default")  # one-line ValueError naming model.units
     if name == "mlp":
         return MLP(input_shape, num_classes, hidden=cfg.hidden)
+    if name == "tiny_cnn":
+        return TinyCNN(input_shape, num_classes, units=units)
+    if name in ("resnet18", "resnet34"):
+        return MODELS[name](input_shape, num_classes, units=units, norm_groups=int(getattr(cfg, "norm_groups", 2)))
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "build_model", "resolve_model_name"]
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "build_model", "resolve_model_name", "unit_layouts"]

@@ -1,19 +1,35 @@
 """Convolutional models (ALGORITHMS.md section 2).
 
 - :class:`StandardCNN`: the "standard CNN" of Acar et al. / FedBug, also FedBCGD's LeNet-5 (section 2.1).
+- :class:`TinyCNN`: FedBug's 3-conv CNN for 3x64x64 Tiny-ImageNet (section 2.2), FedBug units ``code5`` | ``paper6``.
 - :class:`McMahanCNN`: the 2-conv CNN of McMahan et al. used by the IID-to-non-IID study (section 2.3, valid padding).
 - :class:`SmallCNN`: a small CNN for 8x8 inputs (scikit-learn digits), not from a paper.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import FLModel, conv_out
+
+
+def resolve_units(model: str, units: str, layouts: Sequence[str], default: str) -> str:
+    """The unit layout named by ``units`` (``default`` -> ``default``) for ``model``.
+
+    Raises:
+        ValueError: ``units`` is neither ``default`` nor one of ``layouts``; the one-line message names
+            ``model.units`` and the allowed values.
+    """
+    if units == "default":
+        return default
+    if units not in layouts:
+        allowed = ", ".join(["default", *layouts])
+        raise ValueError(f"model.units must be one of {allowed} for {model}, got {units!r}")
+    return units
 
 
 class StandardCNN(FLModel):
@@ -40,6 +56,55 @@ class StandardCNN(FLModel):
     def forward_features(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        f = F.relu(self.fc2(x))
+        return self.fc3(f), f
+
+
+class TinyCNN(FLModel):
+    """FedBug's Tiny-ImageNet CNN (ALGORITHMS.md section 2.2, [FB] ``utils_models.py``).
+
+    conv5x5(64)-pool-conv5x5(64)-pool-conv5x5(64)-pool-fc256-fc128-fc(C), valid padding, ReLU after every
+    layer but the last. For 3x64x64 inputs the spatial sizes are 60-30, 26-13, 9-4, so fc1 sees 64*4*4 = 1024
+    features; d = 530,888 for C = 200. Input ``[B, 3, 64, 64]`` (other sizes work if they survive the three
+    conv/pool stages); features: relu(fc2) ``[B, 128]``.
+
+    FedBug units (``units``, section 5):
+
+    - ``code5`` (= ``default``, M = 5): what the FedBug code does. It toggles only {conv2, fc1, fc2, fc3} and
+      never freezes conv3, so conv3 shares the always-trainable first unit with conv1:
+      [{conv1, conv3}, {conv2}, {fc1}, {fc2}, {fc3}].
+    - ``paper6`` (M = 6): the paper's reading, one unit per layer: conv1, conv2, conv3, fc1, fc2, fc3.
+    """
+
+    UNIT_LAYOUTS: Dict[str, Sequence[Sequence[str]]] = {
+        "code5": (("conv1", "conv3"), ("conv2",), ("fc1",), ("fc2",), ("fc3",)),
+        "paper6": (("conv1",), ("conv2",), ("conv3",), ("fc1",), ("fc2",), ("fc3",)),
+    }
+    DEFAULT_UNITS = "code5"
+
+    def __init__(self, input_shape: Tuple[int, int, int], num_classes: int, units: str = "default"):
+        super().__init__()
+        layout = resolve_units("tiny_cnn", units, self.UNIT_LAYOUTS, self.DEFAULT_UNITS)
+        self.units_name = layout
+        self.unit_prefixes = self.UNIT_LAYOUTS[layout]
+        c, h, w = input_shape
+        self.conv1 = nn.Conv2d(c, 64, 5)
+        self.conv2 = nn.Conv2d(64, 64, 5)
+        self.conv3 = nn.Conv2d(64, 64, 5)
+        h3, w3 = h, w
+        for _ in range(3):
+            h3, w3 = conv_out(h3, 5) // 2, conv_out(w3, 5) // 2
+        if h3 < 1 or w3 < 1:
+            raise ValueError(f"tiny_cnn needs inputs of at least 36x36, got {h}x{w}")
+        self.fc1 = nn.Linear(64 * h3 * w3, 256)
+        self.fc2 = nn.Linear(256, 128)
+        self.fc3 = nn.Linear(128, num_classes)
+
+    def forward_features(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv3(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
         f = F.relu(self.fc2(x))
         return self.fc3(f), f

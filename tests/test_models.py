@@ -1,0 +1,199 @@
+"""Models of fl_core.models: parameter counts (ALGORITHMS.md section 2), FedBug units (sections 2.1-2.7, 5),
+feature shapes, the GroupNorm ResNets and the registry's ``model.units`` checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fl_core.config import MODELS as CONFIG_MODELS
+from fl_core.config import ModelConfig
+from fl_core.models import AUTO_MODEL, MODELS, build_model, unit_layouts
+from fl_core.models.cnn import TinyCNN
+from fl_core.models.resnet import ResNet18GN, ResNet34GN
+
+# (name, input shape, classes) the models are built for in these tests
+SHAPES = {
+    "small_cnn": ((1, 8, 8), 10),
+    "std_cnn": ((3, 32, 32), 10),
+    "mcmahan_cnn": ((3, 32, 32), 10),
+    "mlp": ((1, 28, 28), 10),
+    "logreg": ((1, 8, 8), 10),
+    "tiny_cnn": ((3, 64, 64), 200),
+    "resnet18": ((3, 32, 32), 100),
+    "resnet34": ((3, 32, 32), 100),
+}
+ALL_LAYOUTS = [(name, units) for name in SHAPES for units in ("default", *unit_layouts(name))]
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def built():
+    """One model per (name, units); ResNets are the slow part, so build each once."""
+    torch.manual_seed(0)
+    return {(n, u): build_model(ModelConfig(name=n, units=u), "digits", *SHAPES[n]) for n, u in ALL_LAYOUTS}
+
+
+def test_registry_matches_config():
+    assert set(MODELS) == set(CONFIG_MODELS) - {"auto"}
+    assert AUTO_MODEL["tiny_imagenet"] == "tiny_cnn"
+    assert unit_layouts("tiny_cnn") == ("code5", "paper6")
+    assert unit_layouts("resnet18") == unit_layouts("resnet34") == ("module", "block")
+    assert unit_layouts("std_cnn") == ()
+
+
+@pytest.mark.parametrize("name,units", ALL_LAYOUTS)
+def test_units_cover_every_parameter_once(built, name, units):
+    model = built[name, units]
+    groups = model.units()  # raises if a parameter is in 0 or 2+ units
+    flat = [n for g in groups for n in g]
+    assert sorted(flat) == sorted(n for n, _ in model.named_parameters())
+    assert len(flat) == len(set(flat))
+    assert all(groups), f"{name}/{units} has an empty unit"
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("std_cnn", 797_962),       # 2.1, C = 10
+    ("mcmahan_cnn", 878_538),   # 2.3, valid padding, C = 10
+    ("tiny_cnn", 530_888),      # 2.2, 3x64x64, C = 200
+    ("resnet18", 11_227_812),   # 2.6: "d ~ 11.23M (R18, C=100)"
+    ("resnet34", 21_335_972),   # 2.6: "d ~ 21.34M (R34, C=100)"
+])
+def test_parameter_counts(built, name, expected):
+    assert _count(built[name, "default"]) == expected
+
+
+def test_resnet_counts_cross_checks():
+    # the ALGORITHMS.md 2.6 approximations, to the printed precision
+    assert round(11_227_812 / 1e6, 2) == 11.23 and round(21_335_972 / 1e6, 2) == 21.34
+    # 10 classes: only fc changes (512*90 + 90 fewer); the 7x7 stem has 7,680 more weights than the
+    # 3x3 CIFAR-style stem of FedBCGD's ResNet-18 (d = 11,173,962 for C = 10, section 2.6)
+    r18 = ResNet18GN((3, 32, 32), 10)
+    assert _count(r18) == 11_227_812 - 90 * 513 == 11_173_962 + 3 * 64 * (49 - 9)
+    assert r18.fc.weight.shape == (10, 512)
+
+
+@pytest.mark.parametrize("name,units,m", [
+    ("tiny_cnn", "default", 5), ("tiny_cnn", "code5", 5), ("tiny_cnn", "paper6", 6),
+    ("resnet18", "default", 4), ("resnet18", "module", 4), ("resnet18", "block", 8),
+    ("resnet34", "module", 4), ("resnet34", "block", 16),
+    ("std_cnn", "default", 5), ("mcmahan_cnn", "default", 4),
+])
+def test_unit_counts(built, name, units, m):
+    assert len(built[name, units].units()) == m
+
+
+def test_tiny_cnn_unit_membership(built):
+    code5 = built["tiny_cnn", "code5"].units()
+    assert code5[0] == ["conv1.weight", "conv1.bias", "conv3.weight", "conv3.bias"]  # conv3 never frozen [FB]
+    assert code5[1:] == [["conv2.weight", "conv2.bias"], ["fc1.weight", "fc1.bias"], ["fc2.weight", "fc2.bias"],
+                         ["fc3.weight", "fc3.bias"]]
+    paper6 = built["tiny_cnn", "paper6"].units()
+    assert [g[0].split(".")[0] for g in paper6] == ["conv1", "conv2", "conv3", "fc1", "fc2", "fc3"]
+    assert built["tiny_cnn", "default"].units() == code5
+    # the layout is per instance, not a class attribute shared by every TinyCNN
+    assert TinyCNN.unit_prefixes == () and built["tiny_cnn", "paper6"].unit_prefixes != code5
+
+
+def test_resnet_unit_membership(built):
+    module = built["resnet18", "module"].units()
+    assert {"conv1.weight", "bn1.weight", "bn1.bias", "layer1.1.conv2.weight"} <= set(module[0])
+    assert all(n.startswith("layer2.") for n in module[1]) and all(n.startswith("layer3.") for n in module[2])
+    assert "layer2.0.downsample.0.weight" in module[1] and "layer2.0.downsample.1.bias" in module[1]
+    assert module[3][-2:] == ["fc.weight", "fc.bias"] and "layer4.0.conv1.weight" in module[3]
+
+    block = built["resnet18", "block"].units()
+    assert {"conv1.weight", "bn1.bias", "layer1.0.conv1.weight"} <= set(block[0])
+    assert not any(n.startswith("layer1.1.") for n in block[0])
+    assert all(n.startswith("layer1.1.") for n in block[1])
+    assert "layer2.0.downsample.0.weight" in block[2]
+    assert "fc.weight" in block[-1] and "layer4.1.conv1.weight" in block[-1]
+    assert not any(n.startswith("fc.") for g in block[:-1] for n in g)
+
+    block34 = built["resnet34", "block"].units()
+    blocks = [sorted({".".join(n.split(".")[:2]) for n in g if n.startswith("layer")}) for g in block34]
+    assert blocks == [[f"layer{s}.{b}"] for s, n in zip((1, 2, 3, 4), (3, 4, 6, 3)) for b in range(n)]
+    assert "conv1.weight" in block34[0] and block34[-1][-2:] == ["fc.weight", "fc.bias"]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet34"])
+def test_resnet_groupnorm_no_buffers(built, name):
+    for units in ("module", "block"):
+        model = built[name, units]
+        assert list(model.buffers()) == []
+        assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+        assert norms and all(m.num_groups == 2 for m in norms)
+    # stem + 2 per block + 1 per downsample shortcut
+    blocks = {"resnet18": 8, "resnet34": 16}[name]
+    assert len([m for m in built[name, "module"].modules() if isinstance(m, nn.GroupNorm)]) == 1 + 2 * blocks + 3
+
+
+def test_resnet_norm_groups():
+    m = build_model(ModelConfig(name="resnet18", norm_groups=4), "cifar10", (3, 32, 32), 10)
+    assert {g.num_groups for g in m.modules() if isinstance(g, nn.GroupNorm)} == {4}
+    with pytest.raises(ValueError, match=r"^model\.norm_groups must be a positive divisor of 64.*got 3$"):
+        build_model(ModelConfig(name="resnet18", norm_groups=3), "cifar10", (3, 32, 32), 10)
+
+
+@pytest.mark.parametrize("name,feat", [("small_cnn", 128), ("std_cnn", 192), ("mcmahan_cnn", 512), ("mlp", 200),
+                                       ("tiny_cnn", 128), ("resnet18", 512), ("resnet34", 512)])
+def test_forward_features_shapes(built, name, feat):
+    shape, classes = SHAPES[name]
+    model = built[name, "default"].eval()
+    x = torch.randn(2, *shape)
+    with torch.no_grad():
+        logits, f = model.forward_features(x)
+        assert logits.shape == (2, classes) and f.shape == (2, feat)
+        assert torch.allclose(model(x), logits)
+    if name.startswith("resnet"):
+        assert torch.allclose(model.fc(f), logits, atol=1e-6)
+
+
+def test_resnet_other_inputs():
+    torch.manual_seed(0)
+    m = ResNet18GN((3, 64, 64), 200, units="block")  # Tiny-ImageNet size
+    with torch.no_grad():
+        logits, f = m.forward_features(torch.randn(1, 3, 64, 64))
+    assert logits.shape == (1, 200) and f.shape == (1, 512)
+    gray = ResNet34GN((1, 28, 28), 10)  # non-RGB input: only the stem conv changes
+    assert gray.conv1.weight.shape == (64, 1, 7, 7)
+    with torch.no_grad():
+        assert gray(torch.randn(1, 1, 28, 28)).shape == (1, 10)
+
+
+def test_auto_model_for_tiny_imagenet():
+    m = build_model(ModelConfig(name="auto", units="paper6"), "tiny_imagenet", (3, 64, 64), 200)
+    assert isinstance(m, TinyCNN) and len(m.units()) == 6
+
+
+@pytest.mark.parametrize("name,units,allowed", [
+    ("resnet18", "paper6", "default, module, block"),
+    ("resnet34", "code5", "default, module, block"),
+    ("tiny_cnn", "module", "default, code5, paper6"),
+    ("std_cnn", "block", "default"),
+    ("mlp", "code5", "default"),
+])
+def test_bad_units_message(name, units, allowed):
+    shape, classes = SHAPES[name]
+    with pytest.raises(ValueError) as err:
+        build_model(ModelConfig(name=name, units=units), "cifar10", shape, classes)
+    msg = str(err.value)
+    assert msg == f"model.units must be one of {allowed} for {name}, got {units!r}"
+
+
+def test_bad_units_direct_construction():
+    with pytest.raises(ValueError, match=r"^model\.units must be one of default, code5, paper6 for tiny_cnn"):
+        TinyCNN((3, 64, 64), 200, units="paper5")
+    with pytest.raises(ValueError, match=r"^model\.units must be one of default, module, block for resnet34"):
+        ResNet34GN((3, 32, 32), 10, units="blocks")
+
+
+def test_tiny_cnn_too_small_input():
+    with pytest.raises(ValueError, match="tiny_cnn needs inputs of at least 36x36"):
+        TinyCNN((3, 32, 32), 10)
+    assert TinyCNN((3, 36, 36), 10).fc1.in_features == 64
