@@ -12,7 +12,8 @@ DVC train stage (every seed of one experiment of ``params.yaml``)::
 
 Outputs in ``results/<name>/``: ``metrics.json`` (mean +- std over seeds), ``rounds.csv`` (per-round
 mean over seeds), ``runs.csv`` (every seed and round), ``curves.png``, ``config.yaml``,
-``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``. MLflow: one parent run
+``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``, ``details/`` (per-seed
+curves and CSV, the algorithm's local-step schedule such as FedBug's units per step). MLflow: one parent run
 per experiment, one child run per seed with every round logged. A run killed midway resumes
 from its last checkpoint (``engine.checkpoint_every``) when the same command is run again.
 
@@ -200,6 +201,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     if cfg0.tracking.enabled:
         tracking = Tracking(cfg0.tracking.experiment)
 
+    schedule_files: List[Path] = []
     progress = _Progress(name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
     histories: Dict[int, List[Dict]] = {}
     summaries: Dict[int, Dict] = {}
@@ -217,6 +219,8 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                                   callbacks=[progress] + list(callbacks or []))
             algo_desc = sim.algo.describe()
             tags["algorithm"] = algo_desc
+            if not schedule_files:
+                schedule_files = write_schedule(sim, part, cfg, out_dir)
             tags["executor"] = sim.executor.name
             tags["executor_reason"] = sim.executor.reason
             if cfg.engine.executor == "auto" and seed == int(cfgs[0].seed):
@@ -247,11 +251,11 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
             if logger is not None:
                 logger.log_summary({f"summary_{k}": v for k, v in summaries[seed].items()
                                     if isinstance(v, (int, float)) and v is not None})
-                seed_csv = out_dir / "seeds" / f"seed_{seed}.csv"
+                seed_csv = out_dir / "details" / f"seed_{seed}.csv"
                 write_text(seed_csv, _csv(result.history, _history_columns(result.history)))
-                seed_png = out_dir / "seeds" / f"seed_{seed}.png"
+                seed_png = out_dir / "details" / f"seed_{seed}.png"
                 plot_curves({seed: result.history}, f"{name} seed {seed}: {algo_desc}", seed_png)
-                arts = [out_dir / "config.yaml", seed_csv, seed_png]
+                arts = [out_dir / "config.yaml", seed_csv, seed_png] + schedule_files
                 if cfg.tracking.log_model:
                     arts.append(model_path)
                 logger.log_artifacts(arts)
@@ -278,6 +282,40 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     if failures:
         raise RunFailed("; ".join(f"seed {s}: {r}" for s, r in failures.items()))
     return summary
+
+
+def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
+    """What the algorithm does over local steps (FedBug: trainable units per step), as CSV and PNG.
+
+    Written for the clients' distinct step counts K_i; nothing for algorithms without a schedule."""
+    from fl_core.engine.executors import local_steps
+
+    steps = [local_steps(int(n), cfg.train.batch_size, cfg.train.local_epochs) for n in part.sizes]
+    rows = sim.algo.schedule_rows(steps)
+    if not rows:
+        return []
+    csv_path, png_path = out_dir / "details" / "schedule.csv", out_dir / "details" / "schedule.png"
+    write_text(csv_path, _csv(rows, list(rows[0])))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted({r["K_i"] for r in rows})
+    shown = sorted({ks[0], ks[len(ks) // 2], ks[-1]})
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for K in shown:
+        pts = [(r["step"], r["trainable_units"]) for r in rows if r["K_i"] == K]
+        ax.step(*zip(*pts), where="post", label=f"K_i = {K}")
+    ax.set_xlabel("local step k")
+    ax.set_ylabel("trainable units m(k)")
+    ax.set_title(f"{sim.algo.describe()}: units trainable per local step", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(png_path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+    return [csv_path, png_path]
 
 
 def _parent_from_checkpoint(ckpt: Optional[Path]) -> Optional[str]:

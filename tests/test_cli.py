@@ -61,7 +61,8 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert 0.1 < metrics["final_acc_mean"] <= 1.0
     assert metrics["algorithm"] == "fedbug[P=0.2](fedavg)"
     for f in ("rounds.csv", "runs.csv", "curves.png", "config.yaml", "models/seed_1.pt", "partition/stats.json",
-              "partition/labels_per_client.png"):
+              "partition/labels_per_client.png", "details/schedule.csv", "details/schedule.png",
+              "details/seed_1.csv", "details/seed_1.png"):
         assert (out / f).exists(), f
     assert not any((tmp_path / "checkpoints").rglob("*.pt"))  # removed once the run finished
 
@@ -79,4 +80,5 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert child.data.params["partition.alpha"] == "0.3"
     assert [m.step for m in client.get_metric_history(child.info.run_id, "test_acc")] == [1, 2, 3]
     arts = {a.path for a in client.list_artifacts(child.info.run_id)}
-    assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition"} <= arts
+    assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition", "schedule.csv", "schedule.png"} <= arts
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "fedbug_trainable_share")] == [1, 2, 3]

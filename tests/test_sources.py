@@ -242,7 +242,7 @@ def test_get_dataset_resolves_root_against_project(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- Tiny-ImageNet
 
 
-def write_tiny_imagenet(root: Path):
+def write_tiny_imagenet(root: Path, per_class: int = 2):
     """A 3-class tree in the official tiny-imagenet-200 layout, written with PIL as JPEG (quality 100).
 
     Each image is one flat colour, so JPEG decoding returns it within a few levels. Class c's train images
@@ -260,7 +260,7 @@ def write_tiny_imagenet(root: Path):
         folder = base / "train" / w / "images"
         folder.mkdir(parents=True)
         (base / "train" / w / f"{w}_boxes.txt").write_text("")
-        for i in range(2):
+        for i in range(per_class):
             name = f"{w}_{i}.JPEG"
             if c == 2 and i == 1:
                 Image.new("L", (64, 64), 200).save(folder / name, quality=100)

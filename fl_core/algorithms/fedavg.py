@@ -31,6 +31,8 @@ class FedAvg(Algorithm):
         if self.aggregation == "uniform":
             return torch.full((len(updates),), 1.0 / len(updates), dtype=torch.float64)
         n = torch.tensor([u.num_samples for u in updates], dtype=torch.float64)
+        if n.sum() == 0:  # only empty clients sampled (possible with lognormal sizes): nothing to weigh
+            return torch.full((len(updates),), 1.0 / len(updates), dtype=torch.float64)
         return n / n.sum()
 
     def aggregate(self, rctx, server_state, updates):
