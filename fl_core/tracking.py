@@ -34,6 +34,18 @@ def tracking_uri(root: Optional[Path] = None) -> str:
     return f"sqlite:///{(root or store_root()) / 'mlflow.db'}"
 
 
+def artifact_root(uri: str) -> Optional[str]:
+    """For a SQLite store, ``<folder of the .db>/mlartifacts`` (MLflow would otherwise use ``./mlruns``
+    of whatever folder a run starts in); None (the server's default) for other stores."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    db = Path(uri[len(prefix):])
+    if not db.is_absolute():
+        db = Path.cwd() / db
+    return (db.parent / "mlartifacts").as_uri()
+
+
 def flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
     """Nested mappings -> ``{"a.b.c": value}`` (lists kept as their string form)."""
     out: Dict[str, Any] = {}
@@ -72,10 +84,8 @@ class Tracking:
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
-            artifact_location = None
-            if self.uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI"):
-                artifact_location = (self.root / "mlartifacts").as_uri()
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_location)
+            self.experiment_id = self.client.create_experiment(experiment,
+                                                               artifact_location=artifact_root(self.uri))
         else:
             self.experiment_id = exp.experiment_id
 

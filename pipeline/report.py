@@ -41,7 +41,8 @@ DASH = "\u2014"
 PM = "\u00b1"
 
 ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedbug": "FedBug", "scaffold": "SCAFFOLD",
-                   "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON"}
+                   "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON", "feddyn": "FedDyn",
+                   "fedexp": "FedExP", "feddecorr": "FedDecorr"}
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
                    "model", "rounds", "target_acc", "n_seeds", "failed_seeds",
@@ -362,6 +363,77 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
+def split_fedbug(algorithm: str) -> Tuple[str, str]:
+    """(row, column) of FedBug's paper layout: ``fedbug[P=0.2](feddyn[alpha=0.01])`` -> ("FedBug 20%", "FedDyn");
+    a plain base -> ("Vanilla", its name). Ablation strategies keep their name in the row."""
+    m = re.fullmatch(r"fedbug\[([^\]]*)\]\((.*)\)", str(algorithm or "").strip())
+    inner = m.group(2) if m else str(algorithm or "")
+    base = _algo_name(re.split(r"[\[(]", inner, maxsplit=1)[0])
+    if not m:
+        return "Vanilla", base
+    parts = [p.strip() for p in m.group(1).split(",") if p.strip()]
+    p_val = next((p[2:] for p in parts if p.startswith("P=")), None)
+    others = [p for p in parts if not p.startswith("P=")]
+    row = "FedBug" + (f" {', '.join(o.replace('_', '-') for o in others)}" if others else "")
+    if p_val is not None:
+        row += f" {100 * float(p_val):g}%"
+    return row, base
+
+
+def fedbug_layout(exps: List[Experiment]) -> List[str]:
+    """FedBug's table layout (its Tables 1-4): one table per partition, rows Vanilla / FedBug P,
+    columns the base algorithms; cells final accuracy mean +- std, the best per column in bold."""
+    if not any(str(e.metrics.get("algorithm", "")).startswith("fedbug[") for e in exps):
+        return []
+    out = ["## FedBug layout", "",
+           "As in the FedBug paper's tables: rows are the vanilla base and FedBug with GU percentage P, "
+           "columns the base algorithms; final test accuracy (%), mean \u00b1 std over seeds, best per "
+           "column in bold.", ""]
+    parts: List[str] = []
+    for e in exps:
+        if e.col_label not in parts:
+            parts.append(e.col_label)
+
+    def row_key(r: str):
+        if r == "Vanilla":
+            return (0, 0.0, r)
+        m = re.search(r"([\d.]+)%$", r)
+        return (1 if not r.startswith("FedBug ") or m is None else 2, float(m.group(1)) if m else 0.0, r)
+
+    for part in parts:
+        cells: Dict[Tuple[str, str], Experiment] = {}
+        rows: List[str] = []
+        cols: List[str] = []
+        for e in exps:
+            if e.col_label != part:
+                continue
+            r, c = split_fedbug(e.metrics.get("algorithm", ""))
+            cells[(r, c)] = e
+            rows.append(r) if r not in rows else None
+            cols.append(c) if c not in cols else None
+        rows.sort(key=row_key)
+        best = {}
+        for c in cols:
+            vals = [round(100 * v, 2) for r in rows if (r, c) in cells
+                    for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
+            best[c] = max(vals) if len(vals) >= 2 else None
+        table = []
+        for r in rows:
+            line = [r]
+            for c in cols:
+                e = cells.get((r, c))
+                if e is None:
+                    line.append(DASH)
+                    continue
+                text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
+                v = _num(e.metrics.get("final_acc_mean"))
+                line.append(f"**{text}**" if v is not None and best[c] is not None and round(100 * v, 2) == best[c]
+                            else text)
+            table.append(line)
+        out += [f"### {part}", "", _table([""] + cols, table, "l" + "r" * len(cols)), ""]
+    return out
+
+
 def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Experiment]] = None,
                  params_name: str = "params.yaml", curves_name: str = "curves.png") -> str:
     """The markdown report of ``grid``'s experiments under ``results_dir``.
@@ -429,6 +501,8 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
         rows.append(row)
     out.append(_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)))
     out.append("")
+
+    out += fedbug_layout(exps)
 
     out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", ""]
 

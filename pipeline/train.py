@@ -365,11 +365,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             if len(argv) < 2:
                 fail("--grid needs an experiment name")
             params = Path("params.yaml")
-            if "--params" in argv:
-                i = argv.index("--params")
-                if i + 1 >= len(argv):
+            rest = argv[2:]
+            if rest[:1] == ["--params"]:
+                if len(rest) < 2:
                     fail("--params needs a file")
-                params = Path(argv[i + 1])
+                params = Path(rest[1])
+                rest = rest[2:]
+            if rest:
+                fail(f"unexpected argument {rest[0]!r} after --grid NAME (grid runs take their settings "
+                     "from params.yaml)")
             cfgs = load_grid(params).compose_all(argv[1])
         else:
             bad = [a for a in argv if a.startswith("-")]
