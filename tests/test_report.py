@@ -188,3 +188,25 @@ def test_bad_params_exit_2(tmp_path, capsys):
     assert main(["--params", str(tmp_path / "nope.yaml"), "--results", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def test_split_fedbug_rows_and_columns():
+    from pipeline.report import split_fedbug
+
+    assert split_fedbug("fedbug[P=0.1](feddyn[alpha=0.01])") == ("FedBug 10%", "FedDyn")
+    assert split_fedbug("fedexp[official]") == ("Vanilla", "FedExP")
+    assert split_fedbug("fedbug[top_down,P=0.2](fedavg)") == ("FedBug top-down 20%", "FedAvg")
+    assert split_fedbug("fedbug[fixed_last](fedprox)") == ("FedBug fixed-last", "FedProx")
+
+
+def test_fedbug_layout_table(tree, capsys):
+    tmp, params, results = tree
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    md = (results / "report.md").read_text()
+    head, rows = _table(md, "### Dirichlet \u03b1=0.3")
+    assert head == ["", "FedAvg"]
+    assert [r[0] for r in rows] == ["Vanilla", "FedBug 20%"]
+    # Dirichlet: vanilla 0.60/0.70 -> 65.00 +- 7.07; FedBug 0.70/0.74 -> 72.00 +- 2.83 (best, bold)
+    assert rows[0][1] == "65.00 \u00b1 7.07" and rows[1][1] == "**72.00 \u00b1 2.83**"
+    head, rows = _table(md, "### IID")
+    assert rows[1][1] == "**87.00 \u00b1 1.41**"
