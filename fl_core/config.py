@@ -19,13 +19,13 @@ class ConfigError(ValueError):
     """A configuration value is out of range or not one of the allowed choices."""
 
 
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet")
-MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34")
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
+MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9")
 PARTITIONS = ("iid", "dirichlet", "shards")
 DIRICHLET_VARIANTS = ("per_client", "per_class")
 SAMPLERS = ("bernoulli", "fixed")
-BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr")
-WRAPPERS = ("fedbug",)
+BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr", "scaffold", "fednova", "fedrs", "fedlc")
+WRAPPERS = ("fedbug", "fednlr", "ccvr")
 AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto")
 FEDBUG_SCHEDULES = ("paper", "code")
@@ -57,6 +57,7 @@ class PartitionConfig:
     variant: str = "per_client"  # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench)
     min_size: int = 10  # dirichlet per_class: redraw until every client has this many samples
     classes_per_client: int = 2  # shards: S classes per client (#label-S)
+    shards_variant: str = "label_S"  # label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)
     size_sigma: float = 0.0  # lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client
     seed: int = 0  # partition seed: one partition serves every training seed (as in Acar/FedBug)
 
@@ -204,6 +205,7 @@ def validate(cfg: Any) -> None:
     _choice("partition.variant", p.variant, DIRICHLET_VARIANTS)
     _range("partition.min_size", p.min_size, 0)
     _range("partition.classes_per_client", p.classes_per_client, 1)
+    _choice("partition.shards_variant", p.shards_variant, ("label_S", "mcmahan_sort_shard"))
     _range("partition.size_sigma", p.size_sigma, 0)
     _choice("model.name", m.name, MODELS)
     _range("model.hidden", m.hidden, 1)
