@@ -119,19 +119,21 @@ def test_frozen_units_are_bit_identical_while_frozen(digits):
     part = make_partition(cfg.partition, digits.y_train.numpy(), digits.num_classes)
     sim = build_simulator(cfg, digits, part)
     ex, algo, spec = sim.executor, sim.algo, sim.spec
+    from fl_core.engine import executors
+
     seen = []  # (k, m(k), K_i, params after step k)
-    orig_step = torch.optim.SGD.step
+    orig_step = executors.sgd_step
 
     state = {"k": 0}
 
-    def spy_step(opt, *a, **kw):
-        out = orig_step(opt, *a, **kw)
+    def spy_step(*a, **kw):
+        out = orig_step(*a, **kw)
         state["k"] += 1
         flat = torch.cat([p.detach().reshape(-1) for p in ex.model.parameters()]).clone()
         seen.append((state["k"], flat))
         return out
 
-    torch.optim.SGD.step = spy_step
+    executors.sgd_step = spy_step
     try:
         start = None
         sim_global = []
@@ -147,7 +149,7 @@ def test_frozen_units_are_bit_identical_while_frozen(digits):
         ex._train_client = train_client
         sim.run()
     finally:
-        torch.optim.SGD.step = orig_step
+        executors.sgd_step = orig_step
     assert sim_global, "no client trained"
     slices = spec.unit_slices()
     M = spec.num_units
@@ -170,3 +172,31 @@ def test_fedbug_composes_with_fedprox(digits):
     sim, res = run_sim(digits, "algorithm=fedbug", "algorithm.name=fedprox", "algorithm.fedprox.mu=0.01")
     assert sim.algo.describe() == "fedbug[P=0.2](fedprox)"
     assert all(math.isfinite(r["train_loss"]) for r in res.history)
+
+
+def test_sgd_step_is_torch_sgd_bit_for_bit():
+    from fl_core.engine.executors import sgd_step
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    b.load_state_dict(a.state_dict())
+    opt = torch.optim.SGD(b.parameters(), lr=0.07, weight_decay=0.003)
+    for step in range(5):
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        for m in (a, b):
+            for p in m.parameters():
+                p.grad = None
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+        a[2].bias.grad = None  # a frozen tensor: no update, no weight decay
+        b[2].bias.grad = None
+        sgd_step(list(a.named_parameters()), 0.07, 0.003)
+        opt.step()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+    # a per-element multiplier scales the whole step, weight decay included
+    w = a[0].weight.detach().clone()
+    a[0].weight.grad = torch.ones_like(w)
+    scale = torch.linspace(0.5, 2.0, 7)[:, None]
+    sgd_step([("0.weight", a[0].weight)], 0.1, 0.01, {"0.weight": scale})
+    assert torch.allclose(a[0].weight, w - 0.1 * scale * (1.0 + 0.01 * w))

@@ -56,6 +56,7 @@ class ClientContext:
     label_counts: Optional[torch.Tensor] = None  # [C] local class counts
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
+    lr_scale: Optional[Dict[str, torch.Tensor]] = None  # per-parameter lr multipliers (FedNLR), set in client_begin
 
 
 @dataclass
@@ -90,6 +91,19 @@ class Algorithm:
         return None
 
     # ------------------------------------------------------------------ client side
+    def broadcast(self, server_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Extra tensors the server sends with the model (``RoundContext.extra``; SCAFFOLD's c)."""
+        return {}
+
+    def client_begin(self, ctx: ClientContext, probe) -> None:
+        """Called once per client before its first local step. ``probe()`` returns the received global
+        model's mean activation per neuron over the client's whole local data (list over
+        ``model.neuron_layers()``, tensors [M_l]); FedNLR sets ``ctx.lr_scale`` from it."""
+
+    def train_logits(self, ctx: ClientContext, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, C] the local cross-entropy is computed on (FedRS, FedLC); training only."""
+        return logits
+
     def local_loss(self, ctx: ClientContext, params: Dict[str, torch.Tensor], logits: torch.Tensor,
                    features: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
         """Extra loss terms added to the mean cross-entropy (scalar), or None."""
@@ -97,7 +111,8 @@ class Algorithm:
 
     def transform_grads(self, ctx: ClientContext, k: int, params: Dict[str, torch.Tensor],
                         grads: Dict[str, torch.Tensor]) -> None:
-        """Modify gradients in place before masking, clipping and the SGD step."""
+        """Modify gradients IN PLACE before masking, clipping and the SGD step (SCAFFOLD's correction).
+        In the vectorised executor ``grads`` and ``ctx.state`` carry a leading client dim [C, ...]."""
 
     def update_mask(self, ctx: ClientContext, k: int) -> Optional[Sequence[bool]]:
         """Per parameter tensor (ParamSpec order): may it move at local step k? None = all may."""
@@ -129,12 +144,28 @@ class Algorithm:
         """Extra per-round metrics logged with step = round (e.g. FedExP's eta_g)."""
         return {}
 
+    def post_training(self, post: "PostTraining") -> Optional[torch.Tensor]:
+        """After the last round: an improved model [d] to evaluate and keep (CCVR), or None."""
+        return None
+
     def schedule_rows(self, num_steps: Sequence[int]) -> Optional[List[Dict[str, float]]]:
         """A table describing what the algorithm does over local steps (FedBug: units per step), or None."""
         return None
 
     def describe(self) -> str:
         return self.name
+
+
+@dataclass
+class PostTraining:
+    """What :meth:`Algorithm.post_training` may use: the model, the final global vector, the clients' data."""
+
+    model: torch.nn.Module
+    global_flat: torch.Tensor
+    spec: ParamSpec
+    data: Any  # ClientData: x, y, indices, label_counts
+    seed: int
+    num_classes: int
 
 
 class Wrapper(Algorithm):
@@ -163,6 +194,18 @@ class Wrapper(Algorithm):
 
     def transform_grads(self, ctx, k, params, grads):
         self.base.transform_grads(ctx, k, params, grads)
+
+    def broadcast(self, server_state):
+        return self.base.broadcast(server_state)
+
+    def client_begin(self, ctx, probe):
+        self.base.client_begin(ctx, probe)
+
+    def train_logits(self, ctx, logits):
+        return self.base.train_logits(ctx, logits)
+
+    def post_training(self, post):
+        return self.base.post_training(post)
 
     def update_mask(self, ctx, k):
         return self.base.update_mask(ctx, k)

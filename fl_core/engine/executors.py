@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..algorithms.base import Algorithm, ClientContext, ClientUpdate, RoundContext
 from ..data import augment
 from ..seeding import torch_generator
+from .probes import layer_activation_means
 from .state import ClientStateStore, flatten_params, load_flat
 
 
@@ -42,6 +43,23 @@ def batch_schedule(seed: int, round_idx: int, client_id: int, num_samples: int, 
         perm = torch.randperm(num_samples, generator=g)
         out.extend(perm.split(batch_size))
     return out
+
+
+@torch.no_grad()
+def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Dict[str, torch.Tensor]] = None):
+    """Plain SGD on the parameters that have a gradient: p <- p - lr * s_p * (grad + wd * p).
+
+    ``s_p`` is the per-element learning-rate multiplier of FedNLR (``lr_scale[name]``, broadcast to
+    p's shape; 1 when absent). Without multipliers this is ``torch.optim.SGD`` (no momentum) to the
+    bit (tested); parameters whose grad is None (frozen) get no update and no weight decay.
+    """
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        d_p = p.grad if weight_decay == 0 else p.grad.add(p, alpha=weight_decay)
+        if lr_scale is not None and name in lr_scale:
+            d_p = d_p * lr_scale[name]
+        p.add_(d_p, alpha=-lr)
 
 
 class ClientData:
@@ -93,6 +111,10 @@ class Executor:
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         raise NotImplementedError
 
+    def probe(self, cid: int):
+        """A callable giving the current ``self.model``'s mean activations over client ``cid``'s data."""
+        return lambda: layer_activation_means(self.model, self.data.x[self.data.indices[cid]])[0]
+
     def augment_params(self, rctx: RoundContext, cid: int, k: int) -> Optional[augment.AugmentParams]:
         """Augmentation draws of client ``cid``'s k-th local step (1-indexed), or None without augmentation."""
         if self.augmentation == "none":
@@ -124,10 +146,10 @@ class SequentialExecutor(Executor):
         model, algo, data = self.model, self.algo, self.data
         rctx = ctx.round
         load_flat(model, rctx.global_flat)
+        algo.client_begin(ctx, self.probe(ctx.client_id))
         model.train()
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
-        opt = torch.optim.SGD(model.parameters(), lr=rctx.lr, weight_decay=self.weight_decay)
         idx = data.indices[ctx.client_id]
         batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
                                  self.local_epochs)
@@ -142,16 +164,17 @@ class SequentialExecutor(Executor):
             if aug is not None:
                 x = augment.apply(x, aug, self.crop_padding)
             logits, feats = model.forward_features(x)
-            loss = F.cross_entropy(logits, y)
+            loss = F.cross_entropy(algo.train_logits(ctx, logits), y)
             extra = algo.local_loss(ctx, params, logits, feats, y)
             total = loss if extra is None else loss + extra
-            opt.zero_grad(set_to_none=True)
+            for _, p in named:
+                p.grad = None
             total.backward()
             trainable = [p for _, p in named if p.grad is not None]
             algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
-            opt.step()  # SGD skips parameters whose grad is None: frozen ones get no weight decay
+            sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale)
             loss_sum += loss.detach()
         for _, p in named:
             p.requires_grad_(True)
@@ -214,11 +237,11 @@ class VectorizedExecutor(Executor):
     def _loss(self, params, x, y, w, client, rctx):
         """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks."""
         logits, feats = torch.func.functional_call(self._fwd, {f"model.{n}": p for n, p in params.items()}, (x,))
-        ce = F.cross_entropy(logits, y, reduction="none")
-        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
         ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                             num_steps=client["num_steps"], label_counts=client["label_counts"],
                             state=client["state"], sample_weight=w)
+        ce = F.cross_entropy(self.algo.train_logits(ctx, logits), y, reduction="none")
+        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
         extra = self.algo.local_loss(ctx, params, logits, feats, y)
         total = loss if extra is None else loss + extra
         return total, loss.detach()
@@ -250,8 +273,21 @@ class VectorizedExecutor(Executor):
         data, algo, dev = self.data, self.algo, self.data.x.device
         ctxs = [self.client_context(rctx, cid, store) for cid in ids]
         C = len(ctxs)
+        load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
+        for ctx in ctxs:
+            algo.client_begin(ctx, self.probe(ctx.client_id))
+        lr_scale = {}
+        if any(c.lr_scale for c in ctxs):
+            for n in self._names:
+                if any(c.lr_scale and n in c.lr_scale for c in ctxs):
+                    shape = rctx.global_params()[n].shape
+                    lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale
+                                                else torch.ones((1,) * len(shape), device=dev)).expand(shape)
+                                               for c in ctxs])
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
+        if lr_scale:
+            lr_scale = {n: v.to(g[n].dtype) for n, v in lr_scale.items()}
         steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
         # per-client values as stacked tensors [C, ...] (vmap hands each client its slice)
         dtype = data.x.dtype
@@ -287,6 +323,8 @@ class VectorizedExecutor(Executor):
                 if self.grad_clip is not None:
                     gr = gr * coef.view(shape)
                 d_p = gr + self.weight_decay * p if self.weight_decay else gr
+                if n in lr_scale:
+                    d_p = d_p * lr_scale[n]
                 params[n] = torch.where(mask[:, j].view(shape), p - rctx.lr * d_p, p)
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
         flat = torch.cat([params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]

@@ -183,7 +183,8 @@ class Simulator:
                 lr = self.lr * self.lr_decay ** (r - 1)
                 clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
                 rctx = RoundContext(round=r, lr=lr, global_flat=st["global"], spec=self.spec,
-                                    num_clients=self.num_clients, mean_client_size=self.mean_client_size)
+                                    num_clients=self.num_clients, mean_client_size=self.mean_client_size,
+                                    extra=self.algo.broadcast(st["server"]))
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
                 st["comm_up"] += up

@@ -47,8 +47,13 @@ class ParamSpec:
                    tuple(unit_index[n] for n in names), len(units))
 
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Name -> tensor views into ``flat`` ([d]); writes through."""
-        return {n: flat[o:o + k].view(s) for n, s, k, o in zip(self.names, self.shapes, self.numels, self.offsets)}
+        """Name -> tensor views into ``flat`` ([..., d] -> [..., *shape]); writes through.
+
+        Leading dims are kept, so a stack of client vectors [C, d] gives [C, *shape] per parameter.
+        """
+        lead = flat.shape[:-1]
+        return {n: flat[..., o:o + k].view(*lead, *s)
+                for n, s, k, o in zip(self.names, self.shapes, self.numels, self.offsets)}
 
     def unit_slices(self) -> List[List[slice]]:
         out: List[List[slice]] = [[] for _ in range(self.num_units)]

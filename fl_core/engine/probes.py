@@ -1,0 +1,67 @@
+"""Activation probes: mean activation per neuron of a model's weighted layers over some data.
+
+A model exposes its weighted layers in forward order with ``neuron_layers()`` -> [(name, module,
+kind)], kind ``conv`` or ``linear``, the last one being the classifier. A neuron is an output channel
+(conv) or an output unit (linear). Its activation is the post-ReLU output, averaged over spatial
+positions for convolutions; the classifier's raw logits are used as they are (ALGORITHMS.md section
+6, implementation choice IC (a)).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def layer_activation_means(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 512,
+                           y: torch.Tensor = None, num_classes: int = 0) -> Tuple[List[torch.Tensor], List[int]]:
+    """Mean activation per neuron of every layer in ``model.neuron_layers()`` over ``x`` [N, ...].
+
+    Runs in eval mode (no dropout) without gradients. Returns ``(means, spatial)``: ``means[l]`` is
+    [M_l] (or [num_classes, M_l], per-class means, when ``y`` is given), ``spatial[l]`` the number of
+    output positions H*W of a conv layer (1 for linear layers).
+
+    Raises:
+        AttributeError: the model has no ``neuron_layers()``.
+    """
+    layers = model.neuron_layers()
+    last = len(layers) - 1
+    sums: List = [None] * len(layers)
+    spatial = [1] * len(layers)
+    current = {}
+
+    def make_hook(i, kind):
+        def hook(_module, _inp, out):
+            a = out if i == last else F.relu(out)
+            if kind == "conv":
+                spatial[i] = int(out.shape[-1] * out.shape[-2])
+                a = a.mean(dim=(-2, -1))
+            a = a.double()
+            if y is None:
+                s = a.sum(0)
+            else:
+                s = torch.zeros(num_classes, a.shape[1], dtype=a.dtype, device=a.device)
+                s.index_add_(0, current["y"], a)
+            sums[i] = s if sums[i] is None else sums[i] + s
+        return hook
+
+    handles = [m.register_forward_hook(make_hook(i, kind)) for i, (_, m, kind) in enumerate(layers)]
+    was_training = model.training
+    model.eval()
+    try:
+        for s in range(0, x.shape[0], batch_size):
+            if y is not None:
+                current["y"] = y[s:s + batch_size]
+            model(x[s:s + batch_size])
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if y is None:
+        n = max(1, x.shape[0])
+        return [s / n for s in sums], spatial
+    counts = torch.bincount(y, minlength=num_classes).clamp_min(1).to(sums[0].dtype)[:, None]
+    return [s / counts for s in sums], spatial
