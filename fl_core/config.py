@@ -98,6 +98,44 @@ class FedExPConfig:
 
 
 @dataclass
+class ScaffoldConfig:
+    lr_in_update: str = "actual"  # c-update divides by K * eta_l of the round (actual) | the initial lr (Acar code)
+
+
+@dataclass
+class FedNovaConfig:
+    mu: float = 0.0  # proximal term (FedNova's "prox" normaliser) ; 0 = plain SGD, a_i = tau_i
+
+
+@dataclass
+class FedRSConfig:
+    alpha: float = 0.5  # logit scale of classes missing from the client (FedNLR; FedDecorr default)
+
+
+@dataclass
+class FedLCConfig:
+    tau: float = 1.0  # calibration strength (FedNLR 1; FedDecorr default 0.1)
+    missing: str = "exclude"  # classes absent locally: exclude (logit -inf, reference) | clamp (count 1)
+
+
+@dataclass
+class FedNLRConfig:
+    mu0: float = 1.0  # mu_l = mu0 + a1 * depth + a2 * log10(M_l)   (FedNLR Eq. 17)
+    a1: float = 1.0
+    a2: float = 1.0
+    depth_term: str = "l_over_L"  # l/L (Eq. 17) | one_over_L (the paper's printed final formula)
+    neuron_count: str = "channels"  # M_l of a conv layer: channels | channels_x_hw
+
+
+@dataclass
+class CCVRConfig:
+    virtual_per_class: int = 200  # M_c virtual features sampled per class (not in the papers: our default)
+    epochs: int = 20  # classifier retraining epochs over the virtual features (our default)
+    lr: float = 0.01  # classifier retraining learning rate (our default)
+    batch_size: int = 64
+
+
+@dataclass
 class FedDecorrConfig:
     beta: float = 0.01  # weight of the decorrelation loss (FedBug paper 0.01, FedBug code 0.001)
 
@@ -114,6 +152,12 @@ class AlgorithmConfig:
     feddyn: FedDynConfig = field(default_factory=FedDynConfig)
     fedexp: FedExPConfig = field(default_factory=FedExPConfig)
     feddecorr: FedDecorrConfig = field(default_factory=FedDecorrConfig)
+    scaffold: ScaffoldConfig = field(default_factory=ScaffoldConfig)
+    fednova: FedNovaConfig = field(default_factory=FedNovaConfig)
+    fedrs: FedRSConfig = field(default_factory=FedRSConfig)
+    fedlc: FedLCConfig = field(default_factory=FedLCConfig)
+    fednlr: FedNLRConfig = field(default_factory=FedNLRConfig)
+    ccvr: CCVRConfig = field(default_factory=CCVRConfig)
     fedbug: FedBugConfig = field(default_factory=FedBugConfig)
 
 
@@ -225,6 +269,20 @@ def validate(cfg: Any) -> None:
     _range("algorithm.fedexp.eps", a.fedexp.eps, 0)
     _range("algorithm.fedexp.eps_decay", a.fedexp.eps_decay, 0, 1, lo_open=True)
     _range("algorithm.feddecorr.beta", a.feddecorr.beta, 0)
+    _choice("algorithm.scaffold.lr_in_update", a.scaffold.lr_in_update, ("actual", "initial"))
+    _range("algorithm.fednova.mu", a.fednova.mu, 0)
+    _range("algorithm.fedrs.alpha", a.fedrs.alpha, 0, 1)
+    _range("algorithm.fedlc.tau", a.fedlc.tau, 0)
+    _choice("algorithm.fedlc.missing", a.fedlc.missing, ("exclude", "clamp"))
+    _range("algorithm.fednlr.mu0", a.fednlr.mu0, 0)
+    _range("algorithm.fednlr.a1", a.fednlr.a1, 0)
+    _range("algorithm.fednlr.a2", a.fednlr.a2, 0)
+    _choice("algorithm.fednlr.depth_term", a.fednlr.depth_term, ("l_over_L", "one_over_L"))
+    _choice("algorithm.fednlr.neuron_count", a.fednlr.neuron_count, ("channels", "channels_x_hw"))
+    _range("algorithm.ccvr.virtual_per_class", a.ccvr.virtual_per_class, 1)
+    _range("algorithm.ccvr.epochs", a.ccvr.epochs, 0)
+    _range("algorithm.ccvr.lr", a.ccvr.lr, 0, lo_open=True)
+    _range("algorithm.ccvr.batch_size", a.ccvr.batch_size, 1)
     _range("train.rounds", t.rounds, 1)
     _range("train.participation", t.participation, 0, 1, lo_open=True)
     _choice("train.sampler", t.sampler, SAMPLERS)

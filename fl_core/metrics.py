@@ -15,9 +15,16 @@ def rounds_to_target(history: Sequence[Dict[str, float]], target: float) -> Opti
 
 
 def summarize_run(history: Sequence[Dict[str, float]], target: float) -> Dict[str, Optional[float]]:
-    """final/best test accuracy (fractions), final test and train loss, rounds to ``target``, cumulative comm."""
+    """final/best test accuracy (fractions), final test and train loss, rounds to ``target``, cumulative comm.
+
+    With a post-training step (CCVR) the final accuracy and test loss are those of the calibrated model.
+    """
     evals = [r for r in history if "test_acc" in r]
     last = history[-1]
+    if "post_test_acc" in last:
+        return {**summarize_run([{k: v for k, v in r.items() if not k.startswith("post_")} for r in history], target),
+                "final_acc": last["post_test_acc"], "final_test_loss": last["post_test_loss"],
+                "final_acc_before_post": evals[-1]["test_acc"] if evals else None}
     return {
         "final_acc": evals[-1]["test_acc"] if evals else None,
         "best_acc": max(r["test_acc"] for r in evals) if evals else None,

@@ -24,7 +24,8 @@ def _run(args, cwd, env_extra=None):
     (["train.rounds=abc"], "error: Value 'abc' of type 'str' could not be converted to Integer (full_key: train.rounds)"),
     (["train.participation=1.5"], "error: train.participation must be <= 1, got 1.5"),
     (["train.nope=1"], "error: Key 'nope' not in 'TrainConfig' (full_key: train.nope)"),
-    (["algorithm=nope"], "error: algorithm must be one of fedavg, fedbug, feddecorr, feddyn, fedexp, fedprox, got 'nope'"),
+    (["algorithm=nope"], "error: algorithm must be one of "
+     + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml"))) + ", got 'nope'"),
     (["algorithm.fedbug.gu_percentage=1.2"], "error: algorithm.fedbug.gu_percentage must be <= 1, got 1.2"),
     (["--bogus"], "error: unknown option --bogus (see --help)"),
 ])

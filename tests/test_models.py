@@ -12,6 +12,7 @@ from fl_core.config import ModelConfig
 from fl_core.models import AUTO_MODEL, MODELS, build_model, unit_layouts
 from fl_core.models.cnn import TinyCNN
 from fl_core.models.resnet import ResNet18GN, ResNet34GN
+from fl_core.models.vgg import VGG9
 
 # (name, input shape, classes) the models are built for in these tests
 SHAPES = {
@@ -23,6 +24,7 @@ SHAPES = {
     "tiny_cnn": ((3, 64, 64), 200),
     "resnet18": ((3, 32, 32), 100),
     "resnet34": ((3, 32, 32), 100),
+    "vgg9": ((3, 32, 32), 10),
 }
 ALL_LAYOUTS = [(name, units) for name in SHAPES for units in ("default", *unit_layouts(name))]
 
@@ -197,3 +199,141 @@ def test_tiny_cnn_too_small_input():
     with pytest.raises(ValueError, match="tiny_cnn needs inputs of at least 36x36"):
         TinyCNN((3, 32, 32), 10)
     assert TinyCNN((3, 36, 36), 10).fc1.in_features == 64
+
+
+# --------------------------------------------------------------------------- VGG-9 (section 2.4) and neuron_layers
+
+VGG9_LAYERS = ["conv1", "conv2", "conv3", "conv4", "conv5", "conv6", "fc1", "fc2", "fc3"]
+
+
+def _vgg9_m(c):
+    return [32, 64, 128, 128, 256, 256, 512, 512, c]
+
+
+@pytest.mark.parametrize("classes,expected", [(10, 3_491_530), (100, 3_537_700)])
+def test_vgg9_parameter_count(classes, expected):
+    torch.manual_seed(0)
+    m = VGG9((3, 32, 32), classes)
+    assert _count(m) == expected
+    per_layer = {name: sum(p.numel() for p in getattr(m, name).parameters()) for name in VGG9_LAYERS}
+    assert per_layer == {"conv1": 896, "conv2": 18_496, "conv3": 73_856, "conv4": 147_584, "conv5": 295_168,
+                         "conv6": 590_080, "fc1": 2_097_664, "fc2": 262_656, "fc3": 513 * classes}
+    assert m.fc1.in_features == 4096  # 256 * 4 * 4, as NIID-Bench's ModerateCNN
+    assert list(m.buffers()) == []  # no BatchNorm: nothing to keep out of the averaged state
+
+
+def test_vgg9_units_one_per_weighted_layer(built):
+    units = built["vgg9", "default"].units()
+    assert len(units) == 9
+    assert units == [[f"{n}.weight", f"{n}.bias"] for n in VGG9_LAYERS]
+
+
+def test_vgg9_init_kaiming_uniform_conv_xavier_normal_linear():
+    """FedNLR [S3] 7.1: Kaiming-uniform conv weights (bound sqrt(6/fan_in)), Xavier-normal linear weights
+    (std sqrt(2/(fan_in+fan_out))); biases keep PyTorch's U(+-1/sqrt(fan_in))."""
+    torch.manual_seed(1)
+    m = VGG9((3, 32, 32), 10)
+    for name, module, kind in m.neuron_layers():
+        w = module.weight.detach()
+        fan_in = w[0].numel()
+        fan_out = w.shape[0] * (w[0, 0].numel() if kind == "conv" else 1)
+        assert module.bias.abs().max() <= 1 / fan_in ** 0.5
+        if kind == "conv":
+            bound = (6 / fan_in) ** 0.5
+            assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound, name
+            assert abs(w.std().item() / (bound / 3 ** 0.5) - 1) < 0.1, name  # U(-b, b): std b/sqrt(3)
+        else:
+            std = (2 / (fan_in + fan_out)) ** 0.5
+            assert abs(w.std().item() / std - 1) < 0.1, name
+            assert abs(w.mean().item()) < 0.2 * std, name
+            assert w.abs().max() > 2.5 * std, name  # a normal's tail, beyond any uniform of that std (1.73)
+    # not PyTorch's default init (Kaiming-uniform with a = sqrt(5): std 1/sqrt(3 fan_in))
+    assert m.conv6.weight.std() > 2 * (1 / (3 * 2304)) ** 0.5
+    assert m.fc1.weight.std() > 2 * (1 / (3 * 4096)) ** 0.5
+
+
+def test_vgg9_forward_features_and_dropout():
+    torch.manual_seed(2)
+    m = VGG9((3, 32, 32), 100)
+    x = torch.randn(4, 3, 32, 32)
+    m.eval()
+    with torch.no_grad():
+        logits, f = m.forward_features(x)
+        assert logits.shape == (4, 100) and f.shape == (4, 512)
+        assert torch.equal(m(x), logits)  # eval mode: no dropout, deterministic
+        assert torch.allclose(m.fc3(f), logits, atol=1e-6) and (f >= 0).all()
+    m.train()
+    with torch.no_grad():
+        a, fa = m.forward_features(x)
+        b, _ = m.forward_features(x)
+        assert not torch.equal(a, b)  # Dropout2d(0.05) and two Dropout(0.1) are active in train mode
+        assert torch.allclose(m.fc3(fa), a, atol=1e-6)  # features are the classifier's input
+    # other input sizes: 1x28x28 -> 28/14/7/3, flatten 256*3*3 = 2304 (NIID-Bench's MNIST variant)
+    assert VGG9((1, 28, 28), 10).fc1.in_features == 2304
+    with pytest.raises(ValueError, match="vgg9 needs inputs of at least 8x8"):
+        VGG9((1, 4, 4), 10)
+
+
+def test_vgg9_registry_and_auto():
+    assert MODELS["vgg9"] is VGG9 and AUTO_MODEL["cinic10"] == "vgg9"
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(name="auto"), "cinic10", (3, 32, 32), 10)
+    assert isinstance(m, VGG9) and _count(m) == 3_491_530
+    with pytest.raises(ValueError, match=r"^model\.units must be one of default for vgg9"):
+        build_model(ModelConfig(name="vgg9", units="block"), "cifar10", (3, 32, 32), 10)
+
+
+NEURON_MODELS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
+                 ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("vgg9", "default")]
+NEURON_NAMES = {
+    "small_cnn": ["conv1", "conv2", "fc1", "fc2"],
+    "std_cnn": ["conv1", "conv2", "fc1", "fc2", "fc3"],
+    "mcmahan_cnn": ["conv1", "conv2", "fc1", "fc2"],
+    "mlp": ["fc1", "fc2", "fc3"],
+    "logreg": ["fc"],
+    "tiny_cnn": ["conv1", "conv2", "conv3", "fc1", "fc2", "fc3"],
+    "vgg9": VGG9_LAYERS,
+}
+
+
+@pytest.mark.parametrize("name,units", NEURON_MODELS)
+def test_neuron_layers(built, name, units):
+    """Forward order, kinds, classifier last, every parameter in a listed layer, and hooked outputs that are
+    pre-activations nobody modifies in place (FedNLR's probes apply ReLU themselves)."""
+    model = built[name, units].eval()
+    shape, classes = SHAPES[name]
+    layers = model.neuron_layers()
+    assert [n for n, _, _ in layers] == NEURON_NAMES[name]
+    modules = dict(model.named_modules())
+    for n, module, kind in layers:
+        assert modules[n] is module
+        assert kind == ("conv" if isinstance(module, nn.Conv2d) else "linear")
+        assert isinstance(module, nn.Conv2d if kind == "conv" else nn.Linear)
+    assert layers[-1][2] == "linear" and layers[-1][1].out_features == classes
+    listed = {id(p) for _, m, _ in layers for p in m.parameters()}
+    assert listed == {id(p) for p in model.parameters()}
+
+    calls, outputs, copies = [], [], []
+
+    def hook(module, _inp, out):
+        calls.append(module)
+        outputs.append(out)
+        copies.append(out.detach().clone())
+
+    handles = [m.register_forward_hook(hook) for _, m, _ in layers]
+    try:
+        with torch.no_grad():
+            logits = model(torch.randn(3, *shape))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [m for _, m, _ in layers]  # each layer runs once, in the listed order
+    for out, copy in zip(outputs, copies):
+        assert torch.equal(out, copy)  # no in-place ReLU touched the layer output
+    assert torch.equal(outputs[-1], logits)  # the last layer's output is the logits
+    if len(layers) > 1:
+        assert all((copy < 0).any() for copy in copies[:-1])  # pre-activations, not ReLU outputs
+    widths = [o.shape[1] for o in outputs]
+    if name == "vgg9":
+        assert widths == _vgg9_m(classes)
+    assert widths == [m.out_channels if k == "conv" else m.out_features for _, m, k in layers]

@@ -328,3 +328,88 @@ def test_get_partition_caches(tmp_path, labels, monkeypatch):
     r = get_partition(cfg, "toy", other, C, tmp_path)
     for i, ix in enumerate(r.client_indices):
         assert np.array_equal(r.label_hist[i], np.bincount(other[ix], minlength=C))
+
+
+# --------------------------------------------------------------------------- shards, McMahan's sort-and-shard
+
+
+def _mcmahan(n, s, seed=0):
+    return PartitionConfig(name="shards", shards_variant="mcmahan_sort_shard", num_clients=n, classes_per_client=s,
+                           seed=seed)
+
+
+@pytest.mark.parametrize("n,s", [(20, 2), (7, 3), (100, 4), (9, 10)])
+def test_mcmahan_shards_balanced(labels, n, s):
+    p = make_partition(_mcmahan(n, s), labels, C)
+    _assert_consistent(p, labels, n)  # no index twice, label_hist right
+    shard = len(labels) // (n * s)
+    assert np.all(p.sizes == shard * s)  # every client exactly floor(|D|/(N*S)) * S samples
+    assert p.sizes.sum() == len(labels) - len(labels) % (n * s)  # only the remainder is dropped
+    # each client holds S contiguous runs of the label-sorted order: labels non-decreasing within a shard
+    for ix in p.client_indices:
+        runs = labels[ix].reshape(s, shard)
+        assert np.all(np.diff(runs, axis=1) >= 0)
+
+
+def test_mcmahan_shards_class_aligned_at_most_s_classes():
+    """Classes whose sizes are multiples of the shard size: every shard is one class, so a client holds
+    at most S classes (fewer when it drew two shards of the same class), as in McMahan et al."""
+    y = np.random.default_rng(3).permutation(np.repeat(np.arange(C), 300))  # 3000 = 20 clients x 2 x 75
+    p = make_partition(_mcmahan(20, 2), y, C)
+    _assert_consistent(p, y, 20)
+    assert np.all(p.sizes == 150)
+    k = (p.label_hist > 0).sum(1)
+    assert k.max() <= 2 and k.min() >= 1
+    assert np.all(p.label_hist % 75 == 0)  # whole shards
+    assert np.array_equal(np.sort(_all_indices(p)), np.arange(3000))  # no remainder: every index used
+    # with many seeds some client gets two shards of one class (fewer than S classes) -- the label_S
+    # variant never does that
+    ks = [(make_partition(_mcmahan(20, 2, seed), y, C).label_hist > 0).sum(1).min() for seed in range(10)]
+    assert min(ks) == 1
+
+
+def test_mcmahan_shards_remainder_dropped_at_random(labels):
+    # 3000 samples, 7 x 3 = 21 shards of 142: 18 samples dropped, spread over the classes (not the tail of
+    # the sorted order, which would take them all from class 9)
+    p = make_partition(_mcmahan(7, 3), labels, C)
+    used = np.bincount(labels[_all_indices(p)], minlength=C)
+    assert used.sum() == 3000 - 18
+    assert (np.bincount(labels, minlength=C) - used)[9] < 18
+
+
+def test_mcmahan_shards_deterministic_and_seeded(labels):
+    a, b = make_partition(_mcmahan(20, 2), labels, C), make_partition(_mcmahan(20, 2), labels, C)
+    assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, b.client_indices))
+    c = make_partition(_mcmahan(20, 2, seed=1), labels, C)
+    assert any(not np.array_equal(x, y) for x, y in zip(a.client_indices, c.client_indices))
+    # a different scheme than label_S on the same config
+    d = make_partition(replace(_mcmahan(20, 2), shards_variant="label_S"), labels, C)
+    assert any(len(x) != len(y) or not np.array_equal(x, y) for x, y in zip(a.client_indices, d.client_indices))
+
+
+def test_label_s_is_default_and_unchanged(labels):
+    cfg = PartitionConfig(name="shards", num_clients=20, classes_per_client=3)
+    assert cfg.shards_variant == "label_S"
+    a = make_partition(cfg, labels, C)
+    b = make_partition(replace(cfg, shards_variant="label_S"), labels, C)
+    assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, b.client_indices))
+    assert np.all((a.label_hist > 0).sum(1) == 3)
+
+
+def test_mcmahan_shards_errors(labels):
+    with pytest.raises(PartitionError, match=r"^partition\.shards_variant must be one of label_S, mcmahan_sort_shard"):
+        make_partition(replace(_mcmahan(20, 2), shards_variant="sorted"), labels, C)
+    with pytest.raises(PartitionError, match=r"^partition\.classes_per_client=10: 2000 clients x 10 shards exceed"):
+        make_partition(_mcmahan(2000, 10), labels, C)
+    with pytest.raises(PartitionError, match=r"^partition\.size_sigma"):
+        make_partition(replace(_mcmahan(20, 2), size_sigma=0.5), labels, C)
+
+
+def test_partition_key_shards_variant():
+    label_s = PartitionConfig(name="shards", num_clients=20, classes_per_client=2)
+    assert partition_key(label_s, "cifar10") == "cifar10-shards-S2-n20-s0"  # unchanged for the default
+    mc = replace(label_s, shards_variant="mcmahan_sort_shard")
+    assert partition_key(mc, "cifar10") == "cifar10-shards-mcmahan_sort_shard-S2-n20-s0"
+    # other partitions ignore the field
+    iid = PartitionConfig(name="iid")
+    assert partition_key(iid, "d") == partition_key(replace(iid, shards_variant="mcmahan_sort_shard"), "d")

@@ -339,3 +339,101 @@ def test_tiny_imagenet_wrong_size_named(tmp_path):
     Image.new("RGB", (32, 64)).save(odd)
     with pytest.raises(DataSourceError, match=r"val_0\.JPEG is 32x64, expected 64x64"):
         load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
+
+
+# --------------------------------------------------------------------------- CINIC-10
+
+CINIC_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cinic10(root: Path, folder: str = "cinic-10", per_class=(2, 1), classes=CINIC_CLASSES):
+    """A CINIC-10 tree of flat-colour 32x32 PNGs (lossless) under ``root/folder``.
+
+    Class folders are created in reverse order (the sorted names, not the creation order, give the
+    label). Image i of the c-th name in ``classes`` has colour (20c + 5i, 7c, 200 - i) in train and
+    (20c, 100, 50 + i) in test; valid/ holds one image per class that must not be read. Train image 0 of
+    class 3 is a grayscale PNG named like CINIC's CIFAR-derived files ("cifar10-..." sorts before "n0...").
+    Returns ``{split: [(c, rgb), ...]}`` in class-then-file-name order of ``classes``.
+    """
+    from PIL import Image
+
+    base = root / folder
+    truth = {"train": [], "test": [], "valid": []}
+    for split, n in (("train", per_class[0]), ("test", per_class[1]), ("valid", 1)):
+        for c in reversed(range(len(classes))):
+            d = base / split / classes[c]
+            d.mkdir(parents=True)
+            for i in range(n):
+                if split == "train" and c == 3 and i == 0:
+                    Image.new("L", (32, 32), 90).save(d / f"cifar10-train-{i}.png")
+                    rgb = (90, 90, 90)
+                else:
+                    rgb = (20 * c + 5 * i, 7 * c, 200 - i) if split == "train" else (20 * c, 100, 50 + i)
+                    Image.new("RGB", (32, 32), rgb).save(d / f"n0{c}_{i}.png")
+                truth[split].append((c, rgb))
+    return {split: sorted(rows, key=lambda r: r[0]) for split, rows in truth.items()}  # stable: i stays in order
+
+
+def test_cinic10_reader(tmp_path):
+    truth = write_cinic10(tmp_path)
+    (tmp_path / "cinic-10" / "train" / "cat" / "README.txt").write_text("not an image")  # ignored
+    d = load_source(DatasetConfig(name="cinic10"), tmp_path)
+    assert d.name == "cinic10" and d.num_classes == 10 and d.scale == 255.0
+    assert d.x_train.dtype == torch.uint8 and d.x_train.shape == (20, 3, 32, 32) and d.input_shape == (3, 32, 32)
+    assert d.x_test.dtype == torch.uint8 and d.x_test.shape == (10, 3, 32, 32)
+    assert d.mean == (0.47889522, 0.47227842, 0.43047404) and d.std == (0.24205776, 0.23828046, 0.25874835)
+    # labels: sorted class folder names (airplane 0 ... truck 9, the CIFAR-10 order), then file name
+    assert d.y_train.dtype == torch.int64 and d.y_train.tolist() == [c for c, _ in truth["train"]]
+    assert d.y_train.tolist() == [c for c in range(10) for _ in range(2)]
+    assert d.y_test.tolist() == list(range(10))
+    assert _colours(d.x_train) == [rgb for _, rgb in truth["train"]]  # PNG is lossless
+    assert _colours(d.x_test) == [rgb for _, rgb in truth["test"]]
+    gray = d.x_train[6]  # cat, grayscale PNG -> three equal channels
+    assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2]) and int(gray[0, 0, 0]) == 90
+    # flat images stay flat
+    assert torch.equal(d.x_train, d.x_train[:, :, :1, :1].expand_as(d.x_train))
+
+
+def test_cinic10_upper_case_folder_and_any_classes(tmp_path):
+    write_cinic10(tmp_path, folder="CINIC-10", per_class=(1, 1), classes=["b", "a", "c"])
+    d = load_source(DatasetConfig(name="cinic10"), tmp_path)
+    assert d.num_classes == 3 and d.y_train.tolist() == [0, 1, 2]
+    # "b" was written as class 0: sorted folder order makes it label 1
+    assert _colours(d.x_train)[1] == (0, 0, 200)
+
+
+def test_cinic10_missing_root(tmp_path):
+    root = tmp_path / "nowhere"
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="cinic10"), root)
+    msg = str(err.value)
+    assert msg.startswith(f"dataset.root: CINIC-10 not found under {root} ")
+    assert "cinic-10/" in msg and "train/<class>/*.png" in msg and "test/<class>/*.png" in msg
+    assert "\n" not in msg
+    (tmp_path / "only-train" / "cinic-10" / "train" / "cat").mkdir(parents=True)  # no test/: not found either
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: CINIC-10 not found under"):
+        load_source(DatasetConfig(name="cinic10"), tmp_path / "only-train")
+
+
+def test_cinic10_bad_image_named(tmp_path):
+    from PIL import Image
+
+    write_cinic10(tmp_path, per_class=(1, 1))
+    broken = tmp_path / "cinic-10" / "test" / "dog" / "n05_0.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: cannot read the CINIC-10 image .*dog.n05_0\.png"):
+        load_source(DatasetConfig(name="cinic10"), tmp_path)
+    Image.new("RGB", (32, 30)).save(broken)
+    with pytest.raises(DataSourceError, match=r"n05_0\.png is 32x30, expected 32x32"):
+        load_source(DatasetConfig(name="cinic10"), tmp_path)
+
+
+def test_cinic10_class_folders_must_match(tmp_path):
+    write_cinic10(tmp_path, per_class=(1, 1))
+    for f in (tmp_path / "cinic-10" / "test" / "truck").iterdir():
+        f.unlink()
+    with pytest.raises(DataSourceError, match=r"class folder .*truck has no image files"):
+        load_source(DatasetConfig(name="cinic10"), tmp_path)
+    (tmp_path / "cinic-10" / "test" / "truck").rmdir()
+    with pytest.raises(DataSourceError, match=r"class folders of .*test.* differ from those of .*train"):
+        load_source(DatasetConfig(name="cinic10"), tmp_path)

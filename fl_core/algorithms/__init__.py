@@ -15,6 +15,11 @@ from .feddecorr import FedDecorr, decorrelation_loss
 from .feddyn import FedDyn
 from .fedexp import FedExP
 from .fedprox import FedProx
+from .ccvr import CCVR
+from .fedlogits import FedLC, FedRS
+from .fednlr import FedNLR, mu_schedule, neuron_scales
+from .fednova import FedNova, normalizer
+from .scaffold import Scaffold
 
 BASES: Dict[str, Callable[..., Algorithm]] = {
     "fedavg": lambda cfg: FedAvg(cfg.aggregation, cfg.eta_g),
@@ -23,16 +28,37 @@ BASES: Dict[str, Callable[..., Algorithm]] = {
     "fedexp": lambda cfg: FedExP(cfg.aggregation, cfg.fedexp.variant, cfg.fedexp.eps, cfg.fedexp.eps_decay,
                                  cfg.fedexp.average_last_two),
     "feddecorr": lambda cfg: FedDecorr(cfg.feddecorr.beta, cfg.aggregation, cfg.eta_g),
+    "scaffold": lambda cfg: Scaffold(cfg.eta_g, cfg.scaffold.lr_in_update),
+    "fednova": lambda cfg: FedNova(cfg.fednova.mu, cfg.eta_g),
+    "fedrs": lambda cfg: FedRS(cfg.fedrs.alpha, cfg.aggregation, cfg.eta_g),
+    "fedlc": lambda cfg: FedLC(cfg.fedlc.tau, cfg.fedlc.missing, cfg.aggregation, cfg.eta_g),
 }
+
+
+def _neuron_layers(model):
+    """(name, kind, M_l) of the model's weighted layers, or [] if it does not expose them."""
+    if model is None or not hasattr(model, "neuron_layers"):
+        return []
+    out = []
+    for name, module, kind in model.neuron_layers():
+        out.append((name, kind, module.out_channels if kind == "conv" else module.out_features))
+    return out
 
 WRAPPERS: Dict[str, Callable[..., Algorithm]] = {
-    "fedbug": lambda base, cfg, spec: FedBug(base, cfg.fedbug.gu_percentage, list(spec.unit_of), spec.num_units,
-                                             cfg.fedbug.schedule, cfg.fedbug.strategy),
+    "fedbug": lambda base, cfg, spec, model: FedBug(base, cfg.fedbug.gu_percentage, list(spec.unit_of),
+                                                    spec.num_units, cfg.fedbug.schedule, cfg.fedbug.strategy),
+    "fednlr": lambda base, cfg, spec, model: FedNLR(base, _neuron_layers(model), cfg.fednlr.mu0, cfg.fednlr.a1,
+                                                    cfg.fednlr.a2, cfg.fednlr.depth_term, cfg.fednlr.neuron_count),
+    "ccvr": lambda base, cfg, spec, model: CCVR(base, (_neuron_layers(model) or [("fc", "linear", 0)])[-1][0],
+                                                cfg.ccvr.virtual_per_class, cfg.ccvr.epochs, cfg.ccvr.lr,
+                                                cfg.ccvr.batch_size),
 }
 
 
-def build_algorithm(cfg, spec: ParamSpec) -> Algorithm:
+def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
     """Build ``cfg.name`` and wrap it with ``cfg.wrappers`` in order (first = innermost).
+
+    ``model`` gives wrappers the structure they need (FedNLR's neuron layers, CCVR's classifier).
 
     Raises:
         ValueError: unknown base (``algorithm.name``) or wrapper (``algorithm.wrappers``).
@@ -43,9 +69,10 @@ def build_algorithm(cfg, spec: ParamSpec) -> Algorithm:
     for w in cfg.wrappers:
         if w not in WRAPPERS:
             raise ValueError(f"algorithm.wrappers: unknown wrapper {w!r} (known: {', '.join(WRAPPERS)})")
-        algo = WRAPPERS[w](algo, cfg, spec)
+        algo = WRAPPERS[w](algo, cfg, spec, model)
     return algo
 
 
 __all__ = ["Algorithm", "Wrapper", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg", "FedProx",
-           "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "build_algorithm", "BASES", "WRAPPERS"]
+           "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "Scaffold", "FedNova",
+           "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "build_algorithm", "BASES", "WRAPPERS"]

@@ -31,6 +31,7 @@ class RoundContext:
     lr: float  # eta_l of this round (after lr decay)
     global_flat: torch.Tensor  # [d] broadcast model (read-only)
     spec: ParamSpec
+    lr0: float = 0.0  # eta_l of round 1 (before decay)
     num_clients: int = 1  # N, all clients of the federation
     mean_client_size: float = 1.0  # mean n_j over all N clients
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm broadcast (e.g. SCAFFOLD's c)

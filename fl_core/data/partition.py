@@ -14,10 +14,18 @@ Partitions (``partition.name`` / ``partition.variant``):
 - ``dirichlet`` / ``per_class`` (1.2 C, NIID-Bench): per class, proportions over clients
   ``p ~ Dir(alpha 1_N)``, zeroed for clients already at or above ``|D|/N``; repeated until
   every client has ``min_size`` samples. Every index is used exactly once; sizes vary.
-- ``shards`` (1.4, NIID-Bench ``#label-S`` generalised to any S <= C): client i holds class
-  ``i mod C`` and ``S - 1`` further distinct random classes; each class is split evenly
-  (``array_split``) among its holders. Classes nobody holds (possible when N < C) are
-  dropped.
+- ``shards`` / ``label_S`` (1.4, the default ``partition.shards_variant``; NIID-Bench ``#label-S``
+  generalised to any S <= C): client i holds class ``i mod C`` and ``S - 1`` further distinct
+  random classes; each class is split evenly (``array_split``) among its holders. Classes
+  nobody holds (possible when N < C) are dropped. Exactly S classes per client; sizes vary.
+- ``shards`` / ``mcmahan_sort_shard`` (1.4, McMahan et al. 2017): the training indices sorted
+  by label (stable) are cut into N*S equal shards of ``floor(|D| / (N*S))`` samples and every
+  client gets S distinct random shards. Balanced (every client holds exactly
+  ``S * floor(|D| / (N*S))`` samples). A client may get fewer than S distinct classes (two
+  shards of one class); when the class sizes are not multiples of the shard size, a shard
+  straddling a class boundary holds two (or more) classes, so a client can also get more
+  than S. The ``|D| mod (N*S)`` samples left over are dropped at random before sorting, so
+  that no single class loses them.
 
 All randomness comes from ``numpy_rng("partition", partition.seed)``: the same config and
 labels give the same partition, which is cached on disk and shared by every training
@@ -333,7 +341,7 @@ def _dirichlet_per_class(
 
 
 def _shards(labels: np.ndarray, num_classes: int, n: int, s: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """ALGORITHMS.md 1.4, the ``#label-S`` scheme."""
+    """ALGORITHMS.md 1.4, the ``#label-S`` scheme (``shards_variant = label_S``)."""
     holders: list[list[int]] = [[] for _ in range(num_classes)]
     for i in range(n):
         first = i % num_classes
@@ -351,7 +359,40 @@ def _shards(labels: np.ndarray, num_classes: int, n: int, s: int, rng: np.random
     return [np.concatenate(p).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts]
 
 
+def _sort_and_shard(labels: np.ndarray, n: int, s: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """ALGORITHMS.md 1.4, McMahan's scheme (``shards_variant = mcmahan_sort_shard``).
+
+    1. ``r = |D| mod (N*S)`` indices, drawn uniformly without replacement, are dropped (none when
+       N*S divides |D|, e.g. CIFAR-10 with N*S = 40 or 400). Cutting the sorted order instead would
+       drop the tail of the last class only.
+    2. The remaining indices, sorted by label with a stable sort (ties keep index order), are cut into
+       N*S contiguous shards of ``floor(|D| / (N*S))``.
+    3. A random permutation of the shard ids gives client i the shards ``perm[i*S:(i+1)*S]``; a client's
+       indices are its shards concatenated in increasing shard id (so sorted by label).
+
+    Returns int64 index arrays of ``S * floor(|D| / (N*S))`` samples each.
+    """
+    num_shards = n * s
+    shard_size = len(labels) // num_shards
+    keep = np.arange(len(labels), dtype=np.int64)
+    extra = len(labels) - num_shards * shard_size
+    if extra:
+        keep = np.sort(rng.choice(keep, size=len(keep) - extra, replace=False))
+    order = keep[np.argsort(labels[keep], kind="stable")]
+    shards = order.reshape(num_shards, shard_size)
+    perm = rng.permutation(num_shards)
+    return [shards[np.sort(perm[i * s : (i + 1) * s])].reshape(-1).astype(np.int64) for i in range(n)]
+
+
 # --------------------------------------------------------------------------- entry points
+
+SHARDS_VARIANTS = ("label_S", "mcmahan_sort_shard")
+_DEFAULT_SHARDS_VARIANT = "label_S"
+
+
+def _shards_variant(cfg: Any) -> str:
+    """``partition.shards_variant`` (``label_S`` for configs written before the field existed)."""
+    return str(getattr(cfg, "shards_variant", _DEFAULT_SHARDS_VARIANT))
 
 
 def _check(cfg: Any, total: int, num_classes: int) -> None:
@@ -385,6 +426,15 @@ def _check(cfg: Any, total: int, num_classes: int) -> None:
             raise PartitionError(
                 f"partition.classes_per_client={s} exceeds the {num_classes} classes of the dataset"
             )
+        variant = _shards_variant(cfg)
+        if variant not in SHARDS_VARIANTS:
+            raise PartitionError(
+                f"partition.shards_variant must be one of {', '.join(SHARDS_VARIANTS)}, got {variant!r}"
+            )
+        if variant == "mcmahan_sort_shard" and n * s > total:
+            raise PartitionError(
+                f"partition.classes_per_client={s}: {n} clients x {s} shards exceed the {total} training samples"
+            )
 
 
 def make_partition(cfg: Any, labels: np.ndarray, num_classes: int) -> Partition:
@@ -410,6 +460,8 @@ def make_partition(cfg: Any, labels: np.ndarray, num_classes: int) -> Partition:
     n, sigma = int(cfg.num_clients), float(cfg.size_sigma)
     if cfg.name == "iid":
         idx = _iid(labels, n, sigma, rng)
+    elif cfg.name == "shards" and _shards_variant(cfg) == "mcmahan_sort_shard":
+        idx = _sort_and_shard(labels, n, int(cfg.classes_per_client), rng)
     elif cfg.name == "shards":
         idx = _shards(labels, num_classes, n, int(cfg.classes_per_client), rng)
     elif cfg.variant == "per_client":
@@ -431,7 +483,9 @@ def partition_key(cfg: Any, dataset_name: str) -> str:
     """A readable folder name that changes with every field the partition depends on.
 
     Examples: ``digits-iid-n20-sgm0-s0``, ``cifar10-dirichlet-per_client-a0.3-n100-sgm0-s0``,
-    ``cifar10-dirichlet-per_class-a0.5-n20-min10-s0``, ``cifar100-shards-S20-n20-s0``.
+    ``cifar10-dirichlet-per_class-a0.5-n20-min10-s0``, ``cifar100-shards-S20-n20-s0``,
+    ``cifar10-shards-mcmahan_sort_shard-S2-n100-s0``. ``partition.shards_variant`` appears only when it
+    is not the default ``label_S``, so keys written before it existed stay valid.
     """
     ds = re.sub(r"[^A-Za-z0-9._-]", "_", str(dataset_name))
     n, seed = int(cfg.num_clients), int(cfg.seed)
@@ -442,7 +496,9 @@ def partition_key(cfg: Any, dataset_name: str) -> str:
     elif cfg.name == "dirichlet":
         body = f"dirichlet-{cfg.variant}-a{_num(cfg.alpha)}-n{n}-min{int(cfg.min_size)}"
     elif cfg.name == "shards":
-        body = f"shards-S{int(cfg.classes_per_client)}-n{n}"
+        variant = _shards_variant(cfg)
+        tag = "" if variant == _DEFAULT_SHARDS_VARIANT else f"-{variant}"
+        body = f"shards{tag}-S{int(cfg.classes_per_client)}-n{n}"
     else:
         body = str(cfg.name)
     return re.sub(r"[^A-Za-z0-9._+-]", "_", f"{ds}-{body}-s{seed}")

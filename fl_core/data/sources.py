@@ -24,6 +24,11 @@ Sources (``dataset.name``):
   the test set; mean = std = 0.5 per channel, as FedBug normalises it.
   ``dataset.download=true`` fetches and unpacks ``tiny-imagenet-200.zip``
   (MD5-checked unless ``dataset.verify=false``).
+- ``cinic10``: CINIC-10 (Darlow et al. 2018) in its ImageFolder layout under
+  ``dataset.root/cinic-10/`` (or ``CINIC-10/``), read with PIL (see :func:`_cinic10`):
+  ``train/`` (90,000 images) is the training set and ``test/`` (90,000) the test
+  set; ``valid/`` is not used. 32x32 RGB, 10 classes; mean/std are the CINIC-10
+  authors' training-set values. It cannot be downloaded automatically.
 
 :func:`get_dataset` caches the result as ``<data_dir>/prepared/<name>.pt``.
 """
@@ -50,7 +55,7 @@ __all__ = [
     "get_dataset",
 ]
 
-SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet")
+SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
 
 # Per-channel statistics of x/255 on the official training sets (ALGORITHMS.md 1.6).
@@ -66,6 +71,13 @@ _TINY_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 _TINY_SIZE = 64
 _TINY_LAYOUT = (f"{_TINY_FOLDER}/ with wnids.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG and "
                 f"val/val_annotations.txt, as unpacked from the official tiny-imagenet-200.zip")
+_CINIC_FOLDERS = ("cinic-10", "CINIC-10")  # tried in this order under dataset.root
+_CINIC_STATS = ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835))  # Darlow et al.
+_CINIC_SIZE = 32
+_CINIC_LAYOUT = ("cinic-10/ (or CINIC-10/) with train/<class>/*.png and test/<class>/*.png, i.e. the official "
+                 "CINIC-10.tar.gz unpacked into that folder")
+# file types torchvision's ImageFolder accepts
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 _PROGRESS_MIN = 1000  # show a progress bar when decoding more images than this
 
 
@@ -325,9 +337,9 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
     test.sort(key=lambda item: (item[1], item[0].name))
     return FLDataset(
         name=cfg.name,
-        x_train=_decode_images(train, "train"),
+        x_train=_decode_images(train, "train", "Tiny-ImageNet", _TINY_SIZE),
         y_train=torch.tensor([c for _, c in train], dtype=torch.int64),
-        x_test=_decode_images(test, "val"),
+        x_test=_decode_images(test, "val", "Tiny-ImageNet", _TINY_SIZE),
         y_test=torch.tensor([c for _, c in test], dtype=torch.int64),
         num_classes=len(wnids),
         scale=255.0,
@@ -336,27 +348,96 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
     )
 
 
-def _decode_images(items: list[tuple[Path, int]], split: str) -> torch.Tensor:
-    """Decode ``items``' image files into one preallocated uint8 ``[N, 3, 64, 64]`` tensor (RGB)."""
+def _cinic10(cfg: Any, root: Path) -> FLDataset:
+    """CINIC-10 from its ImageFolder layout ``root/cinic-10/`` or ``root/CINIC-10/`` (ALGORITHMS.md 6, 12.2).
+
+    - train: ``train/<class>/*.png`` (9,000 per class in the official files), test: ``test/<class>/*.png``
+      (9,000 per class). ``valid/`` (another 90,000 images) is not read: there is no option to add it to
+      the training set.
+    - Class index = position of the class folder name in the sorted folder names of ``train/``, as in
+      torchvision's ``ImageFolder`` (official: airplane, automobile, bird, cat, deer, dog, frog, horse, ship,
+      truck -> 0..9, the CIFAR-10 order). ``test/`` must have the same class folders.
+    - Within a class, files are taken in sorted name order (flat folders; subfolders are ignored).
+    - Images are decoded with PIL and converted to RGB (CINIC-10 has some grayscale PNGs); every image
+      must be 32x32. Mean/std are the CINIC-10 authors' values for ``x / 255``.
+
+    Returns uint8 ``[90000, 3, 32, 32]`` train and test tensors for the official files.
+
+    Raises:
+        DataSourceError: the folder, ``train/`` or ``test/`` is missing; a class folder has no image; the
+            test classes differ from the train classes; an image cannot be decoded or is not 32x32 (the
+            message names the file).
+    """
+    base = next((root / f for f in _CINIC_FOLDERS if (root / f / "train").is_dir() and (root / f / "test").is_dir()),
+                None)
+    if base is None:
+        extra = "; CINIC-10 cannot be downloaded by dataset.download" if cfg.download else ""
+        raise DataSourceError(f"dataset.root: CINIC-10 not found under {root} (expected {_CINIC_LAYOUT}{extra})")
+
+    def listing(split: str) -> tuple[list[str], list[list[Path]]]:
+        folder = base / split
+        try:
+            classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+            files = [sorted(f for f in (folder / c).iterdir() if f.is_file() and f.suffix.lower() in _IMAGE_SUFFIXES)
+                     for c in classes]
+        except OSError as err:
+            raise DataSourceError(f"dataset.root: cannot list the CINIC-10 folder {folder} "
+                                  f"({type(err).__name__}: {err})") from None
+        if not classes:
+            raise DataSourceError(f"dataset.root: the CINIC-10 folder {folder} has no class folders "
+                                  f"(expected {_CINIC_LAYOUT})")
+        for c, fs in zip(classes, files):
+            if not fs:
+                raise DataSourceError(f"dataset.root: the CINIC-10 class folder {folder / c} has no image files")
+        return classes, files
+
+    classes, train_files = listing("train")
+    test_classes, test_files = listing("test")
+    if test_classes != classes:
+        raise DataSourceError(f"dataset.root: the class folders of {base / 'test'} ({', '.join(test_classes)}) "
+                              f"differ from those of {base / 'train'} ({', '.join(classes)})")
+    train = [(f, c) for c, fs in enumerate(train_files) for f in fs]
+    test = [(f, c) for c, fs in enumerate(test_files) for f in fs]
+    return FLDataset(
+        name=cfg.name,
+        x_train=_decode_images(train, "train", "CINIC-10", _CINIC_SIZE),
+        y_train=torch.tensor([c for _, c in train], dtype=torch.int64),
+        x_test=_decode_images(test, "test", "CINIC-10", _CINIC_SIZE),
+        y_test=torch.tensor([c for _, c in test], dtype=torch.int64),
+        num_classes=len(classes),
+        scale=255.0,
+        mean=_CINIC_STATS[0],
+        std=_CINIC_STATS[1],
+    )
+
+
+def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: int) -> torch.Tensor:
+    """Decode ``items``' image files into one preallocated uint8 ``[N, 3, size, size]`` tensor (RGB).
+
+    ``title`` names the dataset in the progress bar (shown above ``_PROGRESS_MIN`` images) and in errors.
+
+    Raises:
+        DataSourceError: a file cannot be decoded or is not ``size x size``; the message names the file.
+    """
     from PIL import Image, UnidentifiedImageError
 
-    out = torch.empty((len(items), 3, _TINY_SIZE, _TINY_SIZE), dtype=torch.uint8)
+    out = torch.empty((len(items), 3, size, size), dtype=torch.uint8)
     view = out.numpy()
     paths = [p for p, _ in items]
     if len(paths) > _PROGRESS_MIN:
         from tqdm.auto import tqdm
 
-        paths = tqdm(paths, desc=f"Tiny-ImageNet {split}", unit="img", leave=False)
+        paths = tqdm(paths, desc=f"{title} {split}", unit="img", leave=False)
     for i, path in enumerate(paths):
         try:
             with Image.open(path) as img:
                 rgb = np.asarray(img.convert("RGB"))
         except (OSError, UnidentifiedImageError, ValueError) as err:  # missing, truncated, not an image
-            raise DataSourceError(f"dataset.root: cannot read the Tiny-ImageNet image {path} "
+            raise DataSourceError(f"dataset.root: cannot read the {title} image {path} "
                                   f"({type(err).__name__}: {err})") from None
-        if rgb.shape != (_TINY_SIZE, _TINY_SIZE, 3):
-            raise DataSourceError(f"dataset.root: Tiny-ImageNet image {path} is {rgb.shape[1]}x{rgb.shape[0]}, "
-                                  f"expected {_TINY_SIZE}x{_TINY_SIZE}")
+        if rgb.shape != (size, size, 3):
+            raise DataSourceError(f"dataset.root: {title} image {path} is {rgb.shape[1]}x{rgb.shape[0]}, "
+                                  f"expected {size}x{size}")
         view[i] = rgb.transpose(2, 0, 1)
     return out
 
@@ -400,6 +481,8 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         return _mnist(cfg, root, fashion=name == "fmnist")
     if name == "tiny_imagenet":
         return _tiny_imagenet(cfg, root)
+    if name == "cinic10":
+        return _cinic10(cfg, root)
     raise DataSourceError(f"dataset.name must be one of {', '.join(SOURCES)}, got {name!r}")
 
 

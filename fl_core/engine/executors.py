@@ -112,8 +112,9 @@ class Executor:
         raise NotImplementedError
 
     def probe(self, cid: int):
-        """A callable giving the current ``self.model``'s mean activations over client ``cid``'s data."""
-        return lambda: layer_activation_means(self.model, self.data.x[self.data.indices[cid]])[0]
+        """A callable giving ``(means, spatial)`` of the current ``self.model`` over client ``cid``'s data
+        (:func:`~fl_core.engine.probes.layer_activation_means`)."""
+        return lambda: layer_activation_means(self.model, self.data.x[self.data.indices[cid]])
 
     def augment_params(self, rctx: RoundContext, cid: int, k: int) -> Optional[augment.AugmentParams]:
         """Augmentation draws of client ``cid``'s k-th local step (1-indexed), or None without augmentation."""
@@ -232,7 +233,10 @@ class VectorizedExecutor(Executor):
         self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
         self._cpu_indices = [ix.cpu() for ix in data.indices]
-        self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
+        # randomness="different": each client draws its own dropout masks (VGG-9); with dropout the two
+        # executors agree in distribution only, without it to float rounding.
+        self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None),
+                                        randomness="different")
 
     def _loss(self, params, x, y, w, client, rctx):
         """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks."""

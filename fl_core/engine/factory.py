@@ -57,7 +57,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
-    algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model))
+    algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model), model)
     t = cfg.train
     name, reason = choose_executor(cfg.engine.executor, algo, model, device)
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,

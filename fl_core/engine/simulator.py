@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.base import Algorithm, RoundContext
+from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
 from .executors import NonFiniteLossError
@@ -182,7 +182,7 @@ class Simulator:
                 t0 = time.perf_counter()
                 lr = self.lr * self.lr_decay ** (r - 1)
                 clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
-                rctx = RoundContext(round=r, lr=lr, global_flat=st["global"], spec=self.spec,
+                rctx = RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
                                     num_clients=self.num_clients, mean_client_size=self.mean_client_size,
                                     extra=self.algo.broadcast(st["server"]))
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
@@ -216,8 +216,20 @@ class Simulator:
             if self.checkpoint_path is not None and self.checkpoint_path.exists():
                 self.checkpoint_path.unlink()
             raise RunFailed(str(err)) from None
-        self.logger.flush()
         final = self.algo.eval_flat(st["server"], st["global"])
+        data = getattr(self.executor, "data", None)
+        post = self.algo.post_training(PostTraining(self.model, final, self.spec, data, self.seed,
+                                                    getattr(data, "num_classes", 0)))
+        if post is not None:  # e.g. CCVR's calibrated classifier: evaluate and keep it
+            final = post
+            load_flat(self.model, final)
+            ev = evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size)
+            last = st["history"][-1]
+            if "post_test_acc" not in last:
+                last.update({"post_test_acc": ev["test_acc"], "post_test_loss": ev["test_loss"]})
+                self.logger.log_round(int(last["round"]), {"post_test_acc": ev["test_acc"],
+                                                           "post_test_loss": ev["test_loss"]})
+        self.logger.flush()
         load_flat(self.model, final)
         result = RunResult(st["history"], final.detach().cpu().clone(),
                            {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},

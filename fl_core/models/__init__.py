@@ -8,6 +8,7 @@ from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
+from .vgg import VGG9
 
 MODELS: Dict[str, Callable[..., FLModel]] = {
     "small_cnn": SmallCNN,
@@ -18,11 +19,13 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "tiny_cnn": TinyCNN,
     "resnet18": ResNet18GN,
     "resnet34": ResNet34GN,
+    "vgg9": VGG9,
 }
 
-# model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits)
+# model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
+# which only FedNLR uses)
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
-              "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn"}
+              "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9"}
 
 
 def resolve_model_name(name: str, dataset: str) -> str:
@@ -64,4 +67,5 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "build_model", "resolve_model_name", "unit_layouts"]
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "VGG9", "build_model", "resolve_model_name",
+           "unit_layouts"]

@@ -4,11 +4,15 @@
 - :class:`TinyCNN`: FedBug's 3-conv CNN for 3x64x64 Tiny-ImageNet (section 2.2), FedBug units ``code5`` | ``paper6``.
 - :class:`McMahanCNN`: the 2-conv CNN of McMahan et al. used by the IID-to-non-IID study (section 2.3, valid padding).
 - :class:`SmallCNN`: a small CNN for 8x8 inputs (scikit-learn digits), not from a paper.
+
+Every model here also has ``neuron_layers()`` (:class:`NeuronLayersMixin`): its weighted layers in forward
+order, as FedNLR's activation statistics need them (section 6). All ReLUs are functional and applied to a
+layer's output after the layer module returns, so a forward hook on a listed module sees pre-activations.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +36,33 @@ def resolve_units(model: str, units: str, layouts: Sequence[str], default: str) 
     return units
 
 
-class StandardCNN(FLModel):
+class NeuronLayersMixin:
+    """Adds ``neuron_layers()`` to a model that lists its weighted layers in ``NEURON_LAYERS``.
+
+    ``NEURON_LAYERS`` is a sequence of ``(module name, kind)`` in forward order, kind ``"conv"`` or
+    ``"linear"``; the last entry is the classifier. A neuron is an output channel of a conv layer or an
+    output unit of a linear layer (ALGORITHMS.md section 6).
+    """
+
+    NEURON_LAYERS: Sequence[Tuple[str, str]] = ()
+
+    def neuron_layers(self) -> List[Tuple[str, nn.Module, str]]:
+        """``[(name, module, kind), ...]`` for every weighted layer, input side first, classifier last.
+
+        The module's output is the layer's pre-activation (``[B, M_l, H, W]`` for conv, ``[B, M_l]`` for
+        linear); the model applies ReLU to it afterwards for every layer but the last.
+        """
+        return [(name, self.get_submodule(name), kind) for name, kind in self.NEURON_LAYERS]
+
+
+class StandardCNN(NeuronLayersMixin, FLModel):
     """conv5x5(64)-pool-conv5x5(64)-pool-fc384-fc192-fc(C); d = 797,962 for 3x32x32 inputs and C = 10.
 
     Input ``[B, C_in, H, W]``; features: relu(fc2) ``[B, 192]``. Units (M = 5): conv1, conv2, fc1, fc2, fc3.
     """
 
     unit_prefixes = (("conv1",), ("conv2",), ("fc1",), ("fc2",), ("fc3",))
+    NEURON_LAYERS = (("conv1", "conv"), ("conv2", "conv"), ("fc1", "linear"), ("fc2", "linear"), ("fc3", "linear"))
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int):
         super().__init__()
@@ -61,7 +85,7 @@ class StandardCNN(FLModel):
         return self.fc3(f), f
 
 
-class TinyCNN(FLModel):
+class TinyCNN(NeuronLayersMixin, FLModel):
     """FedBug's Tiny-ImageNet CNN (ALGORITHMS.md section 2.2, [FB] ``utils_models.py``).
 
     conv5x5(64)-pool-conv5x5(64)-pool-conv5x5(64)-pool-fc256-fc128-fc(C), valid padding, ReLU after every
@@ -82,6 +106,8 @@ class TinyCNN(FLModel):
         "paper6": (("conv1",), ("conv2",), ("conv3",), ("fc1",), ("fc2",), ("fc3",)),
     }
     DEFAULT_UNITS = "code5"
+    NEURON_LAYERS = (("conv1", "conv"), ("conv2", "conv"), ("conv3", "conv"), ("fc1", "linear"), ("fc2", "linear"),
+                     ("fc3", "linear"))
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int, units: str = "default"):
         super().__init__()
@@ -110,7 +136,7 @@ class TinyCNN(FLModel):
         return self.fc3(f), f
 
 
-class McMahanCNN(FLModel):
+class McMahanCNN(NeuronLayersMixin, FLModel):
     """conv5x5(32)-pool-conv5x5(64)-pool-fc512-fc(C), valid padding; d = 878,538 for 3x32x32, C = 10.
 
     Widths are inferred (the study gives none, ALGORITHMS.md 2.3). Features: relu(fc1) ``[B, 512]``.
@@ -118,6 +144,7 @@ class McMahanCNN(FLModel):
     """
 
     unit_prefixes = (("conv1",), ("conv2",), ("fc1",), ("fc2",))
+    NEURON_LAYERS = (("conv1", "conv"), ("conv2", "conv"), ("fc1", "linear"), ("fc2", "linear"))
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int):
         super().__init__()
@@ -138,13 +165,14 @@ class McMahanCNN(FLModel):
         return self.fc2(f), f
 
 
-class SmallCNN(FLModel):
+class SmallCNN(NeuronLayersMixin, FLModel):
     """conv3x3(16, pad 1)-conv3x3(32, pad 1)-pool-fc128-fc(C) for small inputs such as 1x8x8 digits.
 
     Features: relu(fc1) ``[B, 128]``. Units (M = 4): conv1, conv2, fc1, fc2.
     """
 
     unit_prefixes = (("conv1",), ("conv2",), ("fc1",), ("fc2",))
+    NEURON_LAYERS = (("conv1", "conv"), ("conv2", "conv"), ("fc1", "linear"), ("fc2", "linear"))
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int):
         super().__init__()

@@ -1,4 +1,7 @@
-"""Fully connected models: an MLP (McMahan's 2NN shape) and multinomial logistic regression."""
+"""Fully connected models: an MLP (McMahan's 2NN shape) and multinomial logistic regression.
+
+Both have ``neuron_layers()`` (see :class:`~fl_core.models.cnn.NeuronLayersMixin`).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import FLModel
+from .cnn import NeuronLayersMixin
 
 
-class MLP(FLModel):
+class MLP(NeuronLayersMixin, FLModel):
     """flatten-fc(hidden)-fc(hidden)-fc(C) with ReLU. Features: the second hidden layer ``[B, hidden]``.
 
     Units (M = 3): fc1, fc2, fc3.
     """
 
     unit_prefixes = (("fc1",), ("fc2",), ("fc3",))
+    NEURON_LAYERS = (("fc1", "linear"), ("fc2", "linear"), ("fc3", "linear"))
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int, hidden: int = 200):
         super().__init__()
@@ -32,10 +37,11 @@ class MLP(FLModel):
         return self.fc3(f), f
 
 
-class LogisticRegression(FLModel):
+class LogisticRegression(NeuronLayersMixin, FLModel):
     """A single linear layer on the flattened input. Features: the flattened input. Units (M = 1): fc."""
 
     unit_prefixes = (("fc",),)
+    NEURON_LAYERS = (("fc", "linear"),)  # the classifier is the only layer
 
     def __init__(self, input_shape: Tuple[int, int, int], num_classes: int):
         super().__init__()

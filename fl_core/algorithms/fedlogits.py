@@ -1,0 +1,64 @@
+"""Logit adjustments during local training: FedRS and FedLC (ALGORITHMS.md sections 4.11, 4.12).
+
+- FedRS (Li & Zhan 2021): logits of classes missing from the client's data are scaled by alpha
+  (z_c <- z_c * alpha for c not in A_i); alpha = 1 is FedAvg.
+- FedLC (Zhang et al. 2022): z'_c = z_c - tau * n_{i,c}^(-1/4); tau = 0 is FedAvg. A class absent
+  locally has n = 0: ``missing=exclude`` removes it from the softmax (z' = -1e9, the reference port's
+  -inf made finite so padded samples stay finite), ``missing=clamp`` counts it as 1.
+Both act on the training loss only, never at test time; server as FedAvg; d up, d down.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fedavg import FedAvg
+
+EXCLUDED_LOGIT = 1e9
+
+
+class FedRS(FedAvg):
+    name = "fedrs"
+
+    def __init__(self, alpha: float = 0.5, aggregation: str = "weighted", eta_g: float = 1.0):
+        super().__init__(aggregation, eta_g)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"algorithm.fedrs.alpha must be in [0, 1], got {alpha}")
+        self.alpha = float(alpha)
+
+    def describe(self):
+        return f"fedrs[alpha={self.alpha:g}]"
+
+    def train_logits(self, ctx, logits):
+        present = ctx.label_counts > 0  # [C] (from the whole local set, not the batch)
+        scale = torch.where(present, torch.ones_like(logits[0]), torch.full_like(logits[0], self.alpha))
+        return logits * scale
+
+
+class FedLC(FedAvg):
+    name = "fedlc"
+
+    def __init__(self, tau: float = 1.0, missing: str = "exclude", aggregation: str = "weighted", eta_g: float = 1.0):
+        super().__init__(aggregation, eta_g)
+        if tau < 0:
+            raise ValueError(f"algorithm.fedlc.tau must be >= 0, got {tau}")
+        if missing not in ("exclude", "clamp"):
+            raise ValueError(f"algorithm.fedlc.missing must be exclude or clamp, got {missing!r}")
+        self.tau = float(tau)
+        self.missing = missing
+
+    def describe(self):
+        return f"fedlc[tau={self.tau:g}]"
+
+    def calibration(self, label_counts: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """The subtracted term tau * n_c^(-1/4) per class [C] (EXCLUDED_LOGIT for excluded classes)."""
+        n = label_counts.to(dtype)
+        if self.missing == "clamp":
+            return self.tau * n.clamp_min(1.0) ** -0.25
+        safe = self.tau * n.clamp_min(1.0) ** -0.25
+        return torch.where(n > 0, safe, torch.full_like(safe, EXCLUDED_LOGIT))
+
+    def train_logits(self, ctx, logits):
+        if self.tau == 0.0:
+            return logits
+        return logits - self.calibration(ctx.label_counts, logits.dtype)

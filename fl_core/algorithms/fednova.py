@@ -1,0 +1,60 @@
+"""FedNova (Wang et al. 2020; ALGORITHMS.md section 4.5): normalised averaging.
+
+Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
+(:func:`normalizer`; plain SGD: a_i = tau_i; with FedNova's proximal term mu:
+a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu)). Server, p_i = n_i / n_S over the participants::
+
+    tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
+
+With equal tau_i (and mu = 0) this is weighted FedAvg. Communication: d + 1 floats up, d down.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fedavg import FedAvg
+
+
+def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> float:
+    """a_i for tau local steps: plain SGD (tau), SGD with momentum rho, or the proximal variant (mu > 0).
+
+    momentum: [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho);  prox: [1 - (1 - lr mu)^tau] / (lr mu).
+    """
+    if mu > 0:
+        return (1.0 - (1.0 - lr * mu) ** tau) / (lr * mu)
+    if rho > 0:
+        return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+    return float(tau)
+
+
+class FedNova(FedAvg):
+    name = "fednova"
+
+    def __init__(self, mu: float = 0.0, eta_g: float = 1.0):
+        super().__init__("weighted", eta_g)
+        if mu < 0:
+            raise ValueError(f"algorithm.fednova.mu must be >= 0, got {mu}")
+        self.mu = float(mu)
+
+    def local_loss(self, ctx, params, logits, features, y):
+        if self.mu == 0.0:
+            return None
+        anchor = ctx.round.global_params()
+        return 0.5 * self.mu * sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
+
+    def finish_client(self, ctx, update):
+        update.extra["a"] = torch.tensor(normalizer(update.num_steps, ctx.round.lr, self.mu), dtype=torch.float64)
+        return update
+
+    def aggregate(self, rctx, server_state, updates):
+        p = self.aggregation_weights(updates)  # [|S|] float64
+        a = torch.stack([u.extra["a"] for u in updates])
+        tau_eff = float((p * a).sum())
+        live = a > 0  # a client with no local step contributes nothing
+        d = torch.stack([u.delta for u in updates])
+        coef = torch.where(live, p / a.clamp_min(1e-12), torch.zeros_like(p)).to(d)
+        return rctx.global_flat + self.eta_g * tau_eff * (coef @ d), server_state
+
+    def comm_floats(self, d):
+        return float(d) + 1.0, float(d)

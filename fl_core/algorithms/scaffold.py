@@ -1,0 +1,67 @@
+"""SCAFFOLD (Karimireddy et al. 2020; ALGORITHMS.md section 4.4), option II.
+
+Client i corrects every local gradient with the control variates: g <- g + c - c_i (applied to the
+trainable tensors only, so FedBug-frozen units get no correction). After its K_i steps (the steps
+actually taken)::
+
+    c_i+ = c_i - c + (x - y_i) / (K_i eta_l)          Delta c_i = c_i+ - c_i      (uses the old c_i)
+
+Server (N = all clients)::
+
+    x <- x + eta_g / |S| * sum_i Delta y_i            c <- c + (1 / N) * sum_i Delta c_i
+
+eta_l is the round's learning rate (``lr_in_update=actual``) or the initial one (``initial``, as in
+Acar's code). Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Algorithm
+
+
+class Scaffold(Algorithm):
+    name = "scaffold"
+
+    def __init__(self, eta_g: float = 1.0, lr_in_update: str = "actual"):
+        if lr_in_update not in ("actual", "initial"):
+            raise ValueError(f"algorithm.scaffold.lr_in_update must be actual or initial, got {lr_in_update!r}")
+        self.eta_g = float(eta_g)
+        self.lr_in_update = lr_in_update
+
+    def init_server_state(self, global_flat):
+        return {"c": torch.zeros_like(global_flat)}
+
+    def init_client_state(self, global_flat):
+        return {"c": torch.zeros_like(global_flat)}
+
+    def broadcast(self, server_state):
+        return {"c": server_state["c"]}
+
+    def transform_grads(self, ctx, k, params, grads):
+        spec = ctx.round.spec
+        c = spec.views(ctx.round.extra["c"])
+        ci = spec.views(ctx.state["c"])
+        for n, g in grads.items():
+            g.add_(c[n] - ci[n])
+
+    def finish_client(self, ctx, update):
+        if update.num_steps == 0:
+            update.extra["delta_c"] = torch.zeros_like(update.delta)
+            return update
+        lr = ctx.round.lr if self.lr_in_update == "actual" else ctx.round.lr0
+        c_old = ctx.state["c"]
+        c_new = c_old - ctx.round.extra["c"] - update.delta / (update.num_steps * lr)
+        update.extra["delta_c"] = c_new - c_old
+        ctx.state["c"] = c_new
+        return update
+
+    def aggregate(self, rctx, server_state, updates):
+        deltas = torch.stack([u.delta for u in updates])
+        new = rctx.global_flat + self.eta_g * deltas.mean(0)
+        dc = torch.stack([u.extra["delta_c"] for u in updates]).sum(0)
+        return new, {"c": server_state["c"] + dc / rctx.num_clients}
+
+    def comm_floats(self, d):
+        return 2.0 * d, 2.0 * d
