@@ -196,6 +196,7 @@ class TrackingConfig:
     experiment: str = "fl-pipeline"  # MLflow experiment
     log_every: int = 10  # flush buffered per-round metrics every this many rounds
     log_model: bool = True  # final state_dict as an artifact
+    neuron_drift_samples: int = 0  # > 0: per-round neuron-drift probe on this many test samples (FedNLR sec. 4)
 
 
 @dataclass
@@ -305,6 +306,7 @@ def validate(cfg: Any) -> None:
     _range("engine.max_parallel_clients", e.max_parallel_clients, 0)
     _range("engine.eval_batch_size", e.eval_batch_size, 1)
     _range("tracking.log_every", cfg.tracking.log_every, 1)
+    _range("tracking.neuron_drift_samples", cfg.tracking.neuron_drift_samples, 0)
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
 

@@ -185,3 +185,25 @@ def test_ccvr_recalibrates_only_the_classifier(digits):
     from fl_core.metrics import summarize_run
 
     assert summarize_run(res.history, 0.9)["final_acc"] == last["post_test_acc"]
+
+
+def test_neuron_drift_probe_by_construction(digits):
+    from fl_core.algorithms import ClientUpdate
+    from fl_core.engine.probes import neuron_drift
+    from fl_core.engine.state import load_flat
+
+    sim, _ = run_sim(digits, "model=mlp", "train.rounds=1")
+    x = digits.normalize(digits.x_test[:300])
+    y = digits.y_test[:300]
+    g = sim._fresh_state()["global"]
+    counts = {0: torch.tensor([5] * 5 + [0] * 5), 1: torch.tensor([5] * 10)}  # client 0 misses classes 5..9
+    zero = [ClientUpdate(0, 25, 1, torch.zeros_like(g), 0.0)]
+    out = neuron_drift(sim.model, load_flat, g, zero, counts, x, y, 10)
+    assert out["neuron_drift_l1"] == 0.0 and out["neuron_drift"] == 0.0  # nothing moved, nothing dropped
+    kill = torch.zeros_like(g)
+    views = sim.spec.views(kill)
+    views["fc1.bias"].fill_(-1e4)  # every first-layer activation becomes 0
+    out = neuron_drift(sim.model, load_flat, g, [ClientUpdate(0, 25, 1, kill, 0.0)], counts, x, y, 10)
+    assert out["neuron_drift_l1"] == 1.0
+    # a client holding every class has no missing class: no measurement
+    assert neuron_drift(sim.model, load_flat, g, [ClientUpdate(1, 50, 1, kill, 0.0)], counts, x, y, 10) == {}

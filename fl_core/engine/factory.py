@@ -73,4 +73,5 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      rounds=t.rounds, lr=t.lr, lr_decay=t.lr_decay, eval_every=t.eval_every,
                      eval_batch_size=cfg.engine.eval_batch_size, seed=int(cfg.seed),
                      checkpoint_path=checkpoint_path, checkpoint_every=cfg.engine.checkpoint_every,
-                     logger=logger, callbacks=callbacks)
+                     logger=logger, callbacks=callbacks,
+                     neuron_drift_samples=cfg.tracking.neuron_drift_samples)

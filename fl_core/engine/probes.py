@@ -65,3 +65,53 @@ def layer_activation_means(model: torch.nn.Module, x: torch.Tensor, batch_size: 
         return [s / n for s in sums], spatial
     counts = torch.bincount(y, minlength=num_classes).clamp_min(1).to(sums[0].dtype)[:, None]
     return [s / counts for s in sums], spatial
+
+
+@torch.no_grad()
+def neuron_drift(model: torch.nn.Module, load, global_flat: torch.Tensor, updates, label_counts,
+                 x: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
+    """Share of bound neurons that drift (FedNLR section 4), per hidden layer, over a probe set.
+
+    A neuron of a hidden layer is bound to class c when its mean activation over the probe samples of
+    class c is larger than over every other class (Definition 1 with class means instead of the
+    per-sample min/max). For each participating client i and each class c missing from its data,
+    the metric counts c's bound neurons whose class-c mean activation fell after the client's local
+    training (model theta + Delta_i vs the broadcast theta). Returns ``{"neuron_drift_l<l>": share}``
+    for the hidden layers (1-indexed) and ``neuron_drift`` for the last hidden layer; {} when no client
+    missed a class.
+
+    Args:
+        load: ``load(model, flat)`` copies a flat parameter vector into ``model``.
+        updates: the round's client updates (``client_id``, ``delta``).
+        label_counts: per client id, the local class counts [C].
+        x, y: probe samples [n, ...] and labels [n].
+    """
+    load(model, global_flat)
+    before, _ = layer_activation_means(model, x, y=y, num_classes=num_classes)
+    hidden = len(before) - 1
+    present = torch.bincount(y, minlength=num_classes) > 0
+    bound = []
+    for l in range(hidden):
+        m = before[l]  # [C, M]
+        top2 = torch.topk(m, 2, dim=0).values if num_classes > 1 else m
+        owner = torch.argmax(m, dim=0)
+        strict = top2[0] > top2[1] if num_classes > 1 else torch.ones_like(owner, dtype=torch.bool)
+        bound.append([(owner == c) & strict for c in range(num_classes)])
+    dropped = [0] * hidden
+    total = [0] * hidden
+    for u in updates:
+        missing = [c for c in range(num_classes) if int(label_counts[u.client_id][c]) == 0 and bool(present[c])]
+        if not missing:
+            continue
+        load(model, global_flat + u.delta)
+        after, _ = layer_activation_means(model, x, y=y, num_classes=num_classes)
+        for l in range(hidden):
+            for c in missing:
+                b = bound[l][c]
+                total[l] += int(b.sum())
+                dropped[l] += int((after[l][c][b] < before[l][c][b]).sum())
+    load(model, global_flat)
+    out = {f"neuron_drift_l{l + 1}": dropped[l] / total[l] for l in range(hidden) if total[l] > 0}
+    if hidden and total[hidden - 1] > 0:
+        out["neuron_drift"] = out[f"neuron_drift_l{hidden}"]
+    return out

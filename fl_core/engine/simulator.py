@@ -25,6 +25,7 @@ from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
 from .executors import NonFiniteLossError
+from .probes import neuron_drift
 from .state import ClientStateStore, ParamSpec, atomic_torch_save, flatten_params, load_flat
 
 CHECKPOINT_VERSION = 1
@@ -113,7 +114,8 @@ class Simulator:
                  eval_every: int = 1, eval_batch_size: int = 1024, seed: int = 0,
                  checkpoint_path: Optional[Path] = None, checkpoint_every: int = 0,
                  logger: Optional[RunLogger] = None,
-                 callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None):
+                 callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
+                 neuron_drift_samples: int = 0):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -126,6 +128,7 @@ class Simulator:
         self.checkpoint_every = checkpoint_every
         self.logger = logger or NullLogger()
         self.callbacks = list(callbacks or [])
+        self.neuron_drift_samples = neuron_drift_samples
         self.spec = ParamSpec.from_model(model)
         self.device = next(model.parameters()).device
         data = getattr(executor, "data", None)
@@ -196,6 +199,11 @@ class Simulator:
                     "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
                 }
                 row.update(self.algo.round_metrics(rctx, st["server"], updates))
+                if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):
+                    n = self.neuron_drift_samples
+                    data = self.executor.data
+                    row.update(neuron_drift(self.model, load_flat, rctx.global_flat, updates, data.label_counts,
+                                            self.x_test[:n], self.y_test[:n], data.num_classes))
                 if r % self.eval_every == 0 or r == self.rounds:
                     load_flat(self.model, self.algo.eval_flat(st["server"], st["global"]))
                     row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size))
