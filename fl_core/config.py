@@ -176,6 +176,7 @@ class TrainConfig:
     crop_padding: int = 4  # zero padding of the random crop, pixels
     eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
     target_acc: float = 0.9  # report: rounds to reach this test accuracy
+    final_window: int = 1  # report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)
 
 
 @dataclass
@@ -298,6 +299,7 @@ def validate(cfg: Any) -> None:
     _range("train.crop_padding", t.crop_padding, 0)
     _range("train.eval_every", t.eval_every, 1)
     _range("train.target_acc", t.target_acc, 0, 1)
+    _range("train.final_window", t.final_window, 1)
     _choice("engine.executor", e.executor, EXECUTORS)
     if not (e.device in ("cpu", "cuda", "auto") or str(e.device).startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {e.device!r}")

@@ -14,19 +14,23 @@ def rounds_to_target(history: Sequence[Dict[str, float]], target: float) -> Opti
     return None
 
 
-def summarize_run(history: Sequence[Dict[str, float]], target: float) -> Dict[str, Optional[float]]:
+def summarize_run(history: Sequence[Dict[str, float]], target: float, final_window: int = 1) -> Dict[str, Optional[float]]:
     """final/best test accuracy (fractions), final test and train loss, rounds to ``target``, cumulative comm.
 
-    With a post-training step (CCVR) the final accuracy and test loss are those of the calibrated model.
+    ``final_acc`` is the mean test accuracy of the last ``final_window`` evaluations (FedNLR reports the
+    last 5 or 30 rounds). With a post-training step (CCVR) the final accuracy and test loss are those
+    of the calibrated model.
     """
     evals = [r for r in history if "test_acc" in r]
     last = history[-1]
     if "post_test_acc" in last:
-        return {**summarize_run([{k: v for k, v in r.items() if not k.startswith("post_")} for r in history], target),
+        return {**summarize_run([{k: v for k, v in r.items() if not k.startswith("post_")} for r in history], target,
+                                final_window),
                 "final_acc": last["post_test_acc"], "final_test_loss": last["post_test_loss"],
                 "final_acc_before_post": evals[-1]["test_acc"] if evals else None}
     return {
-        "final_acc": evals[-1]["test_acc"] if evals else None,
+        "final_acc": (sum(r["test_acc"] for r in evals[-final_window:]) / len(evals[-final_window:])
+                      if evals else None),
         "best_acc": max(r["test_acc"] for r in evals) if evals else None,
         "final_test_loss": evals[-1]["test_loss"] if evals else None,
         "final_train_loss": last["train_loss"],

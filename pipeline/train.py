@@ -245,7 +245,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                 raise
             progress.skip(result.resumed_from)
             histories[seed] = result.history
-            summaries[seed] = summarize_run(result.history, cfg.train.target_acc)
+            summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
             model_path = out_dir / "models" / f"seed_{seed}.pt"
             atomic_write(model_path, lambda p: torch.save(result.state_dict, p))
             if logger is not None:

@@ -12,33 +12,35 @@ from fl_core.data import load_source, make_partition
 from fl_core.engine.factory import build_simulator
 from fl_core.paths import conf_dir
 
-from test_sources import write_cifar10, write_cifar100, write_tiny_imagenet
+from test_sources import write_cifar10, write_cifar100, write_cinic10, write_tiny_imagenet
 
 PRESETS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 WRITERS = {
     "cifar10": lambda root: write_cifar10(root, per_batch=40, n_test=8),  # 200 train: 2 per client of 100
     "cifar100": lambda root: write_cifar100(root, n_train=200, n_test=8),
     "tiny_imagenet": lambda root: write_tiny_imagenet(root, per_class=8),
+    "cinic10": lambda root: write_cinic10(root, per_class=(20, 1)),
 }
 
 
 def test_the_presets_cover_the_paper_tables():
     assert {"fedbug_cifar10", "fedbug_cifar100", "fedbug_tiny", "fedbug_resnet_cifar100", "fedbug_resnet_tiny",
-            "fedbug_clients_ablation"} <= set(PRESETS)
+            "fedbug_clients_ablation", "fednlr_cifar10", "fednlr_cifar100", "fednlr_cinic10",
+            "fednlr_cifar10_100clients"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_validates_and_runs_one_round(preset, tmp_path):
     cfg = compose([f"+experiment={preset}"])
-    assert cfg.train.rounds >= 100 and cfg.algorithm.wrappers == ["fedbug"]  # the paper's settings, untouched
+    assert cfg.train.rounds >= 100 and cfg.algorithm.wrappers == [preset.split("_")[0]]  # the paper's settings
     WRITERS[cfg.dataset.name](tmp_path)
     cfg = compose([f"+experiment={preset}", f"dataset.root={tmp_path}", "dataset.verify=false", "train.rounds=1",
                    "train.participation=0.3", "engine.device=cpu", "engine.checkpoint_every=0",
-                   "engine.progress=false", "tracking.enabled=false"])
+                   "engine.progress=false", "tracking.enabled=false", "partition.min_size=0"])
     ds = load_source(cfg.dataset, Path(cfg.dataset.root))
     part = make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes)
     sim = build_simulator(cfg, ds, part)
     res = sim.run()
     row = res.history[-1]
     assert row["round"] == 1 and math.isfinite(row["train_loss"]) and 0.0 <= row["test_acc"] <= 1.0
-    assert "fedbug_trainable_share" in row
+    assert ("fedbug_trainable_share" in row) or ("fednlr_mu_l1" in row)

@@ -56,6 +56,11 @@ def layer_activation_means(model: torch.nn.Module, x: torch.Tensor, batch_size: 
             if y is not None:
                 current["y"] = y[s:s + batch_size]
             model(x[s:s + batch_size])
+        if x.shape[0] == 0:  # no data (an empty client): shapes from one blank input, all means 0
+            if y is not None:
+                current["y"] = torch.zeros(1, dtype=torch.long, device=x.device)
+            model(torch.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device))
+            sums = [torch.zeros_like(t) for t in sums]
     finally:
         for h in handles:
             h.remove()
