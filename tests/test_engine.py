@@ -118,3 +118,12 @@ def test_compat_reraises_unrelated_import_errors(monkeypatch):
         monkeypatch.setattr(builtins, "__import__", real_import)
         sys.modules.update(saved)
         compat.torchvision.cache_clear()
+
+
+def test_empty_clients_take_no_step():
+    from fl_core.engine.executors import batch_schedule, local_steps
+
+    assert batch_schedule(0, 1, 3, 0, 16, 2) == [] and local_steps(0, 16, 2) == 0
+    sched = batch_schedule(0, 1, 3, 37, 16, 2)
+    assert [len(b) for b in sched] == [16, 16, 5, 16, 16, 5] and len(sched) == local_steps(37, 16, 2)
+    assert sorted(torch.cat(sched[:3]).tolist()) == list(range(37))  # each epoch is a permutation

@@ -39,6 +39,8 @@ def batch_schedule(seed: int, round_idx: int, client_id: int, num_samples: int, 
     """
     g = torch_generator("batches", seed, round_idx, client_id)
     out: List[torch.Tensor] = []
+    if num_samples == 0:  # an empty client takes no step (K_i = 0)
+        return out
     for _ in range(local_epochs):
         perm = torch.randperm(num_samples, generator=g)
         out.extend(perm.split(batch_size))
