@@ -24,8 +24,9 @@ MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_
 PARTITIONS = ("iid", "dirichlet", "shards")
 DIRICHLET_VARIANTS = ("per_client", "per_class")
 SAMPLERS = ("bernoulli", "fixed")
-BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr", "scaffold", "fednova", "fedrs", "fedlc")
-WRAPPERS = ("fedbug", "fednlr", "ccvr")
+BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr", "scaffold", "fednova", "fedrs", "fedlc",
+                   "fedavgm", "fedadam", "fedyogi", "fedadagrad", "feddc", "fedbcgd", "fedbcgd_plus")
+WRAPPERS = ("fedbug", "fednlr", "ccvr", "topk", "qsgd")
 AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto")
 FEDBUG_SCHEDULES = ("paper", "code")
@@ -136,6 +137,42 @@ class CCVRConfig:
 
 
 @dataclass
+class FedAvgMConfig:
+    beta: float = 0.9  # server momentum
+    form: str = "heavy_ball"  # heavy_ball: v <- beta v + D; x <- x + eta_g v | ema: m <- beta m + (1-beta) D; x <- x + m
+
+
+@dataclass
+class ServerOptConfig:
+    beta1: float = 0.9  # FedAdam / FedYogi / FedAdagrad (Reddi et al.): first moment
+    beta2: float = 0.99  # second moment (Adam, Yogi)
+    tau: float = 1.0e-3  # adaptivity: x <- x + eta_g m / (sqrt(v) + tau)
+
+
+@dataclass
+class FedDCConfig:
+    alpha: float = 0.01  # drift penalty (Gao et al.; FedBCGD uses 0.01)
+
+
+@dataclass
+class FedBCGDConfig:
+    blocks: int = 5  # N parameter blocks (besides the shared block)
+    lam: float = 0.8  # lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)
+    block_partition: str = "auto"  # auto (model's table, else contiguous units) | paper | code | units
+    shared: bool = True  # ablation "nonshare": no shared block
+    momentum: bool = True  # ablation: lambda = 0
+    freezing: bool = False  # ablation: clients update only their block + shared block
+    plus_variant: str = "paper"  # FedBCGD+: paper (SVRG + full-batch control variates) | code (SCAFFOLD II + momentum)
+
+
+@dataclass
+class CompressionConfig:
+    topk_ratio: float = 0.1  # Top-k: share of entries sent (values + indices)
+    qsgd_levels: int = 16  # QSGD / FedPAQ: s quantisation levels
+    error_feedback: bool = True  # Top-k: keep the residual on the client
+
+
+@dataclass
 class FedDecorrConfig:
     beta: float = 0.01  # weight of the decorrelation loss (FedBug paper 0.01, FedBug code 0.001)
 
@@ -158,6 +195,11 @@ class AlgorithmConfig:
     fedlc: FedLCConfig = field(default_factory=FedLCConfig)
     fednlr: FedNLRConfig = field(default_factory=FedNLRConfig)
     ccvr: CCVRConfig = field(default_factory=CCVRConfig)
+    fedavgm: FedAvgMConfig = field(default_factory=FedAvgMConfig)
+    server_opt: ServerOptConfig = field(default_factory=ServerOptConfig)
+    feddc: FedDCConfig = field(default_factory=FedDCConfig)
+    fedbcgd: FedBCGDConfig = field(default_factory=FedBCGDConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     fedbug: FedBugConfig = field(default_factory=FedBugConfig)
 
 
@@ -285,6 +327,18 @@ def validate(cfg: Any) -> None:
     _range("algorithm.ccvr.epochs", a.ccvr.epochs, 0)
     _range("algorithm.ccvr.lr", a.ccvr.lr, 0, lo_open=True)
     _range("algorithm.ccvr.batch_size", a.ccvr.batch_size, 1)
+    _range("algorithm.fedavgm.beta", a.fedavgm.beta, 0, 1, hi_open=True)
+    _choice("algorithm.fedavgm.form", a.fedavgm.form, ("heavy_ball", "ema"))
+    _range("algorithm.server_opt.beta1", a.server_opt.beta1, 0, 1, hi_open=True)
+    _range("algorithm.server_opt.beta2", a.server_opt.beta2, 0, 1, hi_open=True)
+    _range("algorithm.server_opt.tau", a.server_opt.tau, 0, lo_open=True)
+    _range("algorithm.feddc.alpha", a.feddc.alpha, 0)
+    _range("algorithm.fedbcgd.blocks", a.fedbcgd.blocks, 1)
+    _range("algorithm.fedbcgd.lam", a.fedbcgd.lam, 0, 1, hi_open=True)
+    _choice("algorithm.fedbcgd.block_partition", a.fedbcgd.block_partition, ("auto", "paper", "code", "units"))
+    _choice("algorithm.fedbcgd.plus_variant", a.fedbcgd.plus_variant, ("paper", "code"))
+    _range("algorithm.compression.topk_ratio", a.compression.topk_ratio, 0, 1, lo_open=True)
+    _range("algorithm.compression.qsgd_levels", a.compression.qsgd_levels, 1)
     _range("train.rounds", t.rounds, 1)
     _range("train.participation", t.participation, 0, 1, lo_open=True)
     _choice("train.sampler", t.sampler, SAMPLERS)
