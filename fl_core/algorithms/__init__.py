@@ -20,6 +20,10 @@ from .fedlogits import FedLC, FedRS
 from .fednlr import FedNLR, mu_schedule, neuron_scales
 from .fednova import FedNova, normalizer
 from .scaffold import Scaffold
+from .feddc import FedDC
+from .serveropt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from .compression import QSGD, TopK
+from .fedbcgd import FedBCGD, assign_blocks, block_partition
 
 BASES: Dict[str, Callable[..., Algorithm]] = {
     "fedavg": lambda cfg: FedAvg(cfg.aggregation, cfg.eta_g),
@@ -32,6 +36,22 @@ BASES: Dict[str, Callable[..., Algorithm]] = {
     "fednova": lambda cfg: FedNova(cfg.fednova.mu, cfg.eta_g),
     "fedrs": lambda cfg: FedRS(cfg.fedrs.alpha, cfg.aggregation, cfg.eta_g),
     "fedlc": lambda cfg: FedLC(cfg.fedlc.tau, cfg.fedlc.missing, cfg.aggregation, cfg.eta_g),
+    "feddc": lambda cfg: FedDC(cfg.feddc.alpha),
+    "fedavgm": lambda cfg: FedAvgM(cfg.fedavgm.beta, cfg.fedavgm.form, cfg.aggregation, cfg.eta_g),
+    "fedadam": lambda cfg: FedAdam(cfg.server_opt.beta1, cfg.server_opt.beta2, cfg.server_opt.tau, cfg.aggregation,
+                                   cfg.eta_g),
+    "fedyogi": lambda cfg: FedYogi(cfg.server_opt.beta1, cfg.server_opt.beta2, cfg.server_opt.tau, cfg.aggregation,
+                                   cfg.eta_g),
+    "fedadagrad": lambda cfg: FedAdagrad(cfg.server_opt.beta1, cfg.server_opt.beta2, cfg.server_opt.tau,
+                                         cfg.aggregation, cfg.eta_g),
+}
+
+# rules that need the model's structure: (cfg, spec, model) -> Algorithm
+STRUCTURED: Dict[str, Callable[..., Algorithm]] = {
+    "fedbcgd": lambda cfg, spec, model: FedBCGD(
+        spec, *block_partition(model, spec.names, cfg.fedbcgd.blocks, cfg.fedbcgd.block_partition,
+                               cfg.fedbcgd.shared),
+        lam=cfg.fedbcgd.lam, momentum=cfg.fedbcgd.momentum, freezing=cfg.fedbcgd.freezing),
 }
 
 
@@ -49,6 +69,8 @@ WRAPPERS: Dict[str, Callable[..., Algorithm]] = {
                                                     spec.num_units, cfg.fedbug.schedule, cfg.fedbug.strategy),
     "fednlr": lambda base, cfg, spec, model: FedNLR(base, _neuron_layers(model), cfg.fednlr.mu0, cfg.fednlr.a1,
                                                     cfg.fednlr.a2, cfg.fednlr.depth_term, cfg.fednlr.neuron_count),
+    "topk": lambda base, cfg, spec, model: TopK(base, cfg.compression.topk_ratio, cfg.compression.error_feedback),
+    "qsgd": lambda base, cfg, spec, model: QSGD(base, cfg.compression.qsgd_levels),
     "ccvr": lambda base, cfg, spec, model: CCVR(base, (_neuron_layers(model) or [("fc", "linear", 0)])[-1][0],
                                                 cfg.ccvr.virtual_per_class, cfg.ccvr.epochs, cfg.ccvr.lr,
                                                 cfg.ccvr.batch_size),
@@ -63,9 +85,13 @@ def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
     Raises:
         ValueError: unknown base (``algorithm.name``) or wrapper (``algorithm.wrappers``).
     """
-    if cfg.name not in BASES:
-        raise ValueError(f"algorithm.name must be one of {', '.join(BASES)}, got {cfg.name!r}")
-    algo = BASES[cfg.name](cfg)
+    if cfg.name in STRUCTURED:
+        algo = STRUCTURED[cfg.name](cfg, spec, model)
+    elif cfg.name in BASES:
+        algo = BASES[cfg.name](cfg)
+    else:
+        raise ValueError(f"algorithm.name must be one of {', '.join(list(BASES) + list(STRUCTURED))}, "
+                         f"got {cfg.name!r}")
     for w in cfg.wrappers:
         if w not in WRAPPERS:
             raise ValueError(f"algorithm.wrappers: unknown wrapper {w!r} (known: {', '.join(WRAPPERS)})")
@@ -75,4 +101,5 @@ def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
 
 __all__ = ["Algorithm", "Wrapper", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg", "FedProx",
            "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "Scaffold", "FedNova",
-           "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "build_algorithm", "BASES", "WRAPPERS"]
+           "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC", "FedBCGD",
+           "assign_blocks", "block_partition", "STRUCTURED", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "TopK", "QSGD", "build_algorithm", "BASES", "WRAPPERS"]

@@ -34,6 +34,8 @@ class RoundContext:
     lr0: float = 0.0  # eta_l of round 1 (before decay)
     num_clients: int = 1  # N, all clients of the federation
     mean_client_size: float = 1.0  # mean n_j over all N clients
+    sampled: Tuple[int, ...] = ()  # the clients S of this round (sorted)
+    seed: int = 0  # the run seed (for algorithm randomness keyed by seed and round)
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm broadcast (e.g. SCAFFOLD's c)
 
     def global_params(self) -> Dict[str, torch.Tensor]:

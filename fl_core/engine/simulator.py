@@ -187,6 +187,7 @@ class Simulator:
                 clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
                 rctx = RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
                                     num_clients=self.num_clients, mean_client_size=self.mean_client_size,
+                                    sampled=tuple(int(c) for c in clients), seed=self.seed,
                                     extra=self.algo.broadcast(st["server"]))
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
