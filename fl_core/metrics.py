@@ -35,10 +35,17 @@ def summarize_run(history: Sequence[Dict[str, float]], target: float, final_wind
         "final_test_loss": evals[-1]["test_loss"] if evals else None,
         "final_train_loss": last["train_loss"],
         "rounds_to_target": rounds_to_target(history, target),
+        "up_floats_to_target": _up_floats_to_target(history, target),
         "comm_up_floats": last["comm_up_floats"],
         "comm_down_floats": last["comm_down_floats"],
         "rounds": int(last["round"]),
     }
+
+
+def _up_floats_to_target(history: Sequence[Dict[str, float]], target: float) -> Optional[float]:
+    """Cumulative uplink floats per client when ``test_acc`` first reaches ``target`` (None if never)."""
+    r = rounds_to_target(history, target)
+    return None if r is None else float(next(row["comm_up_floats"] for row in history if int(row["round"]) == r))
 
 
 def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:

@@ -328,6 +328,14 @@ def fmt_rounds(m: Dict) -> str:
     return f"{mean:.1f} {PM} {(_num(m.get('rounds_to_target_std')) or 0.0):.1f} ({reached}/{n} seeds)"
 
 
+def fmt_floats_d(m: Dict) -> str:
+    """Mean cumulative uplink floats per client to reach the target, in units of the model size d."""
+    up, d = _num(m.get("up_floats_to_target_mean")), _num(m.get("model_d"))
+    if up is None or not d:
+        return DASH
+    return f"{up / d:.1f}d"
+
+
 def _cell(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
@@ -470,11 +478,12 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
                      fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
                      fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
                      fmt_rounds(m),
-                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std"))])
+                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
+                     fmt_floats_d(m)])
     tgt = f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else ""
     out.append(_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
-                       f"rounds to target{tgt}", "final train loss"],
-                      rows, "lllrrrr"))
+                       f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
+                      rows, "lllrrrrr"))
     out.append("")
 
     out += ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
@@ -515,6 +524,9 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
                + "; mean \u00b1 std over the seeds that reached it, with how many did "
                f"(k/n seeds); {DASH} if none did.")
     out.append("- *final train loss*: mean training loss of the participating clients in the last round.")
+    out.append("- *uplink to target*: floats each participating client has uploaded (cumulative, mean over the "
+               "seeds that reached the target) when the target is first reached, in units of the model size d "
+               "(FedAvg: 1d per round; FedBCGD about d/N; QSGD/Top-k as float equivalents).")
     out.append("- Curves: mean over seeds; the shaded band spans the minimum and maximum over seeds.")
     out.append("- `summary.csv` holds the numbers of the first table as plain fractions.")
     out.append("")

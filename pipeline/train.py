@@ -207,6 +207,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     summaries: Dict[int, Dict] = {}
     failures: Dict[int, str] = {}
     algo_desc = ""
+    model_d = None
     try:
         for cfg in cfgs:
             seed = int(cfg.seed)
@@ -218,6 +219,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
             sim = build_simulator(cfg, ds, part, device=device, data=data, checkpoint_path=ckpt,
                                   callbacks=[progress] + list(callbacks or []))
             algo_desc = sim.algo.describe()
+            model_d = sim.spec.d
             tags["algorithm"] = algo_desc
             if not schedule_files:
                 schedule_files = write_schedule(sim, part, cfg, out_dir)
@@ -266,7 +268,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     finally:
         progress.close()
 
-    summary = _experiment_summary(name, cfg0, algo_desc, pkey, model_name, summaries, failures)
+    summary = _experiment_summary(name, cfg0, algo_desc, pkey, model_name, summaries, failures, model_d)
     if histories:
         all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
         write_text(out_dir / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
@@ -334,11 +336,12 @@ def _history_columns(rows: List[Dict]) -> List[str]:
     return cols
 
 
-def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures) -> Dict:
+def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
     out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
-                 "model": model_name, "rounds": int(cfg.train.rounds), "target_acc": float(cfg.train.target_acc),
+                 "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds), "target_acc": float(cfg.train.target_acc),
                  "seeds": sorted(summaries), "failed_seeds": sorted(failures)}
-    for key in ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target"):
+    for key in ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target",
+                "up_floats_to_target"):
         ms = mean_std([s[key] for s in summaries.values()])
         out[f"{key}_mean"] = ms["mean"]
         out[f"{key}_std"] = ms["std"]

@@ -68,6 +68,7 @@ def _write_experiment(results: Path, algo: str, part: str) -> None:
         "rounds_to_target_mean": statistics.mean(rtts) if rtts else None,
         "rounds_to_target_std": (statistics.stdev(rtts) if len(rtts) > 1 else 0.0) if rtts else None,
         "target_reached": len(rtts), "comm_up_floats": 400, "comm_down_floats": 400, "per_seed": per_seed,
+        "model_d": 100, "up_floats_to_target_mean": 100.0 * statistics.mean(rtts) if rtts else None,
     }
     (d / "metrics.json").write_text(json.dumps(metrics))
     with open(d / "runs.csv", "w", newline="") as f:
@@ -134,6 +135,7 @@ def test_report(tree, capsys):
     assert r[3] == "85.00 ± 7.07"  # 0.80, 0.90
     assert r[5] == "4.0 ± 0.0 (1/2 seeds)"  # only seed 2 reaches 0.85 (at round 4)
     assert r[6] == "0.1500 ± 0.0707"
+    assert r[7] == "4.0d" and by_name["fedavg_dir"][7] == "—"  # 400 floats at round 4 / d = 100
     assert by_name["fedbug_iid"][3] == "87.00 ± 1.41"  # 0.86, 0.88
     assert by_name["fedbug_iid"][5] == "4.0 ± 0.0 (2/2 seeds)"
     assert by_name["fedbug_dir"][1] == "FedBug P=0.2 (FedAvg)"
