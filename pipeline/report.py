@@ -357,6 +357,30 @@ def _join_values(values: Sequence) -> str:
 
 # --------------------------------------------------------------------------- report
 
+def accuracy_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str], Experiment]) -> List[List[str]]:
+    """Table rows: the row label, then final accuracy mean +- std per column; the best per column in
+    bold (compared at the shown precision, ties all bold; no bold in a column with one value)."""
+    best: Dict[str, Optional[float]] = {}
+    for c in cols:
+        vals = [round(100 * v, 2) for r in rows if (r, c) in cells
+                for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
+        best[c] = max(vals) if len(vals) >= 2 else None
+    table = []
+    for r in rows:
+        line = [r]
+        for c in cols:
+            e = cells.get((r, c))
+            if e is None:
+                line.append(DASH)
+                continue
+            text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
+            v = _num(e.metrics.get("final_acc_mean"))
+            line.append(f"**{text}**" if v is not None and best[c] is not None and round(100 * v, 2) == best[c]
+                        else text)
+        table.append(line)
+    return table
+
+
 def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple[str, str], Experiment]]:
     """Row labels, column labels (first-appearance order) and the experiment of each cell."""
     rows: List[str] = []
@@ -420,24 +444,7 @@ def fedbug_layout(exps: List[Experiment]) -> List[str]:
             rows.append(r) if r not in rows else None
             cols.append(c) if c not in cols else None
         rows.sort(key=row_key)
-        best = {}
-        for c in cols:
-            vals = [round(100 * v, 2) for r in rows if (r, c) in cells
-                    for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
-            best[c] = max(vals) if len(vals) >= 2 else None
-        table = []
-        for r in rows:
-            line = [r]
-            for c in cols:
-                e = cells.get((r, c))
-                if e is None:
-                    line.append(DASH)
-                    continue
-                text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
-                v = _num(e.metrics.get("final_acc_mean"))
-                line.append(f"**{text}**" if v is not None and best[c] is not None and round(100 * v, 2) == best[c]
-                            else text)
-            table.append(line)
+        table = accuracy_cells(rows, cols, cells)
         out += [f"### {part}", "", _table([""] + cols, table, "l" + "r" * len(cols)), ""]
     return out
 
@@ -489,25 +496,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
             "is in bold.", ""]
     row_labels, col_labels, cells = comparison(exps)
-    best: Dict[str, Optional[float]] = {}
-    for c in col_labels:
-        vals = [round(100 * v, 2) for r in row_labels if (r, c) in cells
-                for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
-        best[c] = max(vals) if len(vals) >= 2 else None
-    rows = []
-    for r in row_labels:
-        row = [r]
-        for c in col_labels:
-            e = cells.get((r, c))
-            if e is None:
-                row.append(DASH)
-                continue
-            text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
-            v = _num(e.metrics.get("final_acc_mean"))
-            if v is not None and best[c] is not None and round(100 * v, 2) == best[c]:
-                text = f"**{text}**"
-            row.append(text)
-        rows.append(row)
+    rows = accuracy_cells(row_labels, col_labels, cells)
     out.append(_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)))
     out.append("")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .fedavg import FedAvg
+from .fedprox import proximal_term
 
 
 def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> float:
@@ -38,10 +39,7 @@ class FedNova(FedAvg):
         self.mu = float(mu)
 
     def local_loss(self, ctx, params, logits, features, y):
-        if self.mu == 0.0:
-            return None
-        anchor = ctx.round.global_params()
-        return 0.5 * self.mu * sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
+        return None if self.mu == 0.0 else proximal_term(ctx, params, self.mu)
 
     def finish_client(self, ctx, update):
         update.extra["a"] = torch.tensor(normalizer(update.num_steps, ctx.round.lr, self.mu), dtype=torch.float64)

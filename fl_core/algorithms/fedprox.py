@@ -11,6 +11,12 @@ import torch
 from .fedavg import FedAvg
 
 
+def proximal_term(ctx, params, mu: float):
+    """(mu/2) ||theta_i - theta||^2 with theta the received global model (a detached anchor)."""
+    anchor = ctx.round.global_params()
+    return 0.5 * mu * sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
+
+
 class FedProx(FedAvg):
     name = "fedprox"
 
@@ -25,6 +31,4 @@ class FedProx(FedAvg):
             return None
         # Frozen parameters (FedBug) equal the anchor exactly, so summing over all of them adds 0
         # and keeps the hook free of per-tensor flags (it also runs under torch.func.vmap).
-        anchor = ctx.round.global_params()
-        sq = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
-        return 0.5 * self.mu * sq
+        return proximal_term(ctx, params, self.mu)
