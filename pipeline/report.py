@@ -557,9 +557,14 @@ def plot_curves(exps: List[Experiment], path: Path) -> None:
     exps = [e for e in exps if e.metrics is not None]
     rows, cols, cells = comparison(exps)
     ncol = max(1, len(cols))
-    fig = Figure(figsize=(6 * ncol, 8.5))
+    many = len(rows) > 8  # big grids: one legend beside the panels, a 20-colour palette, thinner bands
+    fig = Figure(figsize=(6 * ncol + (4 if many else 0), 8.5))
     axes = fig.subplots(2, ncol, squeeze=False)
-    colors = {r: f"C{i % 10}" for i, r in enumerate(rows)}
+    palette = [f"C{i}" for i in range(10)] if not many else [
+        "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd",
+        "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d",
+        "#17becf", "#9edae5"]
+    colors = {r: palette[i % len(palette)] for i, r in enumerate(rows)}
     if not cols:
         axes[0][0].text(0.5, 0.5, "no results", ha="center", va="center")
     for j, c in enumerate(cols):
@@ -572,7 +577,7 @@ def plot_curves(exps: List[Experiment], path: Path) -> None:
             if len(cv["acc_round"]):
                 ax_acc.plot(cv["acc_round"], 100 * cv["acc_mean"], color=colors[r], lw=1.8, label=r)
                 ax_acc.fill_between(cv["acc_round"], 100 * cv["acc_min"], 100 * cv["acc_max"],
-                                    color=colors[r], alpha=0.18, lw=0)
+                                    color=colors[r], alpha=0.06 if many else 0.18, lw=0)
             if len(cv["loss_round"]):
                 ax_loss.plot(cv["loss_round"], cv["loss_mean"], color=colors[r], lw=1.8, label=r)
         ax_acc.set_title(c)
@@ -582,10 +587,13 @@ def plot_curves(exps: List[Experiment], path: Path) -> None:
         for ax in (ax_acc, ax_loss):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
+            if ax.get_legend_handles_labels()[0] and not many:
                 ax.legend(fontsize=8)
+    if many and axes[0][ncol - 1].get_legend_handles_labels()[0]:
+        handles, labels = axes[0][ncol - 1].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
     fig.suptitle("Test accuracy (mean over seeds, min\u2013max band) and training loss (mean) per round")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, (6 * ncol) / (6 * ncol + 4), 1) if many else None)
     atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
 
 
