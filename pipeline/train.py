@@ -42,17 +42,30 @@ from fl_core.paths import project_root
 
 from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
 
-USAGE = """usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
-       python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
+def usage() -> str:
+    """The --help text; the choices are read from conf/ so it stays true to the code."""
+    from fl_core.paths import conf_dir
 
-Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking.
-Common keys: dataset=digits|cifar10|cifar100|mnist|fmnist  partition=iid|dirichlet|shards
-  partition.alpha  partition.num_clients  model=auto|small_cnn|std_cnn|mcmahan_cnn|mlp|logreg
-  algorithm=fedavg|fedprox|fedbug  algorithm.name (FedBug's base)  algorithm.fedbug.gu_percentage (P)
-  algorithm.fedprox.mu  algorithm.aggregation=weighted|uniform  train.rounds  train.participation
-  train.local_epochs  train.batch_size  train.lr  seed  name
+    def opts(group):
+        return "|".join(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
+
+    return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
+       python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
+       python -m pipeline.train --cfg [KEY=VALUE ...]    print the composed config and exit
+
+Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking; presets: +experiment=NAME.
+  dataset={opts("dataset")}
+  partition={opts("partition")}   partition.num_clients  partition.alpha  partition.variant
+  model={opts("model")}
+  algorithm={opts("algorithm")}
+    algorithm.name (a wrapper's base)  algorithm.wrappers  algorithm.aggregation=weighted|uniform  algorithm.eta_g
+    algorithm.fedbug.gu_percentage (P)  algorithm.fedprox.mu  algorithm.fednlr.mu0|a1|a2  algorithm.fedbcgd.lam
+  +experiment={opts("experiment")}
+  train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
+  train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor=sequential|vectorized|auto
+  engine.device  seed  name
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db).
-Show the composed config: python -m pipeline.train --cfg [KEY=VALUE ...]
+A killed run resumes from its checkpoint when the same command runs again.
 """
 
 CURVE_KEYS = ("test_acc", "test_loss", "train_loss")
@@ -357,7 +370,7 @@ def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failu
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+        print(usage())
         return 0
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
