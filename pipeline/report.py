@@ -42,7 +42,9 @@ PM = "\u00b1"
 
 ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedbug": "FedBug", "scaffold": "SCAFFOLD",
                    "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON", "feddyn": "FedDyn",
-                   "fedexp": "FedExP", "feddecorr": "FedDecorr"}
+                   "fedexp": "FedExP", "feddecorr": "FedDecorr", "fednlr": "FedNLR", "fedrs": "FedRS",
+                   "fedlc": "FedLC", "ccvr": "CCVR", "feddc": "FedDC", "fedbcgd": "FedBCGD", "fedavgm": "FedAvgM",
+                   "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "topk": "Top-k", "qsgd": "QSGD"}
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
                    "model", "rounds", "target_acc", "n_seeds", "failed_seeds",
