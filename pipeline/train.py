@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fl_core.config import ConfigError, compose, to_container
+from fl_core.data import DataSourceError, PartitionError
 from fl_core.data.partition import partition_key, plot_label_distribution
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
 from fl_core.engine.simulator import RunFailed, config_fingerprint
@@ -408,10 +409,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summary = run_experiment(cfgs)
     except RunFailed:
         return 1  # each failed seed already printed its one-line reason
-    except (ValueError, RuntimeError, OSError) as err:
-        if type(err).__name__ in ("DataSourceError", "PartitionError"):
-            fail(str(err))
-        raise
+    except (DataSourceError, PartitionError) as err:
+        fail(str(err))
     out = Path(cfgs[0].results_dir) / summary["experiment"]
     fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
     print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
