@@ -96,7 +96,7 @@ class Tracking:
     def end_parent(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
-    def child_logger(self, parent_id: Optional[str], name: str, tags: Dict[str, str], params: Dict[str, Any],
+    def child_logger(self, parent_id, name: str, tags: Dict[str, str], params: Dict[str, Any],
                      log_every: int = 10) -> "MlflowRunLogger":
         return MlflowRunLogger(self, parent_id, name, tags, params, log_every)
 
@@ -116,10 +116,13 @@ class Tracking:
 class MlflowRunLogger:
     """A child run that receives the per-round metrics of one seed (implements the RunLogger protocol)."""
 
-    def __init__(self, tracking: Tracking, parent_id: Optional[str], name: str, tags: Dict[str, str],
+    def __init__(self, tracking: Tracking, parent_id, name: str, tags: Dict[str, str],
                  params: Dict[str, Any], log_every: int):
         self.tracking = tracking
-        self.parent_id = parent_id
+        # the parent run id, or a callable giving it (called only for a new run; a resumed run keeps
+        # the parent recorded in its checkpoint)
+        self._parent = parent_id
+        self.parent_id: Optional[str] = parent_id if isinstance(parent_id, str) or parent_id is None else None
         self.name = name
         self.tags = dict(tags)
         self.params = params
@@ -134,11 +137,14 @@ class MlflowRunLogger:
         client = self.tracking.client
         if saved and saved.get("run_id"):
             self.run_id = saved["run_id"]
+            self.parent_id = saved.get("parent_id")
             client.update_run(self.run_id, status="RUNNING")
             hist = client.get_metric_history(self.run_id, "train_loss")
             self._skip_until = max((m.step for m in hist), default=0)
             return
         tags = dict(self.tags)
+        if callable(self._parent):
+            self.parent_id = self._parent()
         if self.parent_id:
             tags["mlflow.parentRunId"] = self.parent_id
         run = client.create_run(self.tracking.experiment_id, run_name=self.name, tags=tags)

@@ -242,16 +242,18 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
             if cfg.engine.executor == "auto" and seed == int(cfgs[0].seed):
                 print(f"executor: {sim.executor.name} ({sim.executor.reason})", file=sys.stderr)
             if tracking is not None:
-                if parent_id is None:
-                    parent_id = _parent_from_checkpoint(ckpt) or tracking.start_parent(name, tags)
+                def parent(tags=dict(tags)):  # created on the first new run; a resumed run brings its own
+                    return parent_id or tracking.start_parent(name, tags)
+
                 params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": sim.spec.d,
                           "algorithm.describe": algo_desc}
-                sim.logger = logger = tracking.child_logger(parent_id, f"{name}/seed{seed}",
+                sim.logger = logger = tracking.child_logger(parent, f"{name}/seed{seed}",
                                                             {**tags, "seed": str(seed)}, params,
                                                             cfg.tracking.log_every)
             try:
                 result = sim.run()
             except RunFailed as err:
+                parent_id = parent_id or (logger.parent_id if logger is not None else None)
                 failures[seed] = str(err)
                 print(f"error: {name} seed {seed} FAILED: {err}", file=sys.stderr)
                 continue
@@ -259,6 +261,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                 if logger is not None:
                     logger.close("KILLED", "interrupted; run the same command again to resume")
                 raise
+            parent_id = parent_id or (logger.parent_id if logger is not None else None)
             progress.skip(result.resumed_from)
             histories[seed] = result.history
             summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
@@ -332,13 +335,6 @@ def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
     atomic_write(png_path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
     return [csv_path, png_path]
-
-
-def _parent_from_checkpoint(ckpt: Optional[Path]) -> Optional[str]:
-    if ckpt is None or not ckpt.exists():
-        return None
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False).get("logger") or {}
-    return saved.get("parent_id")
 
 
 def _history_columns(rows: List[Dict]) -> List[str]:

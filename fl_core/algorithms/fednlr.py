@@ -71,16 +71,16 @@ class FedNLR(Wrapper):
         if self._round != ctx.round.round:
             self._round, self._stats = ctx.round.round, {}
         scales: Dict[str, torch.Tensor] = {}
-        names = set(ctx.round.spec.names)
+        spec = ctx.round.spec
+        ndim = {n: len(shape) for n, shape in zip(spec.names, spec.shapes)}
         for l, ((name, _, M), h, mu) in enumerate(zip(self.layers, means, mus), start=1):
             s, T = neuron_scales(h.to(torch.float64), mu)
             s = s.to(ctx.round.global_flat.dtype)
             self._stats.setdefault(l, []).append((mu, T))
             for suffix in ("weight", "bias"):
                 pname = f"{name}.{suffix}"
-                if pname in names:
-                    nd = len(ctx.round.spec.shapes[ctx.round.spec.names.index(pname)])
-                    scales[pname] = s.view(M, *([1] * (nd - 1)))
+                if pname in ndim:
+                    scales[pname] = s.view(M, *([1] * (ndim[pname] - 1)))
         ctx.lr_scale = scales
         self.base.client_begin(ctx, probe)
 

@@ -335,17 +335,8 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
                                   f"class of wnids.txt: {line!r}")
         test.append((base / "val" / "images" / row[0], index[row[1]]))
     test.sort(key=lambda item: (item[1], item[0].name))
-    return FLDataset(
-        name=cfg.name,
-        x_train=_decode_images(train, "train", "Tiny-ImageNet", _TINY_SIZE),
-        y_train=torch.tensor([c for _, c in train], dtype=torch.int64),
-        x_test=_decode_images(test, "val", "Tiny-ImageNet", _TINY_SIZE),
-        y_test=torch.tensor([c for _, c in test], dtype=torch.int64),
-        num_classes=len(wnids),
-        scale=255.0,
-        mean=_TINY_STATS[0],
-        std=_TINY_STATS[1],
-    )
+    return _image_dataset(cfg.name, train, test, ("train", "val"), "Tiny-ImageNet", _TINY_SIZE, len(wnids),
+                          _TINY_STATS)
 
 
 def _cinic10(cfg: Any, root: Path) -> FLDataset:
@@ -398,16 +389,23 @@ def _cinic10(cfg: Any, root: Path) -> FLDataset:
                               f"differ from those of {base / 'train'} ({', '.join(classes)})")
     train = [(f, c) for c, fs in enumerate(train_files) for f in fs]
     test = [(f, c) for c, fs in enumerate(test_files) for f in fs]
+    return _image_dataset(cfg.name, train, test, ("train", "test"), "CINIC-10", _CINIC_SIZE, len(classes),
+                          _CINIC_STATS)
+
+
+def _image_dataset(name: str, train: list, test: list, splits: tuple, title: str, size: int, num_classes: int,
+                   stats: tuple) -> FLDataset:
+    """An FLDataset from (file, label) lists of an image-folder layout (Tiny-ImageNet, CINIC-10)."""
     return FLDataset(
-        name=cfg.name,
-        x_train=_decode_images(train, "train", "CINIC-10", _CINIC_SIZE),
+        name=name,
+        x_train=_decode_images(train, splits[0], title, size),
         y_train=torch.tensor([c for _, c in train], dtype=torch.int64),
-        x_test=_decode_images(test, "test", "CINIC-10", _CINIC_SIZE),
+        x_test=_decode_images(test, splits[1], title, size),
         y_test=torch.tensor([c for _, c in test], dtype=torch.int64),
-        num_classes=len(classes),
+        num_classes=num_classes,
         scale=255.0,
-        mean=_CINIC_STATS[0],
-        std=_CINIC_STATS[1],
+        mean=stats[0],
+        std=stats[1],
     )
 
 

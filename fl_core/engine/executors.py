@@ -282,18 +282,14 @@ class VectorizedExecutor(Executor):
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
         for ctx in ctxs:
             algo.client_begin(ctx, self.probe(ctx.client_id))
-        lr_scale = {}
-        if any(c.lr_scale for c in ctxs):
-            for n in self._names:
-                if any(c.lr_scale and n in c.lr_scale for c in ctxs):
-                    shape = rctx.global_params()[n].shape
-                    lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale
-                                                else torch.ones((1,) * len(shape), device=dev)).expand(shape)
-                                               for c in ctxs])
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
-        if lr_scale:
-            lr_scale = {n: v.to(g[n].dtype) for n, v in lr_scale.items()}
+        lr_scale = {}  # per-client multipliers stacked [C, *shape] (FedNLR); 1 where a client has none
+        for n in self._names:
+            if any(c.lr_scale and n in c.lr_scale for c in ctxs):
+                ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=dev)
+                lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale else ones)
+                                           .to(g[n].dtype).expand(g[n].shape) for c in ctxs])
         steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
         # per-client values as stacked tensors [C, ...] (vmap hands each client its slice)
         dtype = data.x.dtype

@@ -47,3 +47,17 @@ class FLModel(nn.Module):
 
 def conv_out(size: int, kernel: int, padding: int = 0, stride: int = 1) -> int:
     return (size + 2 * padding - kernel) // stride + 1
+
+
+def conv_pool_size(h: int, w: int, stages: int, kernel: int, model: str, min_size: int) -> tuple:
+    """Spatial size after ``stages`` x (valid conv ``kernel`` + 2x2 max-pool).
+
+    Raises:
+        ValueError: the input is too small for the model (names the model and ``min_size``).
+    """
+    oh, ow = h, w
+    for _ in range(stages):
+        oh, ow = conv_out(oh, kernel) // 2, conv_out(ow, kernel) // 2
+    if oh < 1 or ow < 1:
+        raise ValueError(f"{model} needs inputs of at least {min_size}x{min_size}, got {h}x{w}")
+    return oh, ow

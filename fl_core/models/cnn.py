@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import FLModel, conv_out
+from .base import FLModel, conv_pool_size
 
 
 def resolve_units(model: str, units: str, layouts: Sequence[str], default: str) -> str:
@@ -69,10 +69,7 @@ class StandardCNN(NeuronLayersMixin, FLModel):
         c, h, w = input_shape
         self.conv1 = nn.Conv2d(c, 64, 5)
         self.conv2 = nn.Conv2d(64, 64, 5)
-        h2 = conv_out(conv_out(h, 5) // 2, 5) // 2
-        w2 = conv_out(conv_out(w, 5) // 2, 5) // 2
-        if h2 < 1 or w2 < 1:
-            raise ValueError(f"std_cnn needs inputs of at least 16x16, got {h}x{w}")
+        h2, w2 = conv_pool_size(h, w, 2, 5, "std_cnn", 16)
         self.fc1 = nn.Linear(64 * h2 * w2, 384)
         self.fc2 = nn.Linear(384, 192)
         self.fc3 = nn.Linear(192, num_classes)
@@ -118,11 +115,7 @@ class TinyCNN(NeuronLayersMixin, FLModel):
         self.conv1 = nn.Conv2d(c, 64, 5)
         self.conv2 = nn.Conv2d(64, 64, 5)
         self.conv3 = nn.Conv2d(64, 64, 5)
-        h3, w3 = h, w
-        for _ in range(3):
-            h3, w3 = conv_out(h3, 5) // 2, conv_out(w3, 5) // 2
-        if h3 < 1 or w3 < 1:
-            raise ValueError(f"tiny_cnn needs inputs of at least 36x36, got {h}x{w}")
+        h3, w3 = conv_pool_size(h, w, 3, 5, "tiny_cnn", 36)
         self.fc1 = nn.Linear(64 * h3 * w3, 256)
         self.fc2 = nn.Linear(256, 128)
         self.fc3 = nn.Linear(128, num_classes)
@@ -151,10 +144,7 @@ class McMahanCNN(NeuronLayersMixin, FLModel):
         c, h, w = input_shape
         self.conv1 = nn.Conv2d(c, 32, 5)
         self.conv2 = nn.Conv2d(32, 64, 5)
-        h2 = conv_out(conv_out(h, 5) // 2, 5) // 2
-        w2 = conv_out(conv_out(w, 5) // 2, 5) // 2
-        if h2 < 1 or w2 < 1:
-            raise ValueError(f"mcmahan_cnn needs inputs of at least 16x16, got {h}x{w}")
+        h2, w2 = conv_pool_size(h, w, 2, 5, "mcmahan_cnn", 16)
         self.fc1 = nn.Linear(64 * h2 * w2, 512)
         self.fc2 = nn.Linear(512, num_classes)
 
