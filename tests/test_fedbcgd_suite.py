@@ -1,10 +1,15 @@
-"""FedBCGD and FedDC (ALGORITHMS.md 4.10, 7.1, 13, 14 item 8)."""
+"""FedBCGD, FedBCGD+ and FedDC (ALGORITHMS.md 4.10, 7.1, 7.2, 13, 14 item 8)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from fl_core.algorithms import ClientUpdate, FedBCGD, RoundContext, assign_blocks, block_partition
+from fl_core.algorithms import (ClientContext, ClientUpdate, FedBCGD, FedBCGDPlus, QSGD, RoundContext, assign_blocks,
+                                block_partition, build_algorithm)
+from fl_core.algorithms.compression import qsgd_floats
 from fl_core.engine.state import ParamSpec
 from fl_core.models import build_model
 from fl_core.config import compose
@@ -99,7 +104,159 @@ def test_fedbcgd_uploads_about_d_over_n(digits):
 def test_fedbcgd_freezing_ablation_moves_only_own_block(digits):
     sim, res = run_sim(digits, *MLP, "algorithm=fedbcgd", "algorithm.fedbcgd.blocks=2",
                        "algorithm.fedbcgd.freezing=true", "train.rounds=1")
-    assert res.history[-1]["train_loss"] > 0
+    _, full = run_sim(digits, *MLP, "algorithm=fedbcgd", "algorithm.fedbcgd.blocks=2", "train.rounds=1")
+    algo = sim.algo
+    rctx = RoundContext(round=1, lr=0.05, global_flat=res.final_flat, spec=sim.spec, num_clients=6,
+                        sampled=(0, 2, 4, 5), seed=sim.seed)
+    for cid in rctx.sampled:  # the trainable tensors are exactly the client's block and the shared block
+        j = algo._block_of(rctx, cid)
+        mask = algo.update_mask(ClientContext(rctx, cid, 10, 1), 1)
+        assert [i for i, m in enumerate(mask) if m] == sorted(algo.block_params[j] + algo.shared_params)
+    # training only the own block changes what the clients upload, hence the model
+    assert not torch.allclose(res.final_flat, full.final_flat, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- FedBCGD+ (ALGORITHMS.md 7.2)
+
+def _plus(variant="paper", lam=0.0):
+    model, spec = _toy()
+    blocks, shared = block_partition(model, spec.names, 2, "units")
+    return FedBCGDPlus(spec, blocks, shared, lam=lam, variant=variant), spec
+
+
+def test_fedbcgd_plus_paper_gradient_by_hand():
+    """v = g(y; xi) - g(x; xi) + g_full - c_k + c on every trainable tensor."""
+    algo, spec = _plus("paper")
+    rctx = RoundContext(round=2, lr=0.1, global_flat=torch.zeros(5), spec=spec, num_clients=4, sampled=(0, 1),
+                        extra={"c": torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0])})
+    ctx = ClientContext(rctx, 0, 10, 4, state={"c": torch.tensor([0.5, 0.0, 1.0, 0.0, 1.0])})
+    ctx.full_grad = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    ctx.anchor_grads = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0, 0.0]), "head": torch.tensor([0.5])}
+    grads = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 1.0]), "head": torch.tensor([1.0])}
+    algo.transform_grads(ctx, 1, {}, grads)
+    assert torch.allclose(grads["a"], torch.tensor([3 - 1 + 0.1 - 0.5 + 1, 4 - 1 + 0.2 - 0 + 1]))
+    assert torch.allclose(grads["b"], torch.tensor([0 - 2 + 0.3 - 1 + 2, 1 - 0 + 0.4 - 0 + 2]))
+    assert torch.allclose(grads["head"], torch.tensor([1 - 0.5 + 0.5 - 1 + 3]))
+
+
+def test_fedbcgd_plus_server_control_variates_by_hand():
+    """paper: c += (1/M) sum Delta c (block j from its owners, shared from all); code: c += p * blockmean(s_k)."""
+    sampled = (0, 1, 2, 3)
+    for variant in ("paper", "code"):
+        algo, spec = _plus(variant)
+        c0 = torch.tensor([1.0, 0.0, 0.0, 2.0, 1.0])
+        rctx = RoundContext(round=1, lr=0.5, global_flat=torch.zeros(5), spec=spec, num_clients=8, sampled=sampled,
+                            seed=3, extra={"c": c0})
+        owners = assign_blocks(sampled, 2, seed=3, round_idx=1)
+        grads = {c: torch.arange(5, dtype=torch.float32) * (c + 1) for c in sampled}
+        deltas = {c: -torch.ones(5) * (c + 1) for c in sampled}
+        ups = []
+        for c in sampled:
+            ctx = ClientContext(rctx, c, 10, 2, state={"c": torch.full((5,), 0.25)})
+            ctx.full_grad = grads[c]
+            ups.append(algo.finish_client(ctx, ClientUpdate(c, 10, 2, deltas[c].clone(), 0.0)))
+            if variant == "paper":  # c_k <- g_full on every coordinate
+                assert torch.equal(ctx.state["c"], grads[c])
+            else:  # c_k+ = c_k - c + (x - y) / (K eta)
+                assert torch.allclose(ctx.state["c"], 0.25 - c0 + (c + 1) / (2 * 0.5))
+        _, st = algo.aggregate(rctx, algo.init_server_state(rctx.global_flat), ups)
+        if variant == "paper":
+            sent = {c: grads[c] - 0.25 for c in sampled}
+            exp = torch.cat([sum(sent[c][:2] for c in owners[0]) / 8, sum(sent[c][2:4] for c in owners[1]) / 8,
+                             sum(sent[c][4:] for c in sampled) / 8])
+        else:
+            sent = {c: 0.25 - c0 + (c + 1) / (2 * 0.5) - c0 for c in sampled}  # s_k = c_k+ - c
+            p = 4 / 8
+            exp = p * torch.cat([sum(sent[c][:2] for c in owners[0]) / 2, sum(sent[c][2:4] for c in owners[1]) / 2,
+                                 sum(sent[c][4:] for c in sampled) / 4])
+        # the server state starts at c = 0 here (init_server_state), the broadcast c0 only enters the clients
+        assert torch.allclose(st["c"], exp), variant
+
+
+FULL_BATCH = MLP + ["train.batch_size=1000", "train.rounds=1", "algorithm.fedbcgd.blocks=2"]
+
+
+@pytest.mark.parametrize("variant,extra", [("paper", FULL_BATCH), ("code", MLP + ["train.rounds=1",
+                                                                                 "algorithm.fedbcgd.blocks=2"])])
+def test_fedbcgd_plus_round_one_is_fedbcgd(digits, variant, extra):
+    """With c = c_k = 0 the code variant's first round is FedBCGD's; so is the paper variant's when every
+    step sees the whole local data (the SVRG term g(y) - g(x) + g_full is then g(y))."""
+    _, plus = run_sim(digits, *extra, "algorithm=fedbcgd_plus", f"algorithm.fedbcgd.plus_variant={variant}",
+                      "train.local_epochs=2")
+    _, bc = run_sim(digits, *extra, "algorithm=fedbcgd", "train.local_epochs=2")
+    assert torch.allclose(plus.final_flat, bc.final_flat, atol=1e-6)
+
+
+def test_fedbcgd_plus_paper_first_step_and_control_variate(digits):
+    """One local step (E = 1, B >= n_i): y = x - eta g_full; the client's c_k becomes g_full, computed here
+    independently with autograd over the client's whole data."""
+    from fl_core.engine.state import ClientStateStore, load_flat
+
+    sim, _ = run_sim(digits, *FULL_BATCH, "algorithm=fedbcgd_plus", "train.local_epochs=1")
+    g0 = sim._fresh_state()["global"]
+    algo, ex = sim.algo, sim.executor
+    rctx = RoundContext(round=1, lr=0.05, global_flat=g0, spec=sim.spec, num_clients=6, sampled=(1, 3, 4), seed=sim.seed,
+                        extra=algo.broadcast(algo.init_server_state(g0)))
+    store = ClientStateStore()
+    ups = ex.run_round(rctx, list(rctx.sampled), store)
+    for u in ups:
+        load_flat(sim.model, g0)
+        ix = ex.data.indices[u.client_id]
+        loss = torch.nn.functional.cross_entropy(sim.model(ex.data.x[ix]), ex.data.y[ix])
+        g_full = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(sim.model.parameters()))])
+        keep = algo.block_masks[int(u.extra["block"])] | algo.shared_mask
+        assert torch.allclose(u.delta, torch.where(keep, -0.05 * g_full, torch.zeros_like(g_full)), atol=1e-6)
+        assert torch.allclose(u.extra["delta_c"], torch.where(keep, g_full, torch.zeros_like(g_full)), atol=1e-6)
+        assert torch.allclose(store.get(u.client_id, lambda: None)["c"], g_full, atol=1e-6)
+
+
+def test_qsgd_quantises_the_fedbcgd_plus_control_variate_upload():
+    algo, spec = _plus("paper")
+    q = QSGD(algo, 4)
+    rctx = RoundContext(round=1, lr=0.1, global_flat=torch.zeros(5), spec=spec, num_clients=4, sampled=(0, 1),
+                        extra={"c": torch.zeros(5)})
+    ctx = ClientContext(rctx, 0, 10, 2, state={"c": torch.zeros(5)})
+    ctx.full_grad = torch.tensor([0.3, -0.7, 0.2, 0.9, 0.4])
+    up = q.finish_client(ctx, ClientUpdate(0, 10, 2, torch.tensor([0.1, 0.2, -0.3, 0.4, 0.5]), 0.0))
+    keep = (algo.block_masks[int(up.extra["block"])] | algo.shared_mask)
+    for v, raw in ((up.extra["delta_c"], torch.where(keep, ctx.full_grad, torch.zeros(5))),):
+        assert torch.all(v[~keep] == 0)
+        levels = v / torch.linalg.vector_norm(raw) * 4  # on the grid ||v|| * xi / s
+        assert torch.allclose(levels, levels.round(), atol=1e-5) and not torch.equal(v, raw)
+    blk = (5 - 1) / 2 + 1  # (d - #shared) / N + #shared
+    assert algo.comm_floats(5) == (2 * blk, 10.0)
+    assert q.comm_floats(5) == (pytest.approx(2 * qsgd_floats(blk, 4)), 10.0)
+
+
+# ----------------------------------------------------------------------------- section 13, every algorithm
+
+def _expected_floats(name, d, algo):
+    if name in ("scaffold", "feddc"):
+        return 2 * d, 2 * d
+    if name == "fednova":
+        return d + 1, d
+    if name == "fedbcgd":
+        return (d - algo.shared_floats) / algo.num_blocks + algo.shared_floats, d
+    if name == "fedbcgd_plus":
+        return 2 * ((d - algo.shared_floats) / algo.num_blocks + algo.shared_floats), 2 * d
+    if name == "topk":
+        return 2 * round(0.1 * d), d
+    if name in ("qsgd", "fedpaq"):
+        return d * (1 + 5) / 32 + 1, d  # s = 16 levels: 5 bits for xi, 1 sign bit, + the norm
+    return d, d  # FedAvg, FedProx, FedExP, FedDecorr, FedRS, FedLC, FedAvgM, FedAdam/Yogi/Adagrad, FedDyn, wrappers
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "algorithm").glob("*.yaml")))
+def test_comm_floats_of_every_algorithm_match_section_13(name):
+    cfg = compose(["model=mlp", f"algorithm={name}"])
+    model = build_model(cfg.model, "digits", (1, 8, 8), 10)
+    spec = ParamSpec.from_model(model)
+    algo = build_algorithm(cfg.algorithm, spec, model)
+    inner = algo
+    while hasattr(inner, "base"):
+        inner = inner.base
+    up, down = algo.comm_floats(spec.d)
+    assert (up, down) == tuple(pytest.approx(v) for v in _expected_floats(name, spec.d, inner))
 
 
 def test_feddc_first_round_server_model(digits):

@@ -23,7 +23,7 @@ from .scaffold import Scaffold
 from .feddc import FedDC
 from .serveropt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from .compression import QSGD, TopK
-from .fedbcgd import FedBCGD, assign_blocks, block_partition
+from .fedbcgd import FedBCGD, FedBCGDPlus, assign_blocks, block_partition
 
 BASES: Dict[str, Callable[..., Algorithm]] = {
     "fedavg": lambda cfg: FedAvg(cfg.aggregation, cfg.eta_g),
@@ -52,6 +52,11 @@ STRUCTURED: Dict[str, Callable[..., Algorithm]] = {
         spec, *block_partition(model, spec.names, cfg.fedbcgd.blocks, cfg.fedbcgd.block_partition,
                                cfg.fedbcgd.shared),
         lam=cfg.fedbcgd.lam, momentum=cfg.fedbcgd.momentum, freezing=cfg.fedbcgd.freezing),
+    "fedbcgd_plus": lambda cfg, spec, model: FedBCGDPlus(
+        spec, *block_partition(model, spec.names, cfg.fedbcgd.blocks, cfg.fedbcgd.block_partition,
+                               cfg.fedbcgd.shared),
+        lam=cfg.fedbcgd.lam, momentum=cfg.fedbcgd.momentum, freezing=cfg.fedbcgd.freezing,
+        variant=cfg.fedbcgd.plus_variant),
 }
 
 
@@ -101,5 +106,5 @@ def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
 
 __all__ = ["Algorithm", "Wrapper", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg", "FedProx",
            "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "Scaffold", "FedNova",
-           "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC", "FedBCGD",
+           "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC", "FedBCGD", "FedBCGDPlus",
            "assign_blocks", "block_partition", "STRUCTURED", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "TopK", "QSGD", "build_algorithm", "BASES", "WRAPPERS"]

@@ -60,6 +60,9 @@ class ClientContext:
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
     lr_scale: Optional[Dict[str, torch.Tensor]] = None  # per-parameter lr multipliers (FedNLR), set in client_begin
+    # set by the executor when the algorithm asks for them (FedBCGD+, ALGORITHMS.md 7.2):
+    full_grad: Optional[torch.Tensor] = None  # [d] (vectorised: [C, d]) full-batch gradient at the received model
+    anchor_grads: Optional[Dict[str, torch.Tensor]] = None  # this step's batch gradient at the received model
 
 
 @dataclass
@@ -85,6 +88,15 @@ class Algorithm:
 
     name = "base"
     vectorizable = True
+    # executor services (FedBCGD+'s SVRG client, ALGORITHMS.md 7.2): ``needs_full_gradient`` makes the executor
+    # set ``ctx.full_grad`` (mean training loss over ALL the client's samples, at the received model, train mode,
+    # no augmentation) before the first step; ``needs_anchor_gradient`` makes it set ``ctx.anchor_grads`` (the
+    # same step's mini-batch, same augmentation, at the received model) before every ``transform_grads``.
+    needs_full_gradient = False
+    needs_anchor_gradient = False
+    # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that
+    # an uplink quantiser (QSGD) compresses too (FedBCGD+'s Delta c)
+    compressed_extras: Tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ state
     def init_server_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -182,6 +194,18 @@ class Wrapper(Algorithm):
         return type(self).wrapper_vectorizable and self.base.vectorizable
 
     wrapper_vectorizable = True
+
+    @property
+    def needs_full_gradient(self) -> bool:  # type: ignore[override]
+        return self.base.needs_full_gradient
+
+    @property
+    def needs_anchor_gradient(self) -> bool:  # type: ignore[override]
+        return self.base.needs_anchor_gradient
+
+    @property
+    def compressed_extras(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return self.base.compressed_extras
 
     def describe(self) -> str:
         return f"{self.name}({self.base.describe()})"

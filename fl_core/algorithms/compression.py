@@ -4,7 +4,9 @@ Both compressors are wrappers that act only in ``finish_client``: the base algor
 finishes the client as usual (its ``finish_client`` runs FIRST, on the raw update), then the
 model update Delta_i it returns is replaced by its compressed version before it is "sent". The
 server rule is the base's, applied to the compressed deltas. Everything else the base uploads
-(``update.extra``: SCAFFOLD's Delta c, FedNova's a_i, ...) is sent uncompressed and counted as such.
+(``update.extra``: SCAFFOLD's Delta c, FedNova's a_i, ...) is sent uncompressed and counted as such,
+except what the base lists in ``compressed_extras`` (FedBCGD+'s block of Delta c), which QSGD
+quantises as a message of its own ("QSGD + FedBCGD+", FedBCGD Table 6).
 
 Top-k (Aji & Heafield 2017, "Sparse Communication for Distributed Gradient Descent"; with the error
 feedback of Stich et al. 2018 / Karimireddy et al. 2019). With the client's residual e_i (0 at the
@@ -152,11 +154,16 @@ class _RoundStats:
 def _payload(base: Algorithm, d: int) -> Tuple[float, float]:
     """(m, extra): the base's upload split into its model-update payload m and what it sends besides.
 
-    A base that uploads at least d floats sends its whole delta (m = d) plus ``base_up - d`` uncompressed
+    A base that uploads at least d floats sends its whole delta (m = d) plus ``base_up - d`` further
     floats (SCAFFOLD: Delta c, d; FedNova: a_i, 1); one that uploads less sends only part of the delta
-    (FedBCGD: its block, ~d/N; the rest of ``update.delta`` is 0), so m = base_up and nothing else.
+    (FedBCGD: its block, ~d/N; the rest of ``update.delta`` is 0), so m = base_up / (1 + #extras), where
+    the extras are the equally sized vectors of ``base.compressed_extras`` (FedBCGD+: its block of Delta c),
+    and extra = base_up - m.
     """
     base_up = float(base.comm_floats(d)[0])
+    if base.compressed_extras:
+        m = base_up / (1 + len(base.compressed_extras))
+        return m, base_up - m
     if base_up >= d:
         return float(d), base_up - float(d)
     return base_up, 0.0
@@ -254,11 +261,19 @@ class QSGD(Wrapper):
         norm = float(torch.linalg.vector_norm(delta))
         if norm > 0:
             self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(q - delta)) / norm)
-        return dataclasses.replace(update, delta=q)
+        extra = dict(update.extra)
+        for t, key in enumerate(self.base.compressed_extras, start=1):  # FedBCGD+'s Delta c: a message of its own
+            extra[key], _ = qsgd(update.extra[key], self.levels,
+                                 torch_generator("qsgd", int(getattr(ctx.round, "seed", 0)), self.seed,
+                                                 int(ctx.round.round), int(ctx.client_id), key))
+        return dataclasses.replace(update, delta=q, extra=extra)
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
+        """Each quantised message (the delta and every ``compressed_extras`` vector) costs qsgd_floats(m);
+        anything else the base sends is uncompressed."""
         m, extra = _payload(self.base, d)
-        return qsgd_floats(m, self.levels) + extra, float(self.base.comm_floats(d)[1])
+        msgs = 1 + len(self.base.compressed_extras)
+        return msgs * qsgd_floats(m, self.levels) + extra - (msgs - 1) * m, float(self.base.comm_floats(d)[1])
 
     def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
         out = dict(self.base.round_metrics(rctx, server_state, updates))

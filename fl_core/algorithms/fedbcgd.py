@@ -156,3 +156,104 @@ class FedBCGD(Algorithm):
 
     def comm_floats(self, d):
         return (d - self.shared_floats) / self.num_blocks + self.shared_floats, float(d)
+
+
+class FedBCGDPlus(FedBCGD):
+    """FedBCGD+ (ALGORITHMS.md 7.2): FedBCGD's block upload and per-block server momentum plus control variates.
+
+    ``variant="paper"`` (paper Eq. 4 / Alg. 3): client k holds c_k [d], the server c [d]. Before its steps the
+    client computes the full-batch gradient g_full = grad f_k(x) at the received model x; every step uses, on
+    the same mini-batch xi (signs as in SVRG and SCAFFOLD, see the errata in ALGORITHMS.md 7.2)::
+
+        v = grad f_k(y; xi) - grad f_k(x; xi) + g_full - c_k + c;      y <- y - eta v
+        c_k+ = g_full;   upload y_(j), y_s and Delta c = (c_k+ - c_k) on block j and the shared block
+
+    server: model and momentum exactly as FedBCGD, then c <- c + (1/M) sum_{i in S} Delta c_i (M = all
+    clients; each Delta c_i is zero outside its client's block and the shared block, so block j moves by
+    the sum over its owners and the shared block by the sum over all sampled clients).
+
+    ``variant="code"`` (the repository's ``FedBCGD+``, SCAFFOLD option II + block upload + momentum): steps
+    ``y <- y - eta (g + c - c_k)``; after the K_i steps c_k+ = c_k - c + (x - y) / (K_i eta); upload
+    s_k = c_k+ - c on block j and the shared block; server c_(j) <- c_(j) + p mean_{owners of j} s_k and
+    c_s <- c_s + p mean_{all S} s_k with p = |S| / M (an EMA of the clients' c_k+ with weight p).
+
+    In both variants c_k is overwritten on every coordinate (the paper's Alg. 3). Communication: up
+    2 (#x_(j) + #x_s) (model block + Delta c block), down 2d (x and c); state: c_k per client, c and v.
+    """
+
+    name = "fedbcgd_plus"
+
+    def __init__(self, spec, blocks, shared, lam: float = 0.8, momentum: bool = True, freezing: bool = False,
+                 variant: str = "paper"):
+        if variant not in ("paper", "code"):
+            raise ValueError(f"algorithm.fedbcgd.plus_variant must be paper or code, got {variant!r}")
+        super().__init__(spec, blocks, shared, lam=lam, momentum=momentum, freezing=freezing)
+        self.variant = variant
+        self.needs_full_gradient = self.needs_anchor_gradient = variant == "paper"
+        # QSGD (compression.py) quantises these uploads too, each as a message of its own
+        self.compressed_extras = ("delta_c",)
+
+    def describe(self) -> str:
+        return f"fedbcgd_plus[{self.variant},N={self.num_blocks},lambda={self.lam:g}]"
+
+    def init_server_state(self, global_flat):
+        return {"v": torch.zeros_like(global_flat), "c": torch.zeros_like(global_flat)}
+
+    def init_client_state(self, global_flat):
+        return {"c": torch.zeros_like(global_flat)}
+
+    def broadcast(self, server_state):
+        return {"c": server_state["c"]}
+
+    def transform_grads(self, ctx, k, params, grads):
+        spec = ctx.round.spec
+        c = spec.views(ctx.round.extra["c"])
+        ci = spec.views(ctx.state["c"])
+        if self.variant == "paper":
+            full = spec.views(ctx.full_grad)
+            for n, g in grads.items():
+                g.add_(full[n] - ctx.anchor_grads[n] - ci[n] + c[n])
+        else:
+            for n, g in grads.items():
+                g.add_(c[n] - ci[n])
+
+    def finish_client(self, ctx, update):
+        c_old = ctx.state["c"]
+        if self.variant == "paper":
+            c_new = ctx.full_grad.to(c_old.dtype)
+            sent = c_new - c_old
+        elif update.num_steps == 0:
+            c_new, sent = c_old, torch.zeros_like(c_old)
+        else:
+            c = ctx.round.extra["c"]
+            c_new = c_old - c - update.delta / (update.num_steps * ctx.round.lr)
+            sent = c_new - c
+        ctx.state["c"] = c_new
+        update = super().finish_client(ctx, update)
+        j = int(update.extra["block"])
+        keep = (self.block_masks[j] | self.shared_mask).to(sent.device)
+        update.extra["delta_c"] = torch.where(keep, sent, torch.zeros_like(sent))
+        return update
+
+    def aggregate(self, rctx, server_state, updates):
+        new, state = super().aggregate(rctx, server_state, updates)
+        c = server_state["c"]
+        if self.variant == "paper":
+            c = c + torch.stack([u.extra["delta_c"] for u in updates]).sum(0) / rctx.num_clients
+        else:
+            dev = c.device
+            by_client = {u.client_id: u.extra["delta_c"] for u in updates}
+            step = torch.zeros_like(c)
+            for j, owners in enumerate(self._owners(rctx)):
+                got = [by_client[o] for o in owners if o in by_client]
+                if got:
+                    step = torch.where(self.block_masks[j].to(dev), torch.stack(got).mean(0), step)
+            if self.shared_floats:
+                step = torch.where(self.shared_mask.to(dev), torch.stack(list(by_client.values())).mean(0), step)
+            c = c + (len(updates) / rctx.num_clients) * step
+        state["c"] = c
+        return new, state
+
+    def comm_floats(self, d):
+        up, _ = super().comm_floats(d)
+        return 2.0 * up, 2.0 * float(d)

@@ -7,6 +7,7 @@ executors must reproduce its global parameters (tests compare them).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -62,6 +63,35 @@ def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Di
         if lr_scale is not None and name in lr_scale:
             d_p = d_p * lr_scale[name]
         p.add_(d_p, alpha=-lr)
+
+
+def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor,
+                  chunk: int = 1024) -> torch.Tensor:
+    """Gradient [d] of the client's mean training loss over ALL its samples at the model's current parameters.
+
+    The loss is the one a local step minimises (cross-entropy on ``algo.train_logits`` plus
+    ``algo.local_loss``), computed in train mode without augmentation, in chunks of ``chunk`` samples
+    weighted by their size (so the result is the gradient of the mean over the n_i samples; the extra
+    loss is added per chunk with the same weights). FedBCGD+ uses it as its control variate
+    (ALGORITHMS.md 7.2, line 10 of the paper's Alg. 3). An empty client gets zeros.
+    """
+    named = list(model.named_parameters())
+    params = dict(named)
+    model.train()
+    for _, p in named:
+        p.grad = None
+    n = int(y.numel())
+    for s in range(0, n, chunk):
+        xb, yb = x[s:s + chunk], y[s:s + chunk]
+        logits, feats = model.forward_features(xb)
+        loss = F.cross_entropy(algo.train_logits(ctx, logits), yb)
+        extra = algo.local_loss(ctx, params, logits, feats, yb)
+        total = loss if extra is None else loss + extra
+        (total * (yb.numel() / n)).backward()
+    out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
+    for _, p in named:
+        p.grad = None
+    return out.detach().clone()
 
 
 class ClientData:
@@ -150,10 +180,13 @@ class SequentialExecutor(Executor):
         rctx = ctx.round
         load_flat(model, rctx.global_flat)
         algo.client_begin(ctx, self.probe(ctx.client_id))
+        idx = data.indices[ctx.client_id]
+        if algo.needs_full_gradient:
+            ctx.full_grad = full_gradient(model, algo, ctx, data.x[idx], data.y[idx])
+        anchor = self._anchor_model(rctx) if algo.needs_anchor_gradient else None
         model.train()
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
-        idx = data.indices[ctx.client_id]
         batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
                                  self.local_epochs)
         loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
@@ -174,6 +207,8 @@ class SequentialExecutor(Executor):
                 p.grad = None
             total.backward()
             trainable = [p for _, p in named if p.grad is not None]
+            if anchor is not None:
+                ctx.anchor_grads = self._anchor_grads(anchor, ctx, x, y)
             algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
@@ -187,6 +222,25 @@ class SequentialExecutor(Executor):
                                      f"client {ctx.client_id}")
         delta = flatten_params(model) - rctx.global_flat
         return ClientUpdate(ctx.client_id, ctx.num_samples, len(batches), delta, mean_loss)
+
+    def _anchor_model(self, rctx: RoundContext) -> torch.nn.Module:
+        """A second copy of the model holding the received global parameters (for ``ctx.anchor_grads``)."""
+        if getattr(self, "_anchor", None) is None:
+            self._anchor = copy.deepcopy(self.model)
+        load_flat(self._anchor, rctx.global_flat)
+        self._anchor.train()
+        return self._anchor
+
+    def _anchor_grads(self, anchor: torch.nn.Module, ctx: ClientContext, x: torch.Tensor,
+                      y: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Gradient of the step's training loss on batch (x, y) at the received model, by parameter name."""
+        named = list(anchor.named_parameters())
+        logits, feats = anchor.forward_features(x)
+        loss = F.cross_entropy(self.algo.train_logits(ctx, logits), y)
+        extra = self.algo.local_loss(ctx, dict(named), logits, feats, y)
+        total = loss if extra is None else loss + extra
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+        return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(named, grads)}
 
 
 EXECUTORS = {"sequential": SequentialExecutor}
@@ -282,6 +336,9 @@ class VectorizedExecutor(Executor):
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
         for ctx in ctxs:
             algo.client_begin(ctx, self.probe(ctx.client_id))
+            if algo.needs_full_gradient:
+                ix = data.indices[ctx.client_id]
+                ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
         lr_scale = {}  # per-client multipliers stacked [C, *shape] (FedNLR); 1 where a client has none
@@ -302,6 +359,10 @@ class VectorizedExecutor(Executor):
         batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                                     num_steps=client["num_steps"], label_counts=client["label_counts"],
                                     state=client["state"])
+        if algo.needs_full_gradient:
+            batched_ctx.full_grad = torch.stack([c.full_grad for c in ctxs])  # [C, d]
+        anchor = ({n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape) for n in self._names}
+                  if algo.needs_anchor_gradient else None)
         loss_sum = torch.zeros(C, dtype=dtype, device=dev)
         for k in range(kmax):
             b = pos[:, k]
@@ -314,6 +375,8 @@ class VectorizedExecutor(Executor):
             masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]
             mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)
             mask &= active[:, None]  # [C, P]
+            if anchor is not None:
+                batched_ctx.anchor_grads, _ = self._grad_fn(anchor, x, y, w[:, k], client, rctx)
             algo.transform_grads(batched_ctx, k + 1, params, grads)
             if self.grad_clip is not None:
                 sq = torch.stack([grads[n].pow(2).flatten(1).sum(1) for n in self._names], 1)  # [C, P]
