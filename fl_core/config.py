@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9")
 PARTITIONS = ("iid", "dirichlet", "shards")
-DIRICHLET_VARIANTS = ("per_client", "per_class")
+DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
 BASE_ALGORITHMS = ("fedavg", "fedprox", "feddyn", "fedexp", "feddecorr", "scaffold", "fednova", "fedrs", "fedlc",
                    "fedavgm", "fedadam", "fedyogi", "fedadagrad", "feddc", "fedbcgd", "fedbcgd_plus")
@@ -46,6 +46,9 @@ class DatasetConfig:
     verify: bool = True  # check the official archives' MD5 sums where torchvision knows them
     test_fraction: float = 0.25  # digits only: held-out share (stratified, fixed split)
     split_seed: int = 0  # digits only: seed of the train/test split
+    # > 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it instead
+    # of the test set; every test_* metric is then a validation metric (tuning, sweeps/tune.py)
+    validation_fraction: float = 0.0
 
 
 @dataclass
@@ -55,7 +58,10 @@ class PartitionConfig:
     name: str = "iid"
     num_clients: int = 20  # N
     alpha: float = 0.3  # Dirichlet concentration
-    variant: str = "per_client"  # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench)
+    # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | fixed_size_reuse (B, FedBCGD: each client
+    # draws samples_per_client labels from its prior; a class list is reshuffled and reused when exhausted)
+    variant: str = "per_client"
+    samples_per_client: int = 500  # dirichlet fixed_size_reuse (B) only
     min_size: int = 10  # dirichlet per_class: redraw until every client has this many samples
     classes_per_client: int = 2  # shards: S classes per client (#label-S)
     shards_variant: str = "label_S"  # label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)
@@ -209,6 +215,7 @@ class TrainConfig:
     participation: float = 0.5  # client participation rate p
     sampler: str = "bernoulli"  # bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients
     local_epochs: int = 2  # E
+    local_steps: int = 0  # > 0: exactly this many local steps K per client per round (LocalSGD), instead of E epochs
     batch_size: int = 32  # B
     lr: float = 0.05  # eta_l
     lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
@@ -240,6 +247,8 @@ class TrackingConfig:
     log_every: int = 10  # flush buffered per-round metrics every this many rounds
     log_model: bool = True  # final state_dict as an artifact
     neuron_drift_samples: int = 0  # > 0: per-round neuron-drift probe on this many test samples (FedNLR sec. 4)
+    layer_cosine: bool = False  # per-round cosine similarity of client updates per layer, mean over client pairs
+    client_loss_trace: int = 0  # > 0: log the local training loss of clients 0..n-1 every round they train
 
 
 @dataclass
@@ -287,6 +296,7 @@ def validate(cfg: Any) -> None:
     d, p, m, a, t, e = cfg.dataset, cfg.partition, cfg.model, cfg.algorithm, cfg.train, cfg.engine
     _choice("dataset.name", d.name, DATASETS)
     _range("dataset.test_fraction", d.test_fraction, 0, 1, lo_open=True, hi_open=True)
+    _range("dataset.validation_fraction", d.validation_fraction, 0, 1, hi_open=True)
     _choice("partition.name", p.name, PARTITIONS)
     _range("partition.num_clients", p.num_clients, 1)
     _range("partition.alpha", p.alpha, 0, lo_open=True)
@@ -343,6 +353,7 @@ def validate(cfg: Any) -> None:
     _range("train.participation", t.participation, 0, 1, lo_open=True)
     _choice("train.sampler", t.sampler, SAMPLERS)
     _range("train.local_epochs", t.local_epochs, 1)
+    _range("train.local_steps", t.local_steps, 0)
     _range("train.batch_size", t.batch_size, 1)
     _range("train.lr", t.lr, 0, lo_open=True)
     _range("train.lr_decay", t.lr_decay, 0, 1, lo_open=True)
@@ -363,6 +374,7 @@ def validate(cfg: Any) -> None:
     _range("engine.eval_batch_size", e.eval_batch_size, 1)
     _range("tracking.log_every", cfg.tracking.log_every, 1)
     _range("tracking.neuron_drift_samples", cfg.tracking.neuron_drift_samples, 0)
+    _range("tracking.client_loss_trace", cfg.tracking.client_loss_trace, 0)
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
 

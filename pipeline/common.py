@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fl_core.data import FLDataset, Partition, get_dataset, get_partition, load_source, make_partition
+from fl_core.data import FLDataset, Partition, get_dataset, get_partition, holdout_validation, load_source, make_partition
 from fl_core.data.partition import partition_key
 from fl_core.data.sources import prepared_path
 
@@ -19,15 +19,19 @@ def dataset_for(cfg, *, write_cache: bool) -> FLDataset:
 
     With ``write_cache`` (the prepare stage) a missing cache is created; without it (single runs)
     the raw source is read and nothing is written, so ad-hoc runs never touch DVC outputs.
+    With ``dataset.validation_fraction > 0`` the returned dataset's test split is the validation
+    share held out of the training set (:func:`fl_core.data.holdout_validation`).
     """
     data_dir = Path(cfg.data_dir)
-    if write_cache:
-        return get_dataset(cfg.dataset, data_dir, project_root=Path.cwd())
-    cached = prepared_path(cfg.dataset, data_dir)
-    if cached.exists():
-        return get_dataset(cfg.dataset, data_dir, project_root=Path.cwd())
-    root = Path(cfg.dataset.root)
-    return load_source(cfg.dataset, root if root.is_absolute() else Path.cwd() / root)
+    if write_cache or prepared_path(cfg.dataset, data_dir).exists():
+        ds = get_dataset(cfg.dataset, data_dir, project_root=Path.cwd())
+    else:
+        root = Path(cfg.dataset.root)
+        ds = load_source(cfg.dataset, root if root.is_absolute() else Path.cwd() / root)
+    fraction = float(getattr(cfg.dataset, "validation_fraction", 0.0) or 0.0)
+    if fraction > 0:
+        ds = holdout_validation(ds, fraction, int(cfg.dataset.split_seed))
+    return ds
 
 
 def partition_for(cfg, ds: FLDataset, *, write_cache: bool) -> Partition:
@@ -35,6 +39,8 @@ def partition_for(cfg, ds: FLDataset, *, write_cache: bool) -> Partition:
     labels = ds.y_train.numpy()
     data_dir = Path(cfg.data_dir)
     key_dir = data_dir / "partitions" / partition_key(cfg.partition, cfg.dataset.name)
+    if float(getattr(cfg.dataset, "validation_fraction", 0.0) or 0.0) > 0:  # another training set: never cached
+        return make_partition(cfg.partition, labels, ds.num_classes)
     if write_cache or key_dir.exists():
         return get_partition(cfg.partition, cfg.dataset.name, labels, ds.num_classes, data_dir)
     return make_partition(cfg.partition, labels, ds.num_classes)

@@ -211,7 +211,9 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     tracking = None
     parent_id = None
     tags = {"algorithm": "", "dataset": cfg0.dataset.name, "partition": pkey, "model": model_name,
-            "git_commit": git_commit(project_root()), "experiment": name}
+            "git_commit": git_commit(project_root()), "experiment": name,
+            # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out validation split
+            "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test"}
     if cfg0.tracking.enabled:
         tracking = Tracking(cfg0.tracking.experiment)
 

@@ -2,6 +2,7 @@
 readers on tiny files written in the official formats."""
 
 import io
+import math
 import pickle
 import struct
 from dataclasses import replace
@@ -437,3 +438,24 @@ def test_cinic10_class_folders_must_match(tmp_path):
     (tmp_path / "cinic-10" / "test" / "truck").rmdir()
     with pytest.raises(DataSourceError, match=r"class folders of .*test.* differ from those of .*train"):
         load_source(DatasetConfig(name="cinic10"), tmp_path)
+
+
+def test_holdout_validation_is_a_stratified_disjoint_seeded_split(digits):
+    from fl_core.data import holdout_validation
+
+    val = holdout_validation(digits, 0.2, seed=0)
+    n = digits.y_train.numel()
+    assert val.y_train.numel() + val.y_test.numel() == n and val.y_test.numel() == math.ceil(0.2 * n)  # sklearn rounds the held-out share up
+    # every validation image is a training image of the source, none is in the remaining training split
+    src = {bytes(x.numpy().tobytes()) + bytes([int(y)]) for x, y in zip(digits.x_train, digits.y_train)}
+    rest = {bytes(x.numpy().tobytes()) + bytes([int(y)]) for x, y in zip(val.x_train, val.y_train)}
+    held = [bytes(x.numpy().tobytes()) + bytes([int(y)]) for x, y in zip(val.x_test, val.y_test)]
+    assert all(h in src for h in held) and len(rest & set(held)) < 5  # digits holds a few duplicate images
+    share = torch.bincount(val.y_test, minlength=10).float() / torch.bincount(digits.y_train, minlength=10).float()
+    assert torch.all((share - 0.2).abs() < 0.02)  # stratified
+    again = holdout_validation(digits, 0.2, seed=0)
+    assert torch.equal(again.y_test, val.y_test) and torch.equal(again.x_test, val.x_test)
+    assert not torch.equal(holdout_validation(digits, 0.2, seed=1).x_test, val.x_test)
+    assert val.mean == digits.mean and torch.equal(digits.x_test, digits.x_test)
+    with pytest.raises(ValueError, match="dataset.validation_fraction"):
+        holdout_validation(digits, 1.0)

@@ -16,6 +16,7 @@ from fl_core.data.sources import (
     DataSourceError,
     FLDataset,
     get_dataset,
+    holdout_validation,
     load_source,
     prepared_path,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "DataSourceError",
     "FLDataset",
     "get_dataset",
+    "holdout_validation",
     "load_source",
     "prepared_path",
     "Partition",

@@ -35,6 +35,7 @@ Sources (``dataset.name``):
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "load_source",
     "prepared_path",
     "get_dataset",
+    "holdout_validation",
 ]
 
 SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
@@ -145,6 +147,33 @@ class FLDataset:
         mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(shape)
         std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(shape)
         return (x.to(torch.float32) / self.scale - mean) / std
+
+
+def holdout_validation(ds: FLDataset, fraction: float, seed: int = 0) -> FLDataset:
+    """Carve a validation split out of the training set (for tuning; ``dataset.validation_fraction``).
+
+    Returns a dataset whose training split is the remaining ``1 - fraction`` of ``ds``'s training
+    set and whose *test* split is the held-out validation share (stratified by label when every
+    class has at least two samples; a pure function of ``seed``, so every trial of a study sees the
+    same split). Normalisation statistics are kept from ``ds``. The real test set is not used.
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1) or a split that leaves either side empty
+            (names ``dataset.validation_fraction``).
+    """
+    from sklearn.model_selection import train_test_split
+
+    n = int(ds.y_train.numel())
+    if not 0.0 < float(fraction) < 1.0 or not 1 <= math.ceil(n * float(fraction)) < n:
+        raise ValueError(f"dataset.validation_fraction must leave both splits non-empty (in (0, 1)), "
+                         f"got {fraction} for {n} training samples")
+    y = ds.y_train.numpy()
+    strat = y if np.bincount(y).min(initial=2) >= 2 and len(np.unique(y)) <= math.ceil(n * float(fraction)) else None
+    tr, va = train_test_split(np.arange(n), test_size=float(fraction), random_state=int(seed), stratify=strat)
+    tr, va = torch.from_numpy(np.sort(tr)), torch.from_numpy(np.sort(va))
+    return FLDataset(name=ds.name, x_train=ds.x_train[tr].contiguous(), y_train=ds.y_train[tr].contiguous(),
+                     x_test=ds.x_train[va].contiguous(), y_test=ds.y_train[va].contiguous(),
+                     num_classes=ds.num_classes, scale=ds.scale, mean=ds.mean, std=ds.std)
 
 
 # --------------------------------------------------------------------------- sources
