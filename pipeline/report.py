@@ -397,6 +397,45 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
+INF = "\u221e"
+
+
+def _uplink_per_round(m: Dict) -> Optional[float]:
+    up, rounds = _num(m.get("comm_up_floats")), _num(m.get("rounds"))
+    return up / rounds if up is not None and rounds else None
+
+
+def communication_layout(exps: List[Experiment]) -> List[str]:
+    """FedBCGD's table layout (its Tables 2-6): final accuracy with the uplink floats per client to reach
+    the target in brackets, e.g. ``55.70 ± 0.40 (77.0d)``, or ``(∞)`` when no seed reached it.
+
+    Shown only when the experiments upload different amounts per round (otherwise "rounds to target"
+    already says it)."""
+    ups = {round(u, 3) for e in exps for u in [_uplink_per_round(e.metrics)] if u is not None}
+    if len(ups) < 2:
+        return []
+    row_labels, col_labels, cells = comparison(exps)
+    acc = accuracy_cells(row_labels, col_labels, cells)
+    rows = []
+    for r, line in zip(row_labels, acc):
+        out = [line[0]]
+        for c, text in zip(col_labels, line[1:]):
+            e = cells.get((r, c))
+            if e is None:
+                out.append(text)
+                continue
+            floats = fmt_floats_d(e.metrics)
+            out.append(f"{text} ({INF if floats == DASH else floats})")
+        rows.append(out)
+    target = _num(exps[0].metrics.get("target_acc")) if exps else None
+    return ["## Accuracy and uplink to target (FedBCGD layout)", "",
+            "Final test accuracy (%), mean \u00b1 std over seeds; in brackets the cumulative uplink floats per "
+            "participating client, in units of the model size d, when the test accuracy first reached "
+            + (f"{100 * target:g}%" if target is not None else "the target")
+            + " (mean over the seeds that reached it; \u221e: no seed did).", "",
+            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
+
+
 def split_fedbug(algorithm: str) -> Tuple[str, str]:
     """(row, column) of FedBug's paper layout: ``fedbug[P=0.2](feddyn[alpha=0.01])`` -> ("FedBug 20%", "FedDyn");
     a plain base -> ("Vanilla", its name). Ablation strategies keep their name in the row."""
@@ -503,6 +542,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out.append("")
 
     out += fedbug_layout(exps)
+    out += communication_layout(exps)
 
     out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", ""]
 

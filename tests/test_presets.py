@@ -26,21 +26,32 @@ WRITERS = {
 def test_the_presets_cover_the_paper_tables():
     assert {"fedbug_cifar10", "fedbug_cifar100", "fedbug_tiny", "fedbug_resnet_cifar100", "fedbug_resnet_tiny",
             "fedbug_clients_ablation", "fednlr_cifar10", "fednlr_cifar100", "fednlr_cinic10",
-            "fednlr_cifar10_100clients"} <= set(PRESETS)
+            "fednlr_cifar10_100clients", "fedbcgd_cifar100", "fedbcgd_cifar10", "fedbcgd_rho01",
+            "fedbcgd_compression"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_validates_and_runs_one_round(preset, tmp_path):
     cfg = compose([f"+experiment={preset}"])
-    assert cfg.train.rounds >= 100 and cfg.algorithm.wrappers == [preset.split("_")[0]]  # the paper's settings
+    family = preset.split("_")[0]
+    assert cfg.train.rounds >= 100  # the paper's settings
+    if family == "fedbcgd":
+        assert cfg.algorithm.name == "fedbcgd" and cfg.partition.variant == "fixed_size_reuse"
+        assert cfg.train.lr_decay == 0.998 and cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
+    else:
+        assert cfg.algorithm.wrappers == [family]
     WRITERS[cfg.dataset.name](tmp_path)
     cfg = compose([f"+experiment={preset}", f"dataset.root={tmp_path}", "dataset.verify=false", "train.rounds=1",
                    "train.participation=0.3", "engine.device=cpu", "engine.checkpoint_every=0",
-                   "engine.progress=false", "tracking.enabled=false", "partition.min_size=0"])
+                   "engine.progress=false", "tracking.enabled=false", "partition.min_size=0",
+                   "partition.samples_per_client=4"])
     ds = load_source(cfg.dataset, Path(cfg.dataset.root))
     part = make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes)
     sim = build_simulator(cfg, ds, part)
     res = sim.run()
     row = res.history[-1]
     assert row["round"] == 1 and math.isfinite(row["train_loss"]) and 0.0 <= row["test_acc"] <= 1.0
-    assert ("fedbug_trainable_share" in row) or ("fednlr_mu_l1" in row)
+    if family == "fedbcgd":  # one block + the shared block up, the whole model down
+        assert row["comm_up_floats"] < row["comm_down_floats"] == sim.spec.d
+    else:
+        assert ("fedbug_trainable_share" in row) or ("fednlr_mu_l1" in row)

@@ -212,3 +212,21 @@ def test_fedbug_layout_table(tree, capsys):
     assert rows[0][1] == "65.00 \u00b1 7.07" and rows[1][1] == "**72.00 \u00b1 2.83**"
     head, rows = _table(md, "### IID")
     assert rows[1][1] == "**87.00 \u00b1 1.41**"
+
+
+def test_communication_layout_cells():
+    from pipeline.report import Experiment, communication_layout
+
+    def exp(name, algo, up_per_round, acc, to_target):
+        m = {"final_acc_mean": acc, "final_acc_std": 0.01, "comm_up_floats": 10 * up_per_round, "rounds": 10,
+             "model_d": 1000, "target_acc": 0.9, "up_floats_to_target_mean": to_target}
+        return Experiment(name, [], metrics=m, row_label=algo, col_label="Dir")
+
+    exps = [exp("a", "FedAvg", 1000, 0.95, 4000.0), exp("b", "FedBCGD", 250, 0.96, 1500.0),
+            exp("c", "SCAFFOLD", 2000, 0.80, None)]
+    md = "\n".join(communication_layout(exps))
+    assert "| FedAvg | 95.00 ± 1.00 (4.0d) |" in md
+    assert "| FedBCGD | **96.00 ± 1.00** (1.5d) |" in md
+    assert "| SCAFFOLD | 80.00 ± 1.00 (\u221e) |" in md  # never reached the target
+    # equal uplink per round everywhere: no such table (rounds to target says it all)
+    assert communication_layout([exp("a", "FedAvg", 1000, 0.95, 4000.0), exp("p", "FedProx", 1000, 0.9, 5000.0)]) == []

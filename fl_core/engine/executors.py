@@ -30,18 +30,35 @@ def local_steps(num_samples: int, batch_size: int, local_epochs: int) -> int:
     return local_epochs * math.ceil(num_samples / batch_size)
 
 
+def client_steps(num_samples: int, batch_size: int, local_epochs: int, steps: int = 0) -> int:
+    """K_i of a client in one round: ``steps`` when > 0 (``train.local_steps``, LocalSGD, ALGORITHMS.md 4.1a),
+    else E epochs, :func:`local_steps`. An empty client takes no step either way (K_i = 0)."""
+    if steps < 0:
+        raise ValueError(f"train.local_steps must be >= 0, got {steps}")
+    if steps > 0:
+        return steps if num_samples > 0 else 0
+    return local_steps(num_samples, batch_size, local_epochs)
+
+
 def batch_schedule(seed: int, round_idx: int, client_id: int, num_samples: int, batch_size: int,
-                   local_epochs: int) -> List[torch.Tensor]:
+                   local_epochs: int, steps: int = 0) -> List[torch.Tensor]:
     """The client's mini-batches for a round: positions into its local index array.
 
     Each epoch is a fresh permutation of ``range(num_samples)`` cut into batches of ``batch_size``
-    (the last one may be smaller), so ``len(result) == local_steps(...)``. The permutations are a
-    pure function of ``(seed, round_idx, client_id)``: every executor and a resumed run draw the same.
+    (the last one may be smaller), so ``len(result) == local_steps(...)``. With ``steps`` > 0
+    (``train.local_steps``) the epochs run on, ignoring ``local_epochs``, until exactly ``steps``
+    batches are drawn (the last epoch cut short), so ``len(result) == client_steps(...)``; the first
+    batches are those of the E-epoch schedule. The permutations are a pure function of
+    ``(seed, round_idx, client_id)``: every executor and a resumed run draw the same.
     """
     g = torch_generator("batches", seed, round_idx, client_id)
     out: List[torch.Tensor] = []
     if num_samples == 0:  # an empty client takes no step (K_i = 0)
         return out
+    if steps > 0:
+        while len(out) < steps:
+            out.extend(torch.randperm(num_samples, generator=g).split(batch_size))
+        return out[:steps]
     for _ in range(local_epochs):
         perm = torch.randperm(num_samples, generator=g)
         out.extend(perm.split(batch_size))
@@ -116,7 +133,9 @@ class Executor:
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 augmentation: str = "none", crop_padding: int = 4):
+                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0):
+        if local_steps < 0:
+            raise ValueError(f"train.local_steps must be >= 0, got {local_steps}")
         if augmentation not in augment.MODES:
             raise ValueError(f"train.augmentation must be one of {', '.join(augment.MODES)}, got {augmentation!r}")
         self.augmentation = augmentation
@@ -126,6 +145,7 @@ class Executor:
         self.data = data
         self.batch_size = batch_size
         self.local_epochs = local_epochs
+        self.local_steps = local_steps  # > 0: exactly this many steps per client and round instead of E epochs
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
         self.seed = seed
@@ -137,8 +157,13 @@ class Executor:
         if state is not None:  # the store may live in host memory; compute where the data is
             state = {k: v.to(self.data.x.device) for k, v in state.items()}
         return ClientContext(round=rctx, client_id=int(cid), num_samples=n_i,
-                             num_steps=local_steps(n_i, self.batch_size, self.local_epochs),
+                             num_steps=client_steps(n_i, self.batch_size, self.local_epochs, self.local_steps),
                              label_counts=self.data.label_counts[cid], state=state)
+
+    def batches(self, rctx: RoundContext, ctx: ClientContext) -> List[torch.Tensor]:
+        """Client ``ctx``'s mini-batches of the round (:func:`batch_schedule`; ``len == ctx.num_steps``)."""
+        return batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
+                              self.local_epochs, self.local_steps)
 
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         raise NotImplementedError
@@ -187,8 +212,7 @@ class SequentialExecutor(Executor):
         model.train()
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
-        batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
-                                 self.local_epochs)
+        batches = self.batches(rctx, ctx)
         loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
         for k, pos in enumerate(batches, start=1):
             mask = algo.update_mask(ctx, k)
@@ -276,7 +300,8 @@ class VectorizedExecutor(Executor):
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 augmentation: str = "none", crop_padding: int = 4, max_parallel_clients: int = 0):
+                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0,
+                 max_parallel_clients: int = 0):
         if not algorithm.vectorizable:
             raise ValueError(f"engine.executor=vectorized: {algorithm.describe()} has hooks that only run "
                              "sequentially (use engine.executor=sequential or auto)")
@@ -284,7 +309,7 @@ class VectorizedExecutor(Executor):
             raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
         super().__init__(model, algorithm, data, batch_size=batch_size, local_epochs=local_epochs,
                          weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, augmentation=augmentation,
-                         crop_padding=crop_padding)
+                         crop_padding=crop_padding, local_steps=local_steps)
         self.max_parallel_clients = max_parallel_clients
         self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
@@ -322,7 +347,7 @@ class VectorizedExecutor(Executor):
         w = torch.zeros(C, kmax, B, dtype=self.data.x.dtype)
         for c, ctx in enumerate(ctxs):
             idx = self._cpu_indices[ctx.client_id]
-            batches = batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, B, self.local_epochs)
+            batches = self.batches(rctx, ctx)
             for k, b in enumerate(batches):
                 pos[c, k, :len(b)] = idx[b]
                 w[c, k, :len(b)] = 1.0

@@ -62,7 +62,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     name, reason = choose_executor(cfg.engine.executor, algo, model, device)
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
-                  crop_padding=t.crop_padding)
+                  crop_padding=t.crop_padding, local_steps=t.local_steps)
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
@@ -74,4 +74,5 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      eval_batch_size=cfg.engine.eval_batch_size, seed=int(cfg.seed),
                      checkpoint_path=checkpoint_path, checkpoint_every=cfg.engine.checkpoint_every,
                      logger=logger, callbacks=callbacks,
-                     neuron_drift_samples=cfg.tracking.neuron_drift_samples)
+                     neuron_drift_samples=cfg.tracking.neuron_drift_samples,
+                     layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace)
