@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
+from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
 from .probes import neuron_drift
 from .state import ClientStateStore, ParamSpec, atomic_torch_save, flatten_params, load_flat
@@ -107,6 +108,12 @@ class Simulator:
         checkpoint_path: file for the round state (None: no checkpoints); ``checkpoint_every`` in rounds.
         logger: a :class:`RunLogger`.
         callbacks: called as ``cb(round, row)`` after each round is logged (progress bars, tests).
+        neuron_drift_samples: ``tracking.neuron_drift_samples`` (> 0: FedNLR's neuron-drift probe).
+        layer_cosine: ``tracking.layer_cosine``: log ``cos_<layer>`` and ``cos_mean`` every round
+            (:func:`~fl_core.engine.diagnostics.layer_cosine`).
+        client_loss_trace: ``tracking.client_loss_trace`` = n > 0: log ``client_loss/<i>`` of the clients
+            i < n that trained, and ``train_loss_clients_min`` / ``_max``
+            (:func:`~fl_core.engine.diagnostics.client_loss_trace`).
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -115,7 +122,7 @@ class Simulator:
                  checkpoint_path: Optional[Path] = None, checkpoint_every: int = 0,
                  logger: Optional[RunLogger] = None,
                  callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
-                 neuron_drift_samples: int = 0):
+                 neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -129,6 +136,8 @@ class Simulator:
         self.logger = logger or NullLogger()
         self.callbacks = list(callbacks or [])
         self.neuron_drift_samples = neuron_drift_samples
+        self.layer_cosine = bool(layer_cosine)
+        self.client_loss_trace = int(client_loss_trace)
         self.spec = ParamSpec.from_model(model)
         self.device = next(model.parameters()).device
         data = getattr(executor, "data", None)
@@ -166,6 +175,15 @@ class Simulator:
         return ck
 
     # ------------------------------------------------------------------ loop
+    def _diagnostics(self, updates) -> Dict[str, float]:
+        """The study's per-round diagnostics (ALGORITHMS.md 10) that are switched on; {} (no work) when none is."""
+        out: Dict[str, float] = {}
+        if self.layer_cosine:
+            out.update(layer_cosine(torch.stack([u.delta for u in updates]), self.spec))
+        if self.client_loss_trace:
+            out.update(client_loss_trace(updates, self.client_loss_trace))
+        return out
+
     def run(self) -> RunResult:
         """Run (or resume) the rounds.
 
@@ -190,6 +208,7 @@ class Simulator:
                                     sampled=tuple(int(c) for c in clients), seed=self.seed,
                                     extra=self.algo.broadcast(st["server"]))
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
+                diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
                 st["comm_up"] += up
                 st["comm_down"] += down
@@ -200,6 +219,7 @@ class Simulator:
                     "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
                 }
                 row.update(self.algo.round_metrics(rctx, st["server"], updates))
+                row.update(diag)
                 if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):
                     n = self.neuron_drift_samples
                     data = self.executor.data

@@ -1,0 +1,133 @@
+"""Per-round diagnostics of the IID -> non-IID study (ALGORITHMS.md section 10) and its update measure.
+
+Pure functions of a round's client updates; the simulator calls them only when the matching
+``tracking.*`` switch is on, so they cost nothing otherwise:
+
+- :func:`layer_cosine` (``tracking.layer_cosine``): layer-wise cosine similarity of the client updates,
+  mean over client pairs [S2 Fig. 13];
+- :func:`client_loss_trace` (``tracking.client_loss_trace``): local training losses of chosen clients [S2 Fig. 12];
+- :func:`effective_update`: the effective update amount u of a configuration [S2 Eq. 3] (ALGORITHMS.md 4.1a).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+import torch
+
+from .state import ParamSpec
+
+
+def layer_groups(spec: ParamSpec) -> Dict[str, List[int]]:
+    """Layer name -> indices (ParamSpec order) of its parameter tensors, layers in order of first appearance.
+
+    A layer is a module: the parameter name up to its last dot (``conv1.weight`` + ``conv1.bias`` ->
+    ``conv1``; ``layer1.0.conv1.weight`` -> ``layer1.0.conv1``); a name without a dot is its own layer.
+    """
+    groups: Dict[str, List[int]] = {}
+    for j, name in enumerate(spec.names):
+        groups.setdefault(name.rpartition(".")[0] or name, []).append(j)
+    return groups
+
+
+@torch.no_grad()
+def layer_cosine(deltas: torch.Tensor, spec: ParamSpec) -> Dict[str, float]:
+    """Mean pairwise cosine similarity of the clients' updates, per layer [S2 Fig. 13] (ALGORITHMS.md 10).
+
+    For each layer l (:func:`layer_groups`: weight and bias of one module together) and every pair
+    i < j of the S clients, cos(Delta_i^l, Delta_j^l) = <Delta_i^l, Delta_j^l> / (|Delta_i^l| |Delta_j^l|),
+    averaged over the pairs. Computed per layer as the Gram matrix of the S flattened layer updates
+    (float64, summed over the layer's tensors) divided by the outer product of its diagonal's square
+    roots; the mean is over the strict upper triangle.
+
+    Zero updates: a pair in which either client's update of layer l has norm exactly 0 (a FedBCGD
+    client outside its block, a layer FedBug kept frozen all round, a layer Top-k sent nothing of)
+    has no defined cosine and is left out of that layer's mean. A layer with no pair left (S < 2, or
+    fewer than two clients moved it) gets no ``cos_<layer>`` key that round.
+
+    Args:
+        deltas: [S, d] the round's client updates Delta_i = theta_i - theta (as uploaded, after
+            ``finish_client``), one row per participating client.
+        spec: the model's :class:`~fl_core.engine.state.ParamSpec` (``d`` and the tensor layout).
+
+    Returns:
+        ``{"cos_<layer>": mean over pairs}`` for every layer with at least one pair, in [-1, 1], plus
+        ``cos_mean``: the unweighted mean over those layers ({} when no layer has a pair).
+    """
+    if deltas.dim() != 2 or deltas.shape[1] != spec.d:
+        raise ValueError(f"layer_cosine needs client updates [S, {spec.d}], got {tuple(deltas.shape)}")
+    S = deltas.shape[0]
+    if S < 2:
+        return {}
+    i, j = torch.triu_indices(S, S, 1, device=deltas.device)  # the S(S-1)/2 pairs i < j
+    names, means = [], []
+    for layer, members in layer_groups(spec).items():
+        gram = torch.zeros(S, S, dtype=torch.float64, device=deltas.device)
+        for p in members:
+            x = deltas[:, spec.offsets[p]:spec.offsets[p] + spec.numels[p]].double()  # [S, numel_p]
+            gram += x @ x.T
+        sq = gram.diagonal()  # [S] squared norms of the layer updates
+        norm = sq.clamp_min(torch.finfo(torch.float64).tiny).sqrt()
+        cos = (gram / (norm[:, None] * norm[None, :])).clamp(-1.0, 1.0)
+        valid = (sq[i] > 0) & (sq[j] > 0)  # [pairs]
+        names.append(layer)
+        means.append(torch.where(valid, cos[i, j], torch.zeros_like(cos[i, j])).sum() / valid.sum())
+    values = torch.stack(means).tolist()  # one device sync; NaN where a layer has no valid pair
+    out = {f"cos_{n}": v for n, v in zip(names, values) if not math.isnan(v)}
+    if out:
+        out["cos_mean"] = sum(out.values()) / len(out)
+    return out
+
+
+def client_loss_trace(updates: Sequence, num_traced: int) -> Dict[str, float]:
+    """Local training losses of the traced clients that trained this round [S2 Fig. 12].
+
+    Args:
+        updates: the round's :class:`~fl_core.algorithms.base.ClientUpdate` s; ``train_loss`` is the
+            client's mean task loss (CE) over its local steps.
+        num_traced: ``tracking.client_loss_trace``: clients ``0..num_traced-1`` are traced.
+
+    Returns:
+        ``client_loss/<i>`` for every traced client i in ``updates`` (MLflow groups the ``client_loss/``
+        keys in one section), plus ``train_loss_clients_min`` / ``train_loss_clients_max`` over all the
+        round's clients; {} when ``num_traced`` is 0 or there are no updates.
+    """
+    if num_traced <= 0 or not updates:
+        return {}
+    out = {f"client_loss/{u.client_id}": float(u.train_loss) for u in sorted(updates, key=lambda u: u.client_id)
+           if u.client_id < num_traced}
+    losses = [float(u.train_loss) for u in updates]
+    out["train_loss_clients_min"] = min(losses)
+    out["train_loss_clients_max"] = max(losses)
+    return out
+
+
+def effective_update(lr: float, local_epochs: int, num_samples: int, batch_size: int, num_clients: int,
+                     local_steps: int = 0) -> float:
+    """Effective update amount per round u = eta * E * |D| / (B * K) [S2 Eq. 3] (ALGORITHMS.md 4.1a, 10).
+
+    u is the local learning rate times the number of local SGD steps a client takes per round in a
+    balanced federation: each of the K clients holds |D| / K samples, so E epochs are E |D| / (B K)
+    steps (the paper's formula; the executors take E * ceil(n_i / B), the same when B divides n_i).
+    With ``local_steps`` > 0 (``train.local_steps``) every client takes exactly that many steps and
+    u = eta * local_steps, whatever E, |D|, B and K. Base of the study: 0.005 * 1 * 50000 / (50 * 10) = 0.5
+    = the centralised 0.005 * 1 * 50000 / (500 * 1).
+
+    Args:
+        lr: eta, the local learning rate (``train.lr``; round 1, before any decay).
+        local_epochs: E (``train.local_epochs``).
+        num_samples: |D|, the total number of training samples over all clients.
+        batch_size: B (``train.batch_size``).
+        num_clients: K (``partition.num_clients``).
+        local_steps: ``train.local_steps`` (0: E epochs).
+
+    Returns:
+        u in units of learning rate x steps (dimensionless for the model).
+    """
+    if batch_size < 1 or num_clients < 1:
+        raise ValueError(f"effective_update needs train.batch_size >= 1 and partition.num_clients >= 1, "
+                         f"got {batch_size} and {num_clients}")
+    if local_steps > 0:
+        return float(lr) * local_steps
+    return float(lr) * local_epochs * num_samples / (batch_size * num_clients)
