@@ -34,6 +34,7 @@ import torch
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.data import DataSourceError, PartitionError
 from fl_core.data.partition import partition_key, plot_label_distribution
+from fl_core.engine.diagnostics import effective_update
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
 from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run
@@ -194,6 +195,9 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     device = resolve_device(cfg0.engine.device)
     ds = dataset_for(cfg0, write_cache=False)
     part = partition_for(cfg0, ds, write_cache=False)
+    # the effective update amount u = eta E |D| / (B K) of the IID-to-non-IID study (ALGORITHMS.md 10)
+    u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(part.sizes)), cfg0.train.batch_size,
+                         part.num_clients, cfg0.train.local_steps)
     data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
     model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
 
@@ -203,7 +207,8 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     import yaml
 
     write_text(out_dir / "config.yaml", yaml.safe_dump({**container, "name": name,
-                                                        "seeds": [int(c.seed) for c in cfgs]}, sort_keys=False))
+                                                        "seeds": [int(c.seed) for c in cfgs],
+                                                        "effective_update_u": u}, sort_keys=False))
     pkey = partition_key(cfg0.partition, cfg0.dataset.name)
     write_json(out_dir / "partition" / "stats.json", part.stats())
     plot_label_distribution(part, out_dir / "partition" / "labels_per_client.png", title=pkey)
@@ -248,7 +253,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
                     return parent_id or tracking.start_parent(name, tags)
 
                 params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": sim.spec.d,
-                          "algorithm.describe": algo_desc}
+                          "algorithm.describe": algo_desc, "effective_update_u": u}
                 sim.logger = logger = tracking.child_logger(parent, f"{name}/seed{seed}",
                                                             {**tags, "seed": str(seed)}, params,
                                                             cfg.tracking.log_every)
@@ -296,7 +301,8 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
         plot_curves(histories, f"{name}: {algo_desc}, {pkey}", out_dir / "curves.png")
     write_json(out_dir / "metrics.json", summary)
     if tracking is not None and parent_id is not None:
-        tracking.log_params(parent_id, {**flatten(container), "seeds": [int(c.seed) for c in cfgs]})
+        tracking.log_params(parent_id, {**flatten(container), "seeds": [int(c.seed) for c in cfgs],
+                                        "effective_update_u": u})
         tracking.log_artifacts(parent_id, [out_dir / "metrics.json", out_dir / "rounds.csv", out_dir / "curves.png",
                                            out_dir / "config.yaml"])
         tracking.end_parent(parent_id, "FAILED" if failures else "FINISHED")
@@ -309,9 +315,10 @@ def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
     """What the algorithm does over local steps (FedBug: trainable units per step), as CSV and PNG.
 
     Written for the clients' distinct step counts K_i; nothing for algorithms without a schedule."""
-    from fl_core.engine.executors import local_steps
+    from fl_core.engine.executors import client_steps
 
-    steps = [local_steps(int(n), cfg.train.batch_size, cfg.train.local_epochs) for n in part.sizes]
+    steps = [client_steps(int(n), cfg.train.batch_size, cfg.train.local_epochs, cfg.train.local_steps)
+             for n in part.sizes]
     rows = sim.algo.schedule_rows(steps)
     if not rows:
         return []

@@ -55,7 +55,7 @@ class ClientContext:
     round: RoundContext
     client_id: int
     num_samples: Any  # n_i (int, or 0-d tensor under vmap)
-    num_steps: Any  # K_i = E * ceil(n_i / B)
+    num_steps: Any  # K_i = E * ceil(n_i / B), or train.local_steps when > 0
     label_counts: Optional[torch.Tensor] = None  # [C] local class counts
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
