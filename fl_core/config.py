@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 
 DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
-MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9")
+MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
+          "vgg11", "vgg19")
 PARTITIONS = ("iid", "dirichlet", "shards")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
@@ -75,6 +76,7 @@ class ModelConfig:
     hidden: int = 200  # mlp width
     units: str = "default"  # FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6
     norm_groups: int = 2  # ResNets: GroupNorm(norm_groups, C) in place of BatchNorm
+    vgg_init: str = "kaiming"  # vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)
 
 
 @dataclass
@@ -302,10 +304,12 @@ def validate(cfg: Any) -> None:
     _range("partition.alpha", p.alpha, 0, lo_open=True)
     _choice("partition.variant", p.variant, DIRICHLET_VARIANTS)
     _range("partition.min_size", p.min_size, 0)
+    _range("partition.samples_per_client", p.samples_per_client, 1)
     _range("partition.classes_per_client", p.classes_per_client, 1)
     _choice("partition.shards_variant", p.shards_variant, ("label_S", "mcmahan_sort_shard"))
     _range("partition.size_sigma", p.size_sigma, 0)
     _choice("model.name", m.name, MODELS)
+    _choice("model.vgg_init", m.vgg_init, ("kaiming", "torch"))
     _range("model.hidden", m.hidden, 1)
     _range("model.norm_groups", m.norm_groups, 1)
     _choice("algorithm.name", a.name, BASE_ALGORITHMS)

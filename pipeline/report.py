@@ -101,12 +101,12 @@ def _parse_partition(key: str) -> Optional[Dict[str, str]]:
     out: Dict[str, str] = {"dataset": m.group("ds"), "kind": parts[0], "seed": m.group("seed")}
     rest = parts[1:]
     if out["kind"] == "dirichlet":
-        if not rest or rest[0] not in ("per_client", "per_class"):
+        if not rest or rest[0] not in ("per_client", "per_class", "fixed_size_reuse"):
             return None
         out["variant"] = rest.pop(0)
     for tok in rest:
-        for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("a", "alpha"), ("n", "clients"),
-                             ("S", "classes")):
+        for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("spc", "samples_per_client"), ("a", "alpha"),
+                             ("n", "clients"), ("S", "classes")):
             if tok.startswith(prefix) and len(tok) > len(prefix):
                 out[name] = tok[len(prefix):]
                 break
@@ -140,6 +140,8 @@ def partition_label(key: str, verbose: bool = False) -> str:
         label = f"Dirichlet \u03b1={p['alpha']}"
         if p["variant"] == "per_class":
             extra.append("per class")
+        elif p["variant"] == "fixed_size_reuse":
+            extra.append(f"{p.get('samples_per_client', '?')}/client, reused")
     else:
         label = "Shards"
         extra.append(f"{p['classes']} classes/client")

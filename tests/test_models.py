@@ -12,7 +12,7 @@ from fl_core.config import ModelConfig
 from fl_core.models import AUTO_MODEL, MODELS, build_model, unit_layouts
 from fl_core.models.cnn import TinyCNN
 from fl_core.models.resnet import ResNet18GN, ResNet34GN
-from fl_core.models.vgg import VGG9
+from fl_core.models.vgg import VGG9, VGG11, VGG19, VGG_CFGS, repo_head_width
 
 # (name, input shape, classes) the models are built for in these tests
 SHAPES = {
@@ -25,6 +25,8 @@ SHAPES = {
     "resnet18": ((3, 32, 32), 100),
     "resnet34": ((3, 32, 32), 100),
     "vgg9": ((3, 32, 32), 10),
+    "vgg11": ((3, 32, 32), 10),
+    "vgg19": ((3, 32, 32), 100),
 }
 ALL_LAYOUTS = [(name, units) for name in SHAPES for units in ("default", *unit_layouts(name))]
 
@@ -284,7 +286,8 @@ def test_vgg9_registry_and_auto():
 
 
 NEURON_MODELS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
-                 ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("vgg9", "default")]
+                 ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("vgg9", "default"),
+                 ("vgg11", "default"), ("vgg19", "default")]
 NEURON_NAMES = {
     "small_cnn": ["conv1", "conv2", "fc1", "fc2"],
     "std_cnn": ["conv1", "conv2", "fc1", "fc2", "fc3"],
@@ -293,6 +296,8 @@ NEURON_NAMES = {
     "logreg": ["fc"],
     "tiny_cnn": ["conv1", "conv2", "conv3", "fc1", "fc2", "fc3"],
     "vgg9": VGG9_LAYERS,
+    "vgg11": [f"conv{i}" for i in range(1, 9)] + ["fc1", "fc2"],
+    "vgg19": [f"conv{i}" for i in range(1, 17)] + ["fc1", "fc2"],
 }
 
 
@@ -336,4 +341,141 @@ def test_neuron_layers(built, name, units):
     widths = [o.shape[1] for o in outputs]
     if name == "vgg9":
         assert widths == _vgg9_m(classes)
+    if name in ("vgg11", "vgg19"):
+        assert widths == [v for v in VGG_CFGS[name] if v != "M"] + [repo_head_width(classes), classes]
     assert widths == [m.out_channels if k == "conv" else m.out_features for _, m, k in layers]
+
+
+# --------------------------------------------------------------------------- VGG-11 / VGG-19 of FedBCGD (section 2.5)
+
+# Hand count (weights + biases; conv k x k: k*k*in*out + out, linear: in*out + out):
+#   VGG-11 convs (cfg A): 3->64 1,792; 64->128 73,856; 128->256 295,168; 256->256 590,080; 256->512 1,180,160;
+#                         512->512 x3 2,359,808 each                                     -> sum 9,220,480
+#   VGG-19 convs (cfg E): 3->64 1,792; 64->64 36,928; 64->128 73,856; 128->128 147,584; 128->256 295,168;
+#                         256->256 x3 590,080; 256->512 1,180,160; 512->512 x7 2,359,808 -> sum 20,024,384
+#   repo head, C = 10:  fc1 512->100 51,300 + fc2 100->10 1,010    = 52,310
+#   repo head, C = 100: fc1 512->256 131,328 + fc2 256->100 25,700 = 157,028
+VGG_CONVS = {"vgg11": 9_220_480, "vgg19": 20_024_384}
+VGG_HEADS = {10: 52_310, 100: 157_028}
+
+
+@pytest.mark.parametrize("name,cls", [("vgg11", VGG11), ("vgg19", VGG19)])
+@pytest.mark.parametrize("classes,expected", [(10, {"vgg11": 9_272_790, "vgg19": 20_076_694}),
+                                              (100, {"vgg11": 9_377_508, "vgg19": 20_181_412})])
+def test_fedbcgd_vgg_parameter_counts(name, cls, classes, expected):
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(name=name), "cifar10", (3, 32, 32), classes)
+    assert type(m) is cls
+    assert _count(m) == expected[name] == VGG_CONVS[name] + VGG_HEADS[classes]
+    convs = [mod for n, mod, kind in m.neuron_layers() if kind == "conv"]
+    assert sum(_count(c) for c in convs) == VGG_CONVS[name]
+    assert len(convs) == {"vgg11": 8, "vgg19": 16}[name]
+    h = {10: 100, 100: 256}[classes]  # section 9 row 21: 512->100->10 / 512->256->100
+    assert (m.fc1.in_features, m.fc1.out_features, m.fc2.in_features, m.fc2.out_features) == (512, h, h, classes)
+    # the conv weight counts of the paper's block tables (FedBCGD Tables 8 and 10, weights only)
+    table = {"vgg11": [1728, 73728, 294912, 589824, 1179648, 2359296, 2359296, 2359296],
+             "vgg19": [1728, 36864, 73728, 147456, 294912, 589824, 589824, 589824, 1179648] + [2359296] * 7}[name]
+    assert [c.weight.numel() for c in convs] == table
+    assert all(c.kernel_size == (3, 3) and c.padding == (1, 1) and c.bias is not None for c in convs)
+    assert list(m.buffers()) == []  # no BatchNorm (section 2.5): the vectorised executor accepts it
+    assert not any(isinstance(x, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.Dropout)) for x in m.modules())
+
+
+@pytest.mark.parametrize("name", ["vgg11", "vgg19"])
+def test_fedbcgd_vgg_matches_torchvision_features(name):
+    """The conv stack equals torchvision's ``make_layers`` of configuration A / E (no BN), layer by layer."""
+    from fl_core.compat import torchvision
+
+    vgg = torchvision().models.vgg
+    assert list(VGG_CFGS[name]) == list(vgg.cfgs[{"vgg11": "A", "vgg19": "E"}[name]])
+    ref = [mod for mod in vgg.make_layers(vgg.cfgs[{"vgg11": "A", "vgg19": "E"}[name]]) if isinstance(mod, nn.Conv2d)]
+    m = MODELS[name]((3, 32, 32), 10)
+    ours = [mod for _, mod, kind in m.neuron_layers() if kind == "conv"]
+    assert [(c.in_channels, c.out_channels) for c in ours] == [(c.in_channels, c.out_channels) for c in ref]
+    # same function: copy the weights into torchvision's stack and compare the flattened conv output
+    stack = vgg.make_layers(vgg.cfgs[{"vgg11": "A", "vgg19": "E"}[name]])
+    with torch.no_grad():
+        for a, b in zip(ours, [x for x in stack if isinstance(x, nn.Conv2d)]):
+            b.weight.copy_(a.weight)
+            b.bias.copy_(a.bias)
+        x = torch.randn(2, 3, 32, 32)
+        flat = stack(x).flatten(1)
+        assert flat.shape == (2, 512)
+        assert torch.allclose(m.fc2(torch.relu(m.fc1(flat))), m(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,m_units", [("vgg11", 10), ("vgg19", 18)])
+def test_fedbcgd_vgg_units_one_per_layer(built, name, m_units):
+    units = built[name, "default"].units()
+    assert len(units) == m_units
+    assert units == [[f"{n}.weight", f"{n}.bias"] for n in NEURON_NAMES[name]]
+    assert units[-1] == ["fc2.weight", "fc2.bias"]  # the classifier is the last unit
+
+
+@pytest.mark.parametrize("name", ["vgg11", "vgg19"])
+def test_fedbcgd_vgg_forward_features(built, name):
+    shape, classes = SHAPES[name]
+    m = built[name, "default"].eval()
+    x = torch.randn(3, *shape)
+    with torch.no_grad():
+        logits, f = m.forward_features(x)
+        assert logits.shape == (3, classes) and f.shape == (3, repo_head_width(classes))
+        assert torch.equal(m(x), logits)
+        assert torch.allclose(m.fc2(f), logits, atol=1e-6) and (f >= 0).all()
+        m.train()
+        assert torch.equal(m(x), logits)  # no dropout / normalisation: train mode is the same function
+    m.eval()
+
+
+def test_fedbcgd_vgg_other_inputs_and_errors():
+    torch.manual_seed(0)
+    m = VGG11((3, 64, 64), 200)  # Tiny-ImageNet size: 2x2 after five pools -> flatten 2048; C > 10 -> h = 256
+    assert m.fc1.in_features == 2048 and m.fc1.out_features == 256
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 64, 64)).shape == (1, 200)
+    assert VGG19((1, 32, 32), 10, hidden=64).fc1.out_features == 64  # explicit head width, gray input
+    assert VGG19((1, 32, 32), 10).conv1.weight.shape == (64, 1, 3, 3)
+    with pytest.raises(ValueError, match="vgg11 needs inputs of at least 32x32, got 28x28"):
+        VGG11((1, 28, 28), 10)
+    with pytest.raises(ValueError, match="vgg19 head width must be >= 1"):
+        VGG19((3, 32, 32), 10, hidden=0)
+    with pytest.raises(ValueError, match=r"^model\.units must be one of default for vgg11"):
+        build_model(ModelConfig(name="vgg11", units="block"), "cifar10", (3, 32, 32), 10)
+    assert [repo_head_width(c) for c in (2, 10, 11, 100, 200)] == [100, 100, 256, 256, 256]
+
+
+def test_fedbcgd_vgg_class_attributes_not_shared():
+    # each depth has its own layer lists (class attributes computed from its configuration)
+    assert len(VGG11.unit_prefixes) == 10 and len(VGG19.unit_prefixes) == 18
+    assert VGG11.NEURON_LAYERS[-1] == ("fc2", "linear") and VGG19.NEURON_LAYERS[15] == ("conv16", "conv")
+
+
+def test_fedbcgd_vgg_init():
+    """Default ``kaiming`` = torchvision's VGG init (conv kaiming_normal fan_out, linear N(0, 0.01^2), zero biases);
+    ``torch`` keeps PyTorch's defaults."""
+    torch.manual_seed(3)
+    m = VGG19((3, 32, 32), 100)
+    assert m.init == "kaiming"
+    for name, module, kind in m.neuron_layers():
+        w = module.weight.detach()
+        assert torch.count_nonzero(module.bias) == 0, name
+        std = (2 / (w.shape[0] * w[0, 0].numel())) ** 0.5 if kind == "conv" else 0.01  # fan_out = out * k * k
+        assert abs(w.std().item() / std - 1) < (0.1 if w.numel() > 5000 else 0.25), name
+    t = VGG11((3, 32, 32), 10, init="torch")
+    assert torch.count_nonzero(t.conv1.bias) > 0 and t.fc1.weight.abs().max() <= 1 / 512 ** 0.5
+    with pytest.raises(ValueError, match=r"vgg11 init must be one of kaiming, torch, got 'xavier'"):
+        VGG11((3, 32, 32), 10, init="xavier")
+
+
+def test_fedbcgd_vgg19_signal_reaches_the_logits_only_with_kaiming():
+    """Why ``kaiming`` is the default: with PyTorch's init and no normalisation VGG-19's logits barely depend on
+    the input at init (they are set by the biases)."""
+    x = torch.randn(8, 3, 32, 32)
+    ratio = {}
+    for init in ("kaiming", "torch"):
+        torch.manual_seed(0)
+        m = VGG19((3, 32, 32), 100, init=init)
+        with torch.no_grad():
+            logits = m(x)
+        ratio[init] = (logits.std(0).mean() / logits.abs().mean()).item()
+    assert ratio["kaiming"] > 1e-2 and ratio["torch"] < 1e-5

@@ -205,6 +205,7 @@ ALL_CFGS = [
     PartitionConfig(name="dirichlet", variant="per_client", num_clients=9, alpha=0.3, size_sigma=0.5),
     PartitionConfig(name="dirichlet", variant="per_class", num_clients=9, alpha=0.3),
     PartitionConfig(name="shards", num_clients=9, classes_per_client=2),
+    PartitionConfig(name="dirichlet", variant="fixed_size_reuse", num_clients=9, alpha=0.3, samples_per_client=50),
 ]
 
 
@@ -239,6 +240,7 @@ def test_too_many_clients_names_key(labels):
     [
         PartitionConfig(name="shards", size_sigma=0.5),
         PartitionConfig(name="dirichlet", variant="per_class", size_sigma=0.5),
+        PartitionConfig(name="dirichlet", variant="fixed_size_reuse", size_sigma=0.5),
     ],
 )
 def test_size_sigma_only_for_iid_and_per_client(labels, cfg):
@@ -413,3 +415,189 @@ def test_partition_key_shards_variant():
     # other partitions ignore the field
     iid = PartitionConfig(name="iid")
     assert partition_key(iid, "d") == partition_key(replace(iid, shards_variant="mcmahan_sort_shard"), "d")
+
+
+# --------------------------------------------------------------------------- dirichlet B (FedBCGD)
+
+
+def _reuse(n=20, alpha=0.3, spc=100, seed=0):
+    return PartitionConfig(name="dirichlet", variant="fixed_size_reuse", num_clients=n, alpha=alpha,
+                           samples_per_client=spc, seed=seed)
+
+
+def _assert_valid_reuse(p: Partition, labels: np.ndarray, n: int, spc: int, num_classes: int = C):
+    """14.12 for variant B: exactly ``spc`` valid indices per client; duplicates allowed."""
+    assert p.num_clients == n
+    assert np.all(p.sizes == spc)
+    for i, ix in enumerate(p.client_indices):
+        assert ix.dtype == np.int64 and ix.shape == (spc,)
+        assert ix.min() >= 0 and ix.max() < len(labels)
+        assert np.array_equal(p.label_hist[i], np.bincount(labels[ix], minlength=num_classes))
+    assert p.label_hist.shape == (n, num_classes) and np.array_equal(p.sizes, p.label_hist.sum(1))
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.6, 100.0])
+@pytest.mark.parametrize("n,spc", [(20, 100), (100, 500), (3, 1)])
+def test_fixed_size_reuse_exact_sizes(labels, alpha, n, spc):
+    p = make_partition(_reuse(n, alpha, spc), labels, C)
+    _assert_valid_reuse(p, labels, n, spc)
+
+
+def test_fixed_size_reuse_duplicates_across_clients(labels):
+    # 100 x 500 = 50,000 draws from 3,000 samples (FedBCGD's CIFAR setting on a small set): reuse is forced
+    p = make_partition(_reuse(100, 0.6, 500), labels, C)
+    _assert_valid_reuse(p, labels, 100, 500)
+    held = _all_indices(p)
+    assert len(held) == 50_000 and len(np.unique(held)) <= 3000
+    stats = p.stats()
+    assert stats["total"] == 50_000 and stats["distinct_samples"] == len(np.unique(held)) < stats["total"]
+    owners = [{i for i, ix in enumerate(p.client_indices) if k in set(ix.tolist())} for k in held[:20].tolist()]
+    assert max(len(o) for o in owners) > 1  # the same sample on several clients
+    # few draws: no pool runs out, so no index is used twice and some are never used
+    q = make_partition(_reuse(5, 0.6, 40), labels, C)
+    assert len(np.unique(_all_indices(q))) == 200 and q.stats()["distinct_samples"] == 200
+
+
+def test_fixed_size_reuse_exhausted_class_is_reshuffled_and_reused():
+    """Demand above supply: class 0 has 7 samples but ~200 draws. Pools are consumed in whole passes, each
+    pass a fresh permutation of the class, so usage counts of a class's indices differ by at most one and
+    every full pass (in client order, then draw order) is a permutation of the class's indices."""
+    y = np.concatenate([np.zeros(7, np.int64), np.ones(1000, np.int64)])
+    y = np.random.default_rng(1).permutation(y)
+    cfg = PartitionConfig(name="dirichlet", variant="fixed_size_reuse", num_clients=4, alpha=1e4,
+                          samples_per_client=100)
+    p = make_partition(cfg, y, 2)
+    _assert_valid_reuse(p, y, 4, 100, num_classes=2)
+    seq = _all_indices(p)
+    class0 = np.flatnonzero(y == 0)
+    drawn0 = seq[y[seq] == 0]
+    assert len(drawn0) > 5 * len(class0)  # alpha = 1e4: about half of the 400 draws
+    uses = np.array([(drawn0 == k).sum() for k in class0])
+    assert uses.min() >= 5 and uses.max() - uses.min() <= 1
+    passes = [drawn0[j:j + 7] for j in range(0, len(drawn0) - 6, 7)]
+    assert all(np.array_equal(np.sort(ps), class0) for ps in passes)
+    assert len({tuple(ps) for ps in passes}) > 1  # reshuffled, not replayed in the same order
+    # class 1 (1000 samples, ~200 draws) never runs out: no index twice
+    drawn1 = seq[y[seq] == 1]
+    assert len(np.unique(drawn1)) == len(drawn1)
+
+
+def test_fixed_size_reuse_matches_the_reference_steps(labels):
+    """The algorithm of ALGORITHMS.md 1.2 (B) written out step by step ([BC] ``data_from_dirichlet``, with the
+    project's generator): pools shuffled once, priors in one call, per client its labels from q_i, next index of
+    the class pool, reshuffle on exhaustion."""
+    n, spc, alpha = 12, 400, 0.2
+    rng = numpy_rng("partition", 0)
+    pools = [rng.permutation(np.flatnonzero(labels == c)) for c in range(C)]
+    q = rng.dirichlet([alpha] * C, size=n)
+    ptr = [0] * C
+    expected = []
+    for i in range(n):
+        client = []
+        for c in rng.choice(C, size=spc, p=q[i] / q[i].sum()):
+            if ptr[c] >= len(pools[c]):
+                pools[c] = rng.permutation(pools[c])
+                ptr[c] = 0
+            client.append(pools[c][ptr[c]])
+            ptr[c] += 1
+        expected.append(client)
+    p = make_partition(_reuse(n, alpha, spc), labels, C)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(p.client_indices, expected))
+    assert (p.label_hist.sum(0) > np.bincount(labels, minlength=C)).any()  # some pool was reshuffled
+
+
+def test_fixed_size_reuse_deterministic_in_seed(labels):
+    a, b = make_partition(_reuse(), labels, C), make_partition(_reuse(), labels, C)
+    assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, b.client_indices))
+    c = make_partition(_reuse(seed=1), labels, C)
+    assert any(not np.array_equal(x, y) for x, y in zip(a.client_indices, c.client_indices))
+    # other fields of the config do not matter for this variant
+    d = make_partition(replace(_reuse(), min_size=3, classes_per_client=7, shards_variant="mcmahan_sort_shard"),
+                       labels, C)
+    assert all(np.array_equal(x, y) for x, y in zip(a.client_indices, d.client_indices))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fixed_size_reuse_alpha_controls_skew(labels, seed):
+    """Labels are drawn from q_i ~ Dir(alpha 1_C), whatever the class sizes: alpha large -> about uniform over
+    the classes (not the global label mix); alpha small -> a few classes per client."""
+    big = make_partition(_reuse(10, 1e4, 2000, seed), labels, C)
+    small = make_partition(_reuse(10, 0.05, 2000, seed), labels, C)
+    share_big = big.label_hist / 2000
+    tv_big = 0.5 * np.abs(share_big - 1 / C).sum(1)  # multinomial noise alone: ~0.03
+    assert tv_big.mean() < 0.05 and tv_big.max() < 0.08
+    assert np.all((big.label_hist > 0).sum(1) == C)
+    tv_small = 0.5 * np.abs(small.label_hist / 2000 - 1 / C).sum(1)
+    assert tv_small.mean() > 0.5
+    assert (small.label_hist > 0).sum(1).mean() < 5
+
+
+def test_fixed_size_reuse_empty_class_never_drawn():
+    y = np.random.default_rng(2).integers(0, 9, 900)  # class 9 of 10 has no samples
+    for alpha in (0.01, 1.0):
+        p = make_partition(_reuse(30, alpha, 50), y, 10)
+        _assert_valid_reuse(p, y, 30, 50, num_classes=10)
+        assert p.label_hist[:, 9].sum() == 0
+    # a prior with all its mass on the empty class: drawn uniformly among the non-empty classes
+    y1 = np.repeat([0, 1], 50)
+    p = make_partition(_reuse(40, 1e-3, 60), y1, 3)  # tiny alpha: most priors are one-hot
+    _assert_valid_reuse(p, y1, 40, 60, num_classes=3)
+    assert p.label_hist[:, 2].sum() == 0
+
+
+def test_fixed_size_reuse_errors(labels):
+    with pytest.raises(PartitionError, match=r"^partition\.samples_per_client must be >= 1, got 0$"):
+        make_partition(_reuse(spc=0), labels, C)
+    with pytest.raises(PartitionError, match=r"^partition\.size_sigma.*iid and dirichlet/per_client only"):
+        make_partition(replace(_reuse(), size_sigma=0.3), labels, C)
+    with pytest.raises(PartitionError, match=r"^partition\.alpha must be > 0"):
+        make_partition(_reuse(alpha=0.0), labels, C)
+    with pytest.raises(PartitionError, match=r"^partition\.variant must be one of per_client, per_class, "
+                                             r"fixed_size_reuse, got 'fedbcgd'$"):
+        make_partition(replace(_reuse(), variant="fedbcgd"), labels, C)
+
+
+def test_partition_key_fixed_size_reuse():
+    base = _reuse(100, 0.6, 500)
+    assert partition_key(base, "cifar100") == "cifar100-dirichlet-fixed_size_reuse-a0.6-n100-spc500-s0"
+    keys = {
+        partition_key(base, "cifar100"),
+        partition_key(replace(base, samples_per_client=1000), "cifar100"),
+        partition_key(replace(base, alpha=0.1), "cifar100"),
+        partition_key(replace(base, num_clients=50), "cifar100"),
+        partition_key(replace(base, seed=1), "cifar100"),
+        partition_key(replace(base, variant="per_client"), "cifar100"),
+        partition_key(replace(base, variant="per_class"), "cifar100"),
+    }
+    assert len(keys) == 7
+    for k in keys:
+        assert re.fullmatch(r"[A-Za-z0-9._+-]+", k)
+    # fields this variant does not use leave the key alone; samples_per_client leaves the others' keys alone
+    assert partition_key(base, "d") == partition_key(replace(base, min_size=3, size_sigma=0.0, classes_per_client=9),
+                                                     "d")
+    a = PartitionConfig(name="dirichlet", variant="per_client")
+    assert partition_key(a, "d") == partition_key(replace(a, samples_per_client=7), "d")
+
+
+def test_fixed_size_reuse_save_load_plot_and_cache(tmp_path, labels, monkeypatch):
+    cfg = _reuse(30, 0.3, 200)
+    p = get_partition(cfg, "toy", labels, C, tmp_path)
+    folder = tmp_path / "partitions" / partition_key(cfg, "toy")
+    assert (folder / "labels_per_client.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stats = json.loads((folder / "stats.json").read_text())
+    assert stats["config"]["samples_per_client"] == 200 and stats["config"]["variant"] == "fixed_size_reuse"
+    assert stats["total"] == 6000 > stats["distinct_samples"] and stats["sizes"] == [200] * 30
+    q = Partition.load(folder)  # duplicates survive the concatenated npz layout
+    assert all(np.array_equal(x, y) for x, y in zip(p.client_indices, q.client_indices))
+    assert np.array_equal(p.label_hist, q.label_hist)
+
+    def boom(*a, **k):
+        raise AssertionError("make_partition called although the partition is cached")
+
+    monkeypatch.setattr(part_mod, "make_partition", boom)
+    r = get_partition(cfg, "toy", labels, C, tmp_path)
+    assert all(np.array_equal(x, y) for x, y in zip(p.client_indices, r.client_indices))
+    monkeypatch.undo()
+    # another samples_per_client is another folder, not the cached one
+    s = get_partition(replace(cfg, samples_per_client=150), "toy", labels, C, tmp_path)
+    assert np.all(s.sizes == 150) and len(list((tmp_path / "partitions").iterdir())) == 2

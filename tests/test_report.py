@@ -230,3 +230,10 @@ def test_communication_layout_cells():
     assert "| SCAFFOLD | 80.00 ± 1.00 (\u221e) |" in md  # never reached the target
     # equal uplink per round everywhere: no such table (rounds to target says it all)
     assert communication_layout([exp("a", "FedAvg", 1000, 0.95, 4000.0), exp("p", "FedProx", 1000, 0.9, 5000.0)]) == []
+
+
+def test_partition_label_of_dirichlet_variant_b():
+    from pipeline.report import partition_label
+
+    key = "cifar100-dirichlet-fixed_size_reuse-a0.6-n100-spc500-s0"
+    assert partition_label(key) == "Dirichlet \u03b1=0.6 (500/client, reused)"

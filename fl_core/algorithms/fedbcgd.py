@@ -11,8 +11,9 @@ client-blocks; client k of client-block j trains the WHOLE model from x (no free
 (a block without owners this round only applies lambda v). N = 1 is FedAvgM (heavy-ball, uniform);
 additionally lambda = 0 is uniform FedAvg. Communication: up #x_(j) + #x_s (on average
 (d - #x_s)/N + #x_s per participating client), down d. Block partitions: the paper's tables for the
-standard CNN ("LeNet-5", Table 7) and ResNet-18 (Table 9), the repository's LeNet partition
-(``code``), or ``units``: the model's units without the classifier dealt into N contiguous groups.
+standard CNN ("LeNet-5", Table 7), VGG-11 (Table 8), ResNet-18 (Table 9) and VGG-19 (Table 10), the
+repository's LeNet partition (``code``), or ``units``: the model's units without the classifier dealt into N
+contiguous groups.
 Ablations: ``shared=False`` (the classifier joins the last block), ``momentum=False`` (lambda = 0),
 ``freezing=True`` (clients update only their block and the shared block).
 """
@@ -35,6 +36,18 @@ BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
     },
     "ResNet18GN": {
         "paper": ([["conv1", "bn1", "layer1"], ["layer2"], ["layer3"], ["layer4.0"], ["layer4.1"]], ["fc"]),  # Table 9
+    },
+    # VGGs with the repository's head fc1 (512 -> h) + classifier fc2 (h -> C) (ALGORITHMS.md 2.5, section 9
+    # row 21). The tables' conv rows are matched layer by layer; their FC rows ("FC-2048" x2 in Block 5, shared
+    # "FC-100") do not fit that head, so Block 5 gets the hidden FC fc1 and the shared block the classifier fc2.
+    # No "code" table: the repository's FedBCGD.py does not wire VGG in.
+    "VGG11": {  # Table 8: two convs per block
+        "paper": ([["conv1", "conv2"], ["conv3", "conv4"], ["conv5", "conv6"], ["conv7", "conv8"], ["fc1"]],
+                  ["fc2"]),
+    },
+    "VGG19": {  # Table 10: the eight 64..256 convs, then two 512 convs per block, Block 5 with the hidden FC
+        "paper": ([[f"conv{i}" for i in range(1, 9)], ["conv9", "conv10"], ["conv11", "conv12"],
+                   ["conv13", "conv14"], ["conv15", "conv16", "fc1"]], ["fc2"]),
     },
 }
 

@@ -11,6 +11,12 @@ Partitions (``partition.name`` / ``partition.variant``):
   to a uniformly random client with quota left, the class drawn from ``q_i`` by inverse
   CDF and redrawn while its pool is empty. Every client ends with exactly its quota, no
   index is used twice; the leftover of balanced quotas is dropped as in ``iid``.
+- ``dirichlet`` / ``fixed_size_reuse`` (1.2 B, FedBCGD ``dirichlet_data.data_from_dirichlet``): every
+  class pool is shuffled once, one prior ``q_i ~ Dir(alpha 1_C)`` per client, and client by client
+  ``partition.samples_per_client`` labels are drawn i.i.d. from ``q_i``; each drawn label takes the
+  next index of its class pool, and an exhausted pool is reshuffled and read again from its start.
+  Every client has exactly ``samples_per_client`` samples; an index may be held by several clients
+  (and twice by one), and some indices by none.
 - ``dirichlet`` / ``per_class`` (1.2 C, NIID-Bench): per class, proportions over clients
   ``p ~ Dir(alpha 1_N)``, zeroed for clients already at or above ``|D|/N``; repeated until
   every client has ``min_size`` samples. Every index is used exactly once; sizes vary.
@@ -48,7 +54,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fl_core.config import PartitionConfig
+from fl_core.config import DIRICHLET_VARIANTS, PartitionConfig
 from fl_core.seeding import numpy_rng
 
 __all__ = [
@@ -77,6 +83,10 @@ class PartitionError(ValueError):
 @dataclass
 class Partition:
     """Which training samples each client holds.
+
+    Client index arrays are disjoint for every partition but ``dirichlet`` / ``fixed_size_reuse``
+    (variant B), where an index may appear on several clients and more than once on one; the label
+    histogram and the sizes then count every occurrence.
 
     Attributes:
         client_indices: one int64 array per client of indices into the training set.
@@ -107,12 +117,18 @@ class Partition:
         return len(self.client_indices)
 
     def stats(self, config: dict | None = None) -> dict:
-        """JSON-able summary: sizes, label histogram, distinct classes per client, and ``config``."""
+        """JSON-able summary: sizes, label histogram, distinct classes per client, and ``config``.
+
+        ``total`` counts every held sample (sum of the sizes), ``distinct_samples`` the distinct training
+        indices among them; they differ only when indices are reused across clients (variant B).
+        """
         sizes = self.sizes
+        held = np.concatenate(self.client_indices) if self.client_indices else np.zeros(0, np.int64)
         return {
             "num_clients": self.num_clients,
             "num_classes": int(self.num_classes),
             "total": int(sizes.sum()),
+            "distinct_samples": int(len(np.unique(held))),
             "sizes": sizes.tolist(),
             "min_size": int(sizes.min()) if len(sizes) else 0,
             "mean_size": float(sizes.mean()) if len(sizes) else 0.0,
@@ -300,6 +316,49 @@ def _dirichlet_per_client(
     return [np.asarray(t, dtype=np.int64) for t in taken]
 
 
+def _dirichlet_fixed_size_reuse(
+    labels: np.ndarray, num_classes: int, n: int, alpha: float, per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Variant B of ALGORITHMS.md 1.2 (FedBCGD ``dirichlet_data.data_from_dirichlet``).
+
+    Draw order, as in the reference: (1) every class pool shuffled once (:func:`_class_pools`);
+    (2) the priors ``q ~ Dir(alpha 1_C)``, ``[n, C]``, in one call; (3) client by client, its
+    ``per_client`` labels i.i.d. from ``q_i`` (one ``rng.choice``), then for each drawn label c in
+    order the next index of pool c, where an exhausted pool is first reshuffled (``rng.permutation``
+    of its current order) and its pointer reset to 0. The pointers persist across clients, so clients
+    share one pass over each pool until it is exhausted. Classes without samples get zero prior
+    mass (the prior is renormalised over the non-empty classes); a prior with no mass left on them
+    (or a non-finite one, by underflow at tiny alpha) draws its labels uniformly among them, as the
+    reference does.
+
+    Returns:
+        ``n`` int64 arrays of exactly ``per_client`` indices each.
+    """
+    pools = [p.tolist() for p in _class_pools(labels, num_classes, rng)]
+    priors = rng.dirichlet(np.full(num_classes, float(alpha)), size=n)
+    valid = np.array([len(p) > 0 for p in pools])
+    valid_cls = np.flatnonzero(valid)
+    ptr = [0] * num_classes
+    out = []
+    for i in range(n):
+        q = np.where(valid, priors[i], 0.0)
+        mass = q.sum()
+        if np.isfinite(mass) and mass > 0:
+            drawn = rng.choice(num_classes, size=per_client, p=q / mass)
+        else:
+            drawn = rng.choice(valid_cls, size=per_client, replace=True)
+        taken = []
+        for c in drawn.tolist():
+            pool = pools[c]
+            if ptr[c] >= len(pool):
+                pool = pools[c] = rng.permutation(pool).tolist()
+                ptr[c] = 0
+            taken.append(pool[ptr[c]])
+            ptr[c] += 1
+        out.append(np.asarray(taken, dtype=np.int64))
+    return out
+
+
 def _dirichlet_per_class(
     labels: np.ndarray, num_classes: int, n: int, alpha: float, min_size: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
@@ -388,6 +447,7 @@ def _sort_and_shard(labels: np.ndarray, n: int, s: int, rng: np.random.Generator
 
 SHARDS_VARIANTS = ("label_S", "mcmahan_sort_shard")
 _DEFAULT_SHARDS_VARIANT = "label_S"
+_DEFAULT_SAMPLES_PER_CLIENT = 500  # PartitionConfig.samples_per_client (FedBCGD: 500 for CIFAR)
 
 
 def _shards_variant(cfg: Any) -> str:
@@ -395,25 +455,34 @@ def _shards_variant(cfg: Any) -> str:
     return str(getattr(cfg, "shards_variant", _DEFAULT_SHARDS_VARIANT))
 
 
+def _samples_per_client(cfg: Any) -> int:
+    """``partition.samples_per_client`` (500 for configs written before the field existed)."""
+    return int(getattr(cfg, "samples_per_client", _DEFAULT_SAMPLES_PER_CLIENT))
+
+
 def _check(cfg: Any, total: int, num_classes: int) -> None:
     n = int(cfg.num_clients)
     if cfg.name not in ("iid", "dirichlet", "shards"):
         raise PartitionError(f"partition.name must be one of iid, dirichlet, shards, got {cfg.name!r}")
-    if cfg.name == "dirichlet" and cfg.variant not in ("per_client", "per_class"):
-        raise PartitionError(f"partition.variant must be one of per_client, per_class, got {cfg.variant!r}")
+    if cfg.name == "dirichlet" and cfg.variant not in DIRICHLET_VARIANTS:
+        raise PartitionError(
+            f"partition.variant must be one of {', '.join(DIRICHLET_VARIANTS)}, got {cfg.variant!r}"
+        )
     if n < 1:
         raise PartitionError(f"partition.num_clients must be >= 1, got {n}")
     if n > total:
         raise PartitionError(f"partition.num_clients={n} exceeds the {total} training samples")
     if not float(cfg.size_sigma) >= 0:
         raise PartitionError(f"partition.size_sigma must be >= 0, got {cfg.size_sigma}")
-    if cfg.size_sigma > 0 and (cfg.name == "shards" or (cfg.name == "dirichlet" and cfg.variant == "per_class")):
+    if cfg.size_sigma > 0 and (cfg.name == "shards" or (cfg.name == "dirichlet" and cfg.variant != "per_client")):
         raise PartitionError(
             f"partition.size_sigma={cfg.size_sigma}: partition.size_sigma applies to iid and "
             f"dirichlet/per_client only (set it to 0)"
         )
     if cfg.name == "dirichlet" and not float(cfg.alpha) > 0:
         raise PartitionError(f"partition.alpha must be > 0, got {cfg.alpha}")
+    if cfg.name == "dirichlet" and cfg.variant == "fixed_size_reuse" and _samples_per_client(cfg) < 1:
+        raise PartitionError(f"partition.samples_per_client must be >= 1, got {_samples_per_client(cfg)}")
     if cfg.name == "dirichlet" and cfg.variant == "per_class" and int(cfg.min_size) * n > total:
         raise PartitionError(
             f"partition.min_size={cfg.min_size} is unreachable: {n} clients x {cfg.min_size} > {total} training samples"
@@ -466,6 +535,8 @@ def make_partition(cfg: Any, labels: np.ndarray, num_classes: int) -> Partition:
         idx = _shards(labels, num_classes, n, int(cfg.classes_per_client), rng)
     elif cfg.variant == "per_client":
         idx = _dirichlet_per_client(labels, num_classes, n, float(cfg.alpha), sigma, rng)
+    elif cfg.variant == "fixed_size_reuse":
+        idx = _dirichlet_fixed_size_reuse(labels, num_classes, n, float(cfg.alpha), _samples_per_client(cfg), rng)
     else:
         idx = _dirichlet_per_class(labels, num_classes, n, float(cfg.alpha), int(cfg.min_size), rng)
     return Partition.from_indices(idx, labels, num_classes)
@@ -483,7 +554,8 @@ def partition_key(cfg: Any, dataset_name: str) -> str:
     """A readable folder name that changes with every field the partition depends on.
 
     Examples: ``digits-iid-n20-sgm0-s0``, ``cifar10-dirichlet-per_client-a0.3-n100-sgm0-s0``,
-    ``cifar10-dirichlet-per_class-a0.5-n20-min10-s0``, ``cifar100-shards-S20-n20-s0``,
+    ``cifar10-dirichlet-per_class-a0.5-n20-min10-s0``, ``cifar100-dirichlet-fixed_size_reuse-a0.6-n100-spc500-s0``
+    (``spc`` = ``partition.samples_per_client``), ``cifar100-shards-S20-n20-s0``,
     ``cifar10-shards-mcmahan_sort_shard-S2-n100-s0``. ``partition.shards_variant`` appears only when it
     is not the default ``label_S``, so keys written before it existed stay valid.
     """
@@ -493,6 +565,8 @@ def partition_key(cfg: Any, dataset_name: str) -> str:
         body = f"iid-n{n}-sgm{_num(cfg.size_sigma)}"
     elif cfg.name == "dirichlet" and cfg.variant == "per_client":
         body = f"dirichlet-per_client-a{_num(cfg.alpha)}-n{n}-sgm{_num(cfg.size_sigma)}"
+    elif cfg.name == "dirichlet" and cfg.variant == "fixed_size_reuse":
+        body = f"dirichlet-fixed_size_reuse-a{_num(cfg.alpha)}-n{n}-spc{_samples_per_client(cfg)}"
     elif cfg.name == "dirichlet":
         body = f"dirichlet-{cfg.variant}-a{_num(cfg.alpha)}-n{n}-min{int(cfg.min_size)}"
     elif cfg.name == "shards":

@@ -8,7 +8,7 @@ from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
-from .vgg import VGG9
+from .vgg import VGG9, VGG11, VGG19
 
 MODELS: Dict[str, Callable[..., FLModel]] = {
     "small_cnn": SmallCNN,
@@ -20,6 +20,8 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "resnet18": ResNet18GN,
     "resnet34": ResNet34GN,
     "vgg9": VGG9,
+    "vgg11": VGG11,  # FedBCGD (ALGORITHMS.md 2.5): repository head 512->100->10 / 512->256->100
+    "vgg19": VGG19,
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -64,8 +66,10 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         return TinyCNN(input_shape, num_classes, units=units)
     if name in ("resnet18", "resnet34"):
         return MODELS[name](input_shape, num_classes, units=units, norm_groups=int(getattr(cfg, "norm_groups", 2)))
+    if name in ("vgg11", "vgg19"):
+        return MODELS[name](input_shape, num_classes, init=str(getattr(cfg, "vgg_init", "kaiming")))
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "VGG9", "build_model", "resolve_model_name",
-           "unit_layouts"]
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
+           "resolve_model_name", "unit_layouts"]
