@@ -152,16 +152,21 @@ def test_fedbcgd_plus_server_control_variates_by_hand():
         deltas = {c: -torch.ones(5) * (c + 1) for c in sampled}
         ups = []
         for c in sampled:
-            ctx = ClientContext(rctx, c, 10, 2, state={"c": torch.full((5,), 0.25)})
+            state = {"c": torch.full((5,), 0.25)}
+            if variant == "paper":  # what the server last received of c_k
+                state["c_up"] = torch.full((5,), 0.125)
+            ctx = ClientContext(rctx, c, 10, 2, state=state)
             ctx.full_grad = grads[c]
             ups.append(algo.finish_client(ctx, ClientUpdate(c, 10, 2, deltas[c].clone(), 0.0)))
-            if variant == "paper":  # c_k <- g_full on every coordinate
+            if variant == "paper":  # c_k <- g_full on every coordinate; c_up only on the uploaded ones
                 assert torch.equal(ctx.state["c"], grads[c])
+                keep = algo.block_masks[int(ups[-1].extra["block"])] | algo.shared_mask
+                assert torch.equal(ctx.state["c_up"], torch.where(keep, grads[c], torch.full((5,), 0.125)))
             else:  # c_k+ = c_k - c + (x - y) / (K eta)
                 assert torch.allclose(ctx.state["c"], 0.25 - c0 + (c + 1) / (2 * 0.5))
         _, st = algo.aggregate(rctx, algo.init_server_state(rctx.global_flat), ups)
         if variant == "paper":
-            sent = {c: grads[c] - 0.25 for c in sampled}
+            sent = {c: grads[c] - 0.125 for c in sampled}
             exp = torch.cat([sum(sent[c][:2] for c in owners[0]) / 8, sum(sent[c][2:4] for c in owners[1]) / 8,
                              sum(sent[c][4:] for c in sampled) / 8])
         else:
@@ -210,12 +215,31 @@ def test_fedbcgd_plus_paper_first_step_and_control_variate(digits):
         assert torch.allclose(store.get(u.client_id, lambda: None)["c"], g_full, atol=1e-6)
 
 
+def test_fedbcgd_plus_server_c_is_the_mean_of_what_clients_uploaded(digits):
+    """SCAFFOLD's invariant c = (1/M) sum_k c_up_k after several rounds with changing blocks (ALGORITHMS.md 7.2)."""
+    from fl_core.engine.state import ClientStateStore
+
+    sim, _ = run_sim(digits, *MLP, "algorithm=fedbcgd_plus", "algorithm.fedbcgd.blocks=2", "train.rounds=1")
+    algo, ex = sim.algo, sim.executor
+    st = sim._fresh_state()
+    g, server = st["global"], st["server"]
+    store = ClientStateStore()
+    for r, sampled in enumerate([(0, 1, 2, 3), (1, 2, 4, 5), (0, 3, 4, 5)], start=1):
+        rctx = RoundContext(round=r, lr=0.05, global_flat=g, spec=sim.spec, num_clients=6, sampled=sampled,
+                            seed=sim.seed, extra=algo.broadcast(server))
+        ups = ex.run_round(rctx, list(sampled), store)
+        g, server = algo.aggregate(rctx, server, ups)
+    c_up = sum(state["c_up"] for _, state in store.items())
+    assert torch.allclose(server["c"], c_up / 6, atol=1e-6)
+    assert not torch.allclose(sum(state["c"] for _, state in store.items()) / 6, server["c"], atol=1e-3)
+
+
 def test_qsgd_quantises_the_fedbcgd_plus_control_variate_upload():
     algo, spec = _plus("paper")
     q = QSGD(algo, 4)
     rctx = RoundContext(round=1, lr=0.1, global_flat=torch.zeros(5), spec=spec, num_clients=4, sampled=(0, 1),
                         extra={"c": torch.zeros(5)})
-    ctx = ClientContext(rctx, 0, 10, 2, state={"c": torch.zeros(5)})
+    ctx = ClientContext(rctx, 0, 10, 2, state={"c": torch.zeros(5), "c_up": torch.zeros(5)})
     ctx.full_grad = torch.tensor([0.3, -0.7, 0.2, 0.9, 0.4])
     up = q.finish_client(ctx, ClientUpdate(0, 10, 2, torch.tensor([0.1, 0.2, -0.3, 0.4, 0.5]), 0.0))
     keep = (algo.block_masks[int(up.extra["block"])] | algo.shared_mask)

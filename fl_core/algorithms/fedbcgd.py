@@ -179,11 +179,16 @@ class FedBCGDPlus(FedBCGD):
     the same mini-batch xi (signs as in SVRG and SCAFFOLD, see the errata in ALGORITHMS.md 7.2)::
 
         v = grad f_k(y; xi) - grad f_k(x; xi) + g_full - c_k + c;      y <- y - eta v
-        c_k+ = g_full;   upload y_(j), y_s and Delta c = (c_k+ - c_k) on block j and the shared block
+        c_k+ = g_full;   upload y_(j), y_s and Delta c = (c_k+ - c_up_k) on block j and the shared block
 
     server: model and momentum exactly as FedBCGD, then c <- c + (1/M) sum_{i in S} Delta c_i (M = all
     clients; each Delta c_i is zero outside its client's block and the shared block, so block j moves by
-    the sum over its owners and the shared block by the sum over all sampled clients).
+    the sum over its owners and the shared block by the sum over all sampled clients). c_up_k is c_k as the
+    server knows it: the values last uploaded for each coordinate (ALGORITHMS.md 7.2 pitfalls). The paper's
+    Delta c = c_k+ - c_k on a block breaks SCAFFOLD's invariant c = (1/M) sum_k c_k, because c_k is
+    overwritten on every coordinate but uploaded on one block: the server then accumulates differences to
+    values it never received (on digits, errors of |g|/M per participation, as large as c itself). With
+    c_up_k the invariant c = (1/M) sum_k c_up_k holds exactly (tested); the local correction uses c_k.
 
     ``variant="code"`` (the repository's ``FedBCGD+``, SCAFFOLD option II + block upload + momentum): steps
     ``y <- y - eta (g + c - c_k)``; after the K_i steps c_k+ = c_k - c + (x - y) / (K_i eta); upload
@@ -213,6 +218,8 @@ class FedBCGDPlus(FedBCGD):
         return {"v": torch.zeros_like(global_flat), "c": torch.zeros_like(global_flat)}
 
     def init_client_state(self, global_flat):
+        if self.variant == "paper":  # c_k, and c_up: c_k as the server knows it (the blocks it was last sent)
+            return {"c": torch.zeros_like(global_flat), "c_up": torch.zeros_like(global_flat)}
         return {"c": torch.zeros_like(global_flat)}
 
     def broadcast(self, server_state):
@@ -234,7 +241,7 @@ class FedBCGDPlus(FedBCGD):
         c_old = ctx.state["c"]
         if self.variant == "paper":
             c_new = ctx.full_grad.to(c_old.dtype)
-            sent = c_new - c_old
+            sent = c_new - ctx.state["c_up"]
         elif update.num_steps == 0:
             c_new, sent = c_old, torch.zeros_like(c_old)
         else:
@@ -246,6 +253,8 @@ class FedBCGDPlus(FedBCGD):
         j = int(update.extra["block"])
         keep = (self.block_masks[j] | self.shared_mask).to(sent.device)
         update.extra["delta_c"] = torch.where(keep, sent, torch.zeros_like(sent))
+        if self.variant == "paper":
+            ctx.state["c_up"] = torch.where(keep, c_new, ctx.state["c_up"])
         return update
 
     def aggregate(self, rctx, server_state, updates):
