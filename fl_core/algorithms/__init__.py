@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from ..engine.state import ParamSpec
-from .base import Algorithm, ClientContext, ClientUpdate, RoundContext, Wrapper
+from .base import Algorithm, ClientContext, ClientUpdate, InfeasibleSetting, RoundContext, Wrapper
 from .fedavg import FedAvg
 from .fedbug import FedBug, unfrozen_units
 from .feddecorr import FedDecorr, decorrelation_loss
@@ -104,7 +104,7 @@ def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
     return algo
 
 
-__all__ = ["Algorithm", "Wrapper", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg", "FedProx",
+__all__ = ["Algorithm", "Wrapper", "InfeasibleSetting", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg", "FedProx",
            "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "Scaffold", "FedNova",
            "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC", "FedBCGD", "FedBCGDPlus",
            "assign_blocks", "block_partition", "STRUCTURED", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "TopK", "QSGD", "build_algorithm", "BASES", "WRAPPERS"]

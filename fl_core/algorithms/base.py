@@ -23,6 +23,11 @@ import torch
 from ..engine.state import ParamSpec
 
 
+class InfeasibleSetting(ValueError):
+    """A configuration that composes but that the rule cannot run, found once training starts (e.g. FedBug's
+    code schedule with P * K_i < M). The message names the offending key; tuners treat it as infeasible."""
+
+
 @dataclass
 class RoundContext:
     """What every client of round ``round`` (1-indexed) receives."""

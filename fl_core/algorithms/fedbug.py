@@ -24,7 +24,7 @@ import math
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence
 
-from .base import Algorithm, ClientContext, Wrapper
+from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
 
 
 def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float, schedule: str = "paper") -> int:
@@ -38,7 +38,7 @@ def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float,
         schedule: ``paper`` or ``code`` (see the module docstring).
 
     Raises:
-        ValueError: ``code`` schedule with P*K_i < M (the reference code asserts the period f > 0).
+        InfeasibleSetting: ``code`` schedule with P*K_i < M (the reference code asserts the period f > 0).
     """
     if gu_percentage <= 0:
         return num_units
@@ -47,7 +47,7 @@ def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float,
         return min(num_units, math.ceil(Fraction(k * num_units) / (p * num_steps)))
     period = int(gu_percentage * num_steps // num_units)
     if period <= 0:
-        raise ValueError(f"algorithm.fedbug.schedule=code needs P*K_i >= M, got P={gu_percentage}, "
+        raise InfeasibleSetting(f"algorithm.fedbug.schedule=code needs P*K_i >= M, got P={gu_percentage}, "
                          f"K_i={num_steps}, M={num_units}")
     return min(num_units, (k - 1) // period + 1)
 
