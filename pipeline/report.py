@@ -181,17 +181,26 @@ def _float(s: str) -> float:
     return v
 
 
+def read_runs_rows(path: Path) -> Optional[List[Dict[str, str]]]:
+    """The rows of a ``runs.csv`` (one per seed and round), or None when it is missing, empty or lacks
+    the ``round`` column."""
+    if not path.exists():
+        return None
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "round" not in rows[0]:
+        return None
+    return rows
+
+
 def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
 
     Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. Returns
     None when the file is missing, empty or lacks the ``round`` column.
     """
-    if not path.exists():
-        return None
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "round" not in rows[0]:
+    rows = read_runs_rows(path)
+    if rows is None:
         return None
     acc: Dict[int, List[float]] = {}
     loss: Dict[int, List[float]] = {}

@@ -30,7 +30,6 @@ Exit status 0, or 2 when the grid or the sweep section cannot be read (one line 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -45,6 +44,7 @@ from fl_core.config import ConfigError
 
 from .files import atomic_write, write_text
 from .grid import load_grid
+from .report import read_runs_rows
 
 # ----------------------------------------------------------------------------- per-experiment curves
 
@@ -73,11 +73,8 @@ class Curves:
 
 def read_runs(path: Path, name: str) -> Optional[Curves]:
     """Every numeric per-round column of ``runs.csv`` (one row per seed and round), or None if missing."""
-    if not path.exists():
-        return None
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "round" not in rows[0]:
+    rows = read_runs_rows(path)
+    if rows is None:
         return None
     acc: Dict[str, Dict[int, Dict[int, float]]] = {}
     for r in rows:
