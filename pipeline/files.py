@@ -9,10 +9,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
 
-    A crash midway leaves the previous ``path`` intact (no half-written outputs).
+    A crash midway leaves the previous ``path`` intact (no half-written outputs). The file gets the
+    permissions a plain ``open(path, "w")`` would give (0666 minus the umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -20,6 +30,7 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

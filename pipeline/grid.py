@@ -38,6 +38,9 @@ def _value(v: Any) -> str:
     return str(v)
 
 
+format_value = _value  # public name: a Python value as Hydra override text (``True`` -> ``true``, lists ``[a,b]``)
+
+
 def _dotted(section: str, d: Any) -> List[str]:
     if not isinstance(d, dict):
         return [f"{section}={_value(d)}"]

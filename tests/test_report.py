@@ -237,3 +237,14 @@ def test_partition_label_of_dirichlet_variant_b():
 
     key = "cifar100-dirichlet-fixed_size_reuse-a0.6-n100-spc500-s0"
     assert partition_label(key) == "Dirichlet \u03b1=0.6 (500/client, reused)"
+
+
+def test_atomic_writes_get_the_usual_permissions(tmp_path):
+    import os
+
+    from pipeline.files import write_text
+
+    write_text(tmp_path / "a.txt", "x")
+    (tmp_path / "b.txt").write_text("x")  # a plain write, for comparison
+    assert os.stat(tmp_path / "a.txt").st_mode & 0o777 == os.stat(tmp_path / "b.txt").st_mode & 0o777
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind

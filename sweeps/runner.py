@@ -1,0 +1,643 @@
+"""Running the trials of a sweep: storage, sampler, pruner, one trial, the trial loop and workers.
+
+A trial's value is the validation accuracy (see :mod:`sweeps.spaces` for the overrides a trial runs
+with). Each evaluated round reports it with ``step = seed_index * rounds + round`` so that a pruner
+compares trials at the same seed and round. How a trial ends (:class:`TrialRunner`):
+
+- COMPLETE: every seed trained;
+- PRUNED, reason "pruned: ...": the pruner stopped it;
+- PRUNED, reason "diverged: ...": the loss became non-finite (``RunFailed``);
+- PRUNED, reason "infeasible: ...": the sampled combination does not compose or build
+  (``ConfigError`` / ``ValueError`` naming a key), or a rule rejects it while running
+  (:class:`fl_core.algorithms.InfeasibleSetting`, e.g. FedBug's code schedule with P*K_i < M);
+- FAIL, reason "error: <exception>": any other exception while training (the study continues);
+- FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from fl_core.config import ConfigError
+
+from .spaces import TRIAL_FIXED, Space, load_space, make_override, merge_overrides
+
+OBJECTIVES = {"acc": "maximize", "uplink": "minimize"}  # uplink: cumulative floats per client, in units of d
+SAMPLERS = ("tpe", "cmaes", "gp", "random", "nsga2")
+EXIT_INTERRUPTED = 130
+STALE_REASON = "stale: left RUNNING by an earlier process"
+HOST = socket.gethostname()
+
+
+@dataclass
+class Settings:
+    """Everything a worker process needs to run trials (picklable: sent to spawned workers)."""
+
+    space: str  # the space file
+    overrides: List[str]  # command-line Hydra overrides
+    seeds: List[int]
+    objectives: List[str]
+    study_name: str
+    storage: str  # URL or journal file path
+    rounds: int = 1  # train.rounds of the base configuration (pruner resources)
+    sampler: str = "tpe"
+    sampler_seed: Optional[int] = None
+    pruner: str = "median"
+    experiment: Optional[str] = None  # MLflow experiment; None: no MLflow
+    parent_run_id: Optional[str] = None
+    threads: int = 1
+    timeout: Optional[float] = None
+    quiet: bool = False
+
+    @property
+    def multi(self) -> bool:
+        return len(self.objectives) > 1
+
+    def directions(self) -> List[str]:
+        return [OBJECTIVES[o] for o in self.objectives]
+
+
+# =========================================================================== storage, sampler, pruner
+
+
+class StorageError(RuntimeError):
+    """The --storage value cannot be opened; the one-line message names it."""
+
+
+# the module SQLAlchemy 2.1 imports for a URL -> how to install it
+DRIVERS = {
+    "psycopg": "pip install 'psycopg[binary]' for postgresql://, or pip install psycopg2-binary and write "
+               "postgresql+psycopg2://",
+    "psycopg2": "pip install psycopg2-binary",
+    "MySQLdb": "pip install mysqlclient for mysql://, or pip install pymysql and write mysql+pymysql://",
+    "pymysql": "pip install pymysql",
+}
+
+
+def is_url(spec: str) -> bool:
+    """True for an RDB URL (``postgresql://``, ``sqlite:///``, ...), False for a journal file path."""
+    return "://" in spec
+
+
+def default_storage(study_name: str) -> str:
+    """The journal file that keeps a study by default: ``sweeps/studies/<study>.log`` (gitignored)."""
+    from fl_core.paths import project_root
+
+    return str(project_root() / "sweeps" / "studies" / f"{study_name}.log")
+
+
+def shown_storage(spec: str) -> str:
+    """``spec`` with the password of an RDB URL replaced by ``***`` (for messages, tags and summaries)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", spec)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def open_storage(spec: str):
+    """An Optuna storage: an RDB URL (``postgresql://``, ``mysql://``, ``sqlite:///``) through
+    SQLAlchemy (the URL's driver must be installed, e.g. ``pip install psycopg2-binary`` for
+    PostgreSQL), else a journal file (parent folders created), safe for several processes on one machine.
+
+    Raises:
+        StorageError: a missing driver, an unreachable server, a bad URL or an unusable file (one line
+            naming ``spec``).
+    """
+    import optuna
+
+    try:
+        if is_url(spec):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return optuna.storages.RDBStorage(spec)
+        path = Path(spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    except ImportError as err:  # Optuna re-raises SQLAlchemy's ModuleNotFoundError as ImportError
+        cause = err.__cause__ or err.__context__ or err
+        hint = DRIVERS.get(getattr(cause, "name", None) or "", "install the driver of the URL's dialect")
+        raise StorageError(f"--storage {shown_storage(spec)}: the database driver is not installed "
+                           f"({_first_line(cause)}; {hint})") from None
+    except Exception as err:  # SQLAlchemy: unreachable server, bad URL; OSError: the journal file
+        raise StorageError(f"--storage {shown_storage(spec)}: cannot open the storage "
+                           f"({type(err).__name__}: {_first_line(err)})") from None
+
+
+def make_sampler(name: str, seed: Optional[int], multi: bool, conditional: bool):
+    """The Optuna sampler ``name`` (one of :data:`SAMPLERS`).
+
+    TPE is multivariate with constant liar (parallel workers); ``group`` decomposition is switched
+    on for spaces with conditional parameters.
+
+    Raises:
+        ValueError: CMA-ES with several objectives.
+    """
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=conditional, constant_liar=True)
+    if name == "cmaes":
+        if multi:
+            raise ValueError("--sampler cmaes handles one objective only (use tpe, nsga2, gp or random)")
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    raise ValueError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
+
+
+def parse_pruner(spec: str) -> Tuple[str, Optional[float]]:
+    """``median`` | ``hyperband`` | ``none`` | ``threshold:X`` (prune when val_acc < X) -> (kind, X).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if spec in ("median", "hyperband", "none"):
+        return spec, None
+    if spec.startswith("threshold:"):
+        try:
+            x = float(spec.split(":", 1)[1])
+        except ValueError:
+            x = float("nan")
+        if 0.0 <= x <= 1.0:
+            return "threshold", x
+    raise ValueError(f"--pruner must be median, hyperband, none or threshold:X (X in [0, 1]), got {spec!r}")
+
+
+def make_pruner(spec: str, rounds: int, num_seeds: int, multi: bool):
+    """The pruner for reports at steps 1 .. num_seeds * rounds (see the module docstring).
+
+    median: no pruning before 5 trials finished nor in the first third of seed 1's rounds;
+    hyperband: resources from rounds // 4 to num_seeds * rounds steps, reduction factor 3;
+    threshold:X: prune as soon as an evaluated validation accuracy is below X (after the same
+    warm-up as median). Multi-objective studies get no pruner.
+    """
+    import optuna
+
+    kind, x = parse_pruner(spec)
+    warmup = max(0, rounds // 3)
+    if multi or kind == "none":
+        return optuna.pruners.NopPruner()
+    if kind == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=warmup)
+    if kind == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=max(1, rounds // 4), max_resource=num_seeds * rounds,
+                                              reduction_factor=3)
+    return optuna.pruners.ThresholdPruner(lower=x, n_warmup_steps=warmup)
+
+
+def quiet_optuna() -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def sampler_and_pruner(settings: Settings, space: Space, worker: int = 0) -> Dict[str, Any]:
+    """``sampler`` (seeded ``sampler_seed + worker``) and ``pruner`` keyword arguments of
+    ``optuna.create_study`` / ``load_study`` for this process.
+
+    Raises:
+        ValueError: see :func:`make_sampler`.
+    """
+    seed = None if settings.sampler_seed is None else settings.sampler_seed + worker
+    return {"sampler": make_sampler(settings.sampler, seed, settings.multi, bool(space.conditional)),
+            "pruner": make_pruner(settings.pruner, settings.rounds, len(settings.seeds), settings.multi)}
+
+
+# =========================================================================== stale trials
+
+
+def _process_start(pid: int) -> Optional[float]:
+    """Start time (epoch seconds) of process ``pid`` from /proc (Linux), None where unknown."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _alive(pid: int, since: Optional[datetime]) -> bool:
+    """Whether process ``pid`` of this machine is running and started before ``since`` (else its id was reused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists (another user)
+        pass
+    except OSError:
+        return False
+    start = _process_start(pid)
+    return not (start is not None and since is not None and start > since.timestamp() + 2.0)
+
+
+def fail_stale_trials(study) -> List[int]:
+    """Mark the RUNNING trials that no process runs any more FAIL, with reason :data:`STALE_REASON`.
+
+    A trial records its machine and process id (user attributes ``host``, ``pid``) when it starts;
+    it is stale if it was started on this machine by a process that is gone, or if it records
+    neither (a process killed right after ``ask``). Trials of other machines are left alone.
+
+    Returns:
+        The numbers of the trials marked FAIL.
+    """
+    from optuna.trial import TrialState
+
+    stale = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        host, pid = t.user_attrs.get("host"), t.user_attrs.get("pid")
+        if host is not None and host != HOST:
+            continue
+        if pid is not None and _alive(int(pid), t.datetime_start):
+            continue
+        study._storage.set_trial_user_attr(t._trial_id, "reason", STALE_REASON)
+        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        stale.append(t.number)
+    return stale
+
+
+# =========================================================================== training
+
+
+class DataCache:
+    """Dataset, partition and device tensors per (dataset, partition, device) config, kept for the
+    last ``size`` combinations of this process (trials differ mostly in algorithm settings)."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._items: "OrderedDict[str, tuple]" = OrderedDict()
+
+    def get(self, cfg) -> tuple:
+        """(dataset, partition, client data, device) of ``cfg``; raises what the data loaders raise."""
+        from fl_core.config import to_container
+        from fl_core.engine.factory import DTYPES, client_data
+        from pipeline.common import dataset_for, partition_for, resolve_device
+
+        c = to_container(cfg)
+        key = json.dumps([c["dataset"], c["partition"], c["data_dir"], c["engine"]["device"], c["engine"]["dtype"]],
+                         sort_keys=True)
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        device = resolve_device(cfg.engine.device)
+        ds = dataset_for(cfg, write_cache=False)
+        part = partition_for(cfg, ds, write_cache=False)
+        item = (ds, part, client_data(ds, part, device, DTYPES[cfg.engine.dtype]), device)
+        self._items[key] = item
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return item
+
+
+class InfeasibleConfig(RuntimeError):
+    """A sampled configuration is infeasible: it does not compose, the simulator cannot be built
+    (``ConfigError``/``ValueError`` naming a key), or a rule rejects it once running
+    (:class:`fl_core.algorithms.InfeasibleSetting`). The trial ends PRUNED with this reason."""
+
+
+@dataclass
+class SeedsResult:
+    """Outcome of training one configuration for several seeds."""
+
+    final_acc: List[float]  # per seed: mean of the last train.final_window evaluations (fraction)
+    uplink_d: float  # cumulative uplink floats per client after the last round, in units of d (model size)
+    algorithm: str  # the algorithm stack, e.g. fedbug[P=0.2](fedavg)
+
+    @property
+    def mean_acc(self) -> float:
+        return sum(self.final_acc) / len(self.final_acc)
+
+
+def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache,
+                on_round: Optional[Callable[[int, int, Dict[str, float]], None]] = None,
+                on_config: Optional[Callable[[Dict[str, Any], str], None]] = None) -> SeedsResult:
+    """Train ``overrides`` (experiment overrides, no seed) once per seed.
+
+    Args:
+        overrides: Hydra overrides of the experiment; :data:`TRIAL_FIXED` and ``seed=s`` are appended.
+        seeds: run seeds, e.g. [1, 2, 3].
+        cache: the process's :class:`DataCache`.
+        on_round: called as ``on_round(seed_index, round, row)`` after every round (``row`` as the
+            simulator's history rows: ``test_acc``/``test_loss`` on evaluated rounds, ``train_loss``,
+            ``comm_up_floats``, ...); it may raise ``optuna.TrialPruned``.
+        on_config: called once, before training, with the first seed's composed config (plain dict)
+            and the algorithm stack's description.
+
+    Raises:
+        InfeasibleConfig: see :class:`InfeasibleConfig`.
+        fl_core.engine.simulator.RunFailed: a run's loss became non-finite.
+        Exception: anything else the run raises (a bug, not a property of the configuration).
+    """
+    from fl_core.algorithms import InfeasibleSetting
+    from fl_core.config import compose, to_container
+    from fl_core.engine import factory
+    from fl_core.metrics import summarize_run
+
+    accs: List[float] = []
+    uplink, algo = 0.0, ""
+    for i, seed in enumerate(seeds):
+        try:
+            cfg = compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]))
+            ds, part, data, device = cache.get(cfg)
+            callbacks = [] if on_round is None else [lambda r, row, i=i: on_round(i, r, row)]
+            sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
+        except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
+            raise InfeasibleConfig(_first_line(err)) from None
+        if i == 0:
+            algo = sim.algo.describe()
+            if on_config is not None:
+                on_config(to_container(cfg), algo)
+        try:
+            result = sim.run()
+        except InfeasibleSetting as err:
+            raise InfeasibleConfig(_first_line(err)) from None
+        accs.append(float(summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)["final_acc"]))
+        uplink = float(result.history[-1]["comm_up_floats"]) / sim.spec.d
+    return SeedsResult(accs, uplink, algo)
+
+
+@dataclass
+class Outcome:
+    """How a trial ended: Optuna state name, objective values (COMPLETE only) and a reason."""
+
+    state: str
+    values: Optional[List[float]] = None
+    reason: str = ""
+
+
+def round_metrics(row: Dict[str, float], prefix: str) -> Dict[str, float]:
+    """The MLflow metrics of one history row, ``test_*`` renamed ``<prefix>_*``."""
+    out = {k: row[k] for k in ("train_loss", "comm_up_floats", "round_time_s") if k in row}
+    if "test_acc" in row:
+        out[f"{prefix}_acc"], out[f"{prefix}_loss"] = row["test_acc"], row["test_loss"]
+    return out
+
+
+def error_reason(err: BaseException) -> Tuple[str, str]:
+    """(``"error: <the traceback's last line>"``, where it was raised as ``file:line in function``)."""
+    last = traceback.format_exception_only(type(err), err)[-1].strip()
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    return f"error: {last}", where
+
+
+class TrialRunner:
+    """Runs one Optuna trial: sample, train every seed (reporting for pruning), log to MLflow."""
+
+    def __init__(self, settings: Settings, tracking=None, worker: int = 0, cache: Optional[DataCache] = None):
+        self.settings = settings
+        self.space = load_space(settings.space)
+        self.tracking = tracking
+        self.worker = worker
+        self.cache = cache or DataCache()
+
+    def experiment_overrides(self, trial) -> List[str]:
+        """Sample ``trial`` and return its experiment overrides (validation split on, no seed)."""
+        extra, values = self.space.sample(trial)
+        return self.space.experiment_overrides(extra, self.settings.overrides,
+                                               [make_override(k, v) for k, v in values.items()])
+
+    def _logger(self, trial, overrides: List[str]):
+        if self.tracking is None:
+            return None
+        s = self.settings
+        tags = {"sweep_role": "trial", "optuna_study": s.study_name, "optuna_trial": str(trial.number),
+                "space": self.space.name, "worker": str(self.worker)}
+        params = {**{f"optuna.{k}": v for k, v in trial.params.items()}, "sweep.overrides": " ".join(overrides),
+                  "sweep.seeds": ",".join(map(str, s.seeds))}
+        logger = self.tracking.child_logger(s.parent_run_id, f"{s.study_name}/trial-{trial.number}", tags,
+                                            params, log_every=1_000_000)  # buffered: written at close
+        logger.open(None)
+        return logger
+
+    def __call__(self, trial) -> Outcome:
+        """Run ``trial``; KeyboardInterrupt propagates after its MLflow run is closed as KILLED."""
+        import optuna
+
+        from fl_core.engine.simulator import RunFailed
+        from fl_core.tracking import flatten
+
+        s = self.settings
+        t0 = time.perf_counter()
+        trial.set_user_attr("host", HOST)  # first: tells a stale trial from a running one (fail_stale_trials)
+        trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("worker", self.worker)
+        overrides = self.experiment_overrides(trial)
+        trial.set_user_attr("overrides", overrides)
+        logger = self._logger(trial, overrides)
+        rounds = {"R": 1}
+
+        def on_config(cfg: Dict[str, Any], algo: str) -> None:
+            rounds["R"] = int(cfg["train"]["rounds"])
+            trial.set_user_attr("algorithm", algo)
+            if logger is not None:
+                self.tracking.log_params(logger.run_id, {k: v for k, v in flatten(cfg).items() if k != "seed"})
+                self.tracking.client.set_tag(logger.run_id, "algorithm", algo)
+
+        def on_round(i: int, r: int, row: Dict[str, float]) -> None:
+            step = i * rounds["R"] + r
+            if logger is not None:
+                logger.log_round(step, round_metrics(row, "val"))
+            if "test_acc" in row and not s.multi:
+                trial.report(float(row["test_acc"]), step)
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"val_acc {row['test_acc']:.4f} at seed {s.seeds[i]} round {r} "
+                                             f"(step {step})")
+
+        def finish(outcome: Outcome, status: str, detail: str = "") -> Outcome:
+            trial.set_user_attr("duration_s", round(time.perf_counter() - t0, 3))
+            if outcome.reason:
+                trial.set_user_attr("reason", outcome.reason)
+            if logger is not None:
+                self.tracking.client.set_tag(logger.run_id, "optuna_state", outcome.state)
+                logger.close(status, (outcome.reason + detail) or None)
+            return outcome
+
+        try:
+            res = train_seeds(overrides, s.seeds, self.cache, on_round=on_round, on_config=on_config)
+        except optuna.TrialPruned as err:
+            return finish(Outcome("PRUNED", reason=f"pruned: {err}"), "KILLED")
+        except RunFailed as err:
+            return finish(Outcome("PRUNED", reason=f"diverged: {err}"), "KILLED")
+        except InfeasibleConfig as err:
+            return finish(Outcome("PRUNED", reason=f"infeasible: {err}"), "KILLED")
+        except KeyboardInterrupt:
+            finish(Outcome("FAIL", reason="interrupted (Ctrl-C)"), "KILLED")
+            raise
+        except Exception as err:  # not a property of the configuration: FAIL, and the study goes on
+            reason, where = error_reason(err)
+            print(f"{'w%d ' % self.worker if self.worker else ''}trial {trial.number}: {reason} (at {where})",
+                  file=sys.stderr, flush=True)
+            return finish(Outcome("FAIL", reason=reason), "FAILED", f" (at {where})")
+        trial.set_user_attr("val_acc_per_seed", res.final_acc)
+        trial.set_user_attr("uplink_d", res.uplink_d)
+        values = [res.mean_acc if o == "acc" else res.uplink_d for o in s.objectives]
+        if logger is not None:
+            logger.log_summary({"objective_val_acc": res.mean_acc, "uplink_d": res.uplink_d,
+                                **{f"val_acc_final_seed{sd}": a for sd, a in zip(s.seeds, res.final_acc)}})
+        return finish(Outcome("COMPLETE", values), "FINISHED")
+
+
+# =========================================================================== the trial loop and workers
+
+
+def trial_line(number: int, outcome: Outcome, params: Dict[str, Any], duration: float, worker: int) -> str:
+    """One progress line per finished trial (``w<k>`` prefix in spawned worker k)."""
+    vals = "/".join(f"{v:.4f}" for v in outcome.values) if outcome.values else "-"
+    shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}={v}"
+                      for k, v in params.items())
+    why = f"  [{outcome.reason}]" if outcome.reason and outcome.state != "COMPLETE" else ""
+    who = f"w{worker} " if worker else ""
+    return f"{who}trial {number:>3} {outcome.state:<8} {vals:>15}  {shown}  ({duration:.1f}s){why}"
+
+
+def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Callable[[str], None]] = None) -> bool:
+    """Run up to ``n_trials`` trials of ``study`` in this process (fewer if ``settings.timeout`` passes).
+
+    Trials are asked and told explicitly, so every outcome is recorded as designed (see the module
+    docstring) and Ctrl-C leaves the running trial FAIL (user attribute ``reason``) with its MLflow
+    run KILLED. ``on_trial`` receives each trial's progress line (default: stderr unless quiet).
+
+    Returns:
+        True if interrupted by Ctrl-C, else False.
+
+    Raises:
+        Exception: an error outside a trial's training (e.g. the storage or MLflow); the running
+            trial is told FAIL first.
+    """
+    from optuna.trial import TrialState
+
+    settings = runner.settings
+    if on_trial is None:
+        def on_trial(line: str) -> None:
+            if not settings.quiet:
+                print(line, file=sys.stderr, flush=True)
+
+    deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
+    trial = None
+    try:
+        for _ in range(n_trials):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            trial = study.ask()
+            t0 = time.perf_counter()
+            outcome = runner(trial)
+            if outcome.state == "COMPLETE":
+                study.tell(trial, outcome.values)
+            else:
+                study.tell(trial, state=TrialState[outcome.state])
+            line = trial_line(trial.number, outcome, trial.params, time.perf_counter() - t0, runner.worker)
+            trial = None
+            on_trial(line)
+    except KeyboardInterrupt:
+        if trial is not None:
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        return True
+    except BaseException as err:  # the trial must not stay RUNNING in the storage
+        if trial is not None:
+            trial.set_user_attr("reason", error_reason(err)[0])
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        raise
+    return False
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's intra-op threads; returns the previous value (to restore it)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    return previous
+
+
+def _worker_main(settings: Settings, n_trials: int, worker: int) -> None:
+    """Entry point of spawned worker process ``worker`` (1..W)."""
+    import optuna
+
+    set_threads(settings.threads)
+    quiet_optuna()
+    tracking = None
+    if settings.experiment:
+        from fl_core.tracking import Tracking
+
+        tracking = Tracking(settings.experiment)
+    runner = TrialRunner(settings, tracking, worker)
+    study = optuna.load_study(study_name=settings.study_name, storage=open_storage(settings.storage),
+                              **sampler_and_pruner(settings, runner.space, worker))
+    interrupted = optimize(study, runner, n_trials)
+    sys.exit(EXIT_INTERRUPTED if interrupted else 0)
+
+
+def split_trials(n_trials: int, workers: int) -> List[int]:
+    """Per-worker trial counts that add up to ``n_trials``."""
+    return [n_trials // workers + (1 if w < n_trials % workers else 0) for w in range(workers)]
+
+
+def count_finished(study) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Tuple[bool, int]:
+    """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar
+    in this process (polling ``study``). Each worker prints its trial lines to stderr.
+
+    Returns:
+        (interrupted, number of workers that exited with an error).
+    """
+    import multiprocessing as mp
+
+    from tqdm.auto import tqdm
+
+    counts = [c for c in split_trials(n_trials, workers) if c > 0]
+    start = count_finished(study)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(settings, c, w + 1), name=f"sweep-worker-{w + 1}")
+             for w, c in enumerate(counts)]
+    for p in procs:
+        p.start()
+    interrupted = False
+    bar = None if settings.quiet else tqdm(total=n_trials, unit="trial", desc=settings.study_name, file=sys.stderr)
+    try:
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.5)
+            if bar is not None:
+                bar.n = count_finished(study) - start
+                bar.refresh()
+    except KeyboardInterrupt:  # the workers got the same SIGINT: let them close their trials
+        interrupted = True
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    finally:
+        for p in procs:
+            p.join()
+        if bar is not None:
+            bar.n = count_finished(study) - start
+            bar.close()
+    interrupted = interrupted or any(p.exitcode == EXIT_INTERRUPTED for p in procs)
+    errors = sum(1 for p in procs if p.exitcode not in (0, EXIT_INTERRUPTED))
+    return interrupted, errors
