@@ -43,7 +43,8 @@ PM = "\u00b1"
 ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedbug": "FedBug", "scaffold": "SCAFFOLD",
                    "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON", "feddyn": "FedDyn",
                    "fedexp": "FedExP", "feddecorr": "FedDecorr", "fednlr": "FedNLR", "fedrs": "FedRS",
-                   "fedlc": "FedLC", "ccvr": "CCVR", "feddc": "FedDC", "fedbcgd": "FedBCGD", "fedavgm": "FedAvgM",
+                   "fedlc": "FedLC", "ccvr": "CCVR", "feddc": "FedDC", "fedbcgd": "FedBCGD", "fedbcgd_plus": "FedBCGD+",
+                   "fedavgm": "FedAvgM",
                    "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "topk": "Top-k", "qsgd": "QSGD"}
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",

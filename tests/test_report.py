@@ -248,3 +248,9 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
     (tmp_path / "b.txt").write_text("x")  # a plain write, for comparison
     assert os.stat(tmp_path / "a.txt").st_mode & 0o777 == os.stat(tmp_path / "b.txt").st_mode & 0o777
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_fedbcgd_plus_label():
+    from pipeline.report import algorithm_label
+
+    assert algorithm_label("qsgd[s=16](fedbcgd_plus[code,N=3,lambda=0.8])") == "QSGD s=16 (FedBCGD+ code, N=3, lambda=0.8)"
