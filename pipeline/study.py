@@ -44,7 +44,7 @@ from fl_core.config import ConfigError
 
 from .files import atomic_write, write_text
 from .grid import load_grid
-from .report import read_runs_rows
+from .report import _cell, read_runs_rows
 
 # ----------------------------------------------------------------------------- per-experiment curves
 
@@ -500,7 +500,7 @@ def build(params: Path, results: Path) -> Tuple[List[Path], str]:
              "numbers in the direction the paper states.", "",
              "| # | finding (paper) | verdict | our numbers |", "|---:|:---|:---|:---|"]
     for i, (claim, verdict, text) in enumerate(verdicts, start=1):
-        lines.append(f"| {i} | {claim} | **{verdict}** | {text.replace('|', '/')} |")
+        lines.append(f"| {i} | {_cell(claim)} | **{verdict}** | {_cell(text)} |")
     n_ok = sum(v == "reproduced" for _, v, _ in verdicts)
     n_run = sum(v != "not run" for _, v, _ in verdicts)
     lines += ["", f"{n_ok} of {n_run} tested findings reproduced.", "", "## Figures", ""]
