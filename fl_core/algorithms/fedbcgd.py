@@ -27,6 +27,7 @@ import torch
 
 from ..seeding import torch_generator
 from .base import Algorithm
+from .scaffold import add_drift_correction
 
 # parameter-name prefixes: (blocks, shared), by model class
 BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
@@ -226,16 +227,11 @@ class FedBCGDPlus(FedBCGD):
         return {"c": server_state["c"]}
 
     def transform_grads(self, ctx, k, params, grads):
-        spec = ctx.round.spec
-        c = spec.views(ctx.round.extra["c"])
-        ci = spec.views(ctx.state["c"])
-        if self.variant == "paper":
-            full = spec.views(ctx.full_grad)
+        if self.variant == "paper":  # the SVRG term first: g(y; xi) - g(x; xi) + g_full
+            full = ctx.round.spec.views(ctx.full_grad)
             for n, g in grads.items():
-                g.add_(full[n] - ctx.anchor_grads[n] - ci[n] + c[n])
-        else:
-            for n, g in grads.items():
-                g.add_(c[n] - ci[n])
+                g.add_(full[n] - ctx.anchor_grads[n])
+        add_drift_correction(ctx, grads)  # + c - c_k
 
     def finish_client(self, ctx, update):
         c_old = ctx.state["c"]

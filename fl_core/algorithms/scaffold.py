@@ -21,6 +21,16 @@ import torch
 from .base import Algorithm
 
 
+def add_drift_correction(ctx, grads) -> None:
+    """SCAFFOLD's correction g <- g + c - c_i IN PLACE on the given gradients (the server's c in
+    ``ctx.round.extra["c"]``, the client's c_i in ``ctx.state["c"]``; flat [d] or stacked [C, d])."""
+    spec = ctx.round.spec
+    c = spec.views(ctx.round.extra["c"])
+    ci = spec.views(ctx.state["c"])
+    for n, g in grads.items():
+        g.add_(c[n] - ci[n])
+
+
 class Scaffold(Algorithm):
     name = "scaffold"
 
@@ -40,11 +50,7 @@ class Scaffold(Algorithm):
         return {"c": server_state["c"]}
 
     def transform_grads(self, ctx, k, params, grads):
-        spec = ctx.round.spec
-        c = spec.views(ctx.round.extra["c"])
-        ci = spec.views(ctx.state["c"])
-        for n, g in grads.items():
-            g.add_(c[n] - ci[n])
+        add_drift_correction(ctx, grads)
 
     def finish_client(self, ctx, update):
         if update.num_steps == 0:
