@@ -91,7 +91,8 @@ def test_killed_grid_run_resumes_under_the_same_parent_run(tmp_path):
     import signal
     import time
 
-    args = ["train.rounds=6", "engine.checkpoint_every=2", "partition.num_clients=6", "seed=1", "name=resume",
+    # 30 rounds: long enough that the signal, sent once the round-2 checkpoint exists, always lands mid-run
+    args = ["train.rounds=30", "engine.checkpoint_every=2", "partition.num_clients=6", "seed=1", "name=resume",
             "engine.progress=false", "tracking.log_every=1"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.train", *args], cwd=tmp_path, env=env,
@@ -115,4 +116,4 @@ def test_killed_grid_run_resumes_under_the_same_parent_run(tmp_path):
         pytest.skip("the first run finished before it could be interrupted")
     assert len(parents) == 1 and len(children) == 1
     assert children[0].data.tags["mlflow.parentRunId"] == parents[0].info.run_id
-    assert sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "test_acc")) == list(range(1, 7))
+    assert sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "test_acc")) == list(range(1, 31))
