@@ -507,13 +507,13 @@ def build(params: Path, results: Path) -> Tuple[List[Path], str]:
     lines += [f"![{p.stem}]({p.name})" for p in files]
     text = "\n".join(lines) + "\n"
     write_text(out / "findings.md", text)
-    rows = ["experiment,final_acc,early_acc,min_test_loss,min_test_loss_round,final_test_loss,final_train_loss,"
-            "oscillation,client_loss_spread," + ",".join(f"cos_{l}" for l in ("conv1", "conv2", "fc1", "fc2"))]
-    for n, s in stats.items():
-        rows.append(",".join([n] + [f"{v:.6g}" for v in (s.final_acc, s.early_acc, s.min_test_loss,
-                                                        s.min_test_loss_round, s.final_test_loss, s.final_train_loss,
-                                                        s.oscillation, s.client_loss_spread)]
-                             + [f"{s.cosine.get(l, float('nan')):.6g}" for l in ("conv1", "conv2", "fc1", "fc2")]))
+    scalars = ("final_acc", "early_acc", "min_test_loss", "min_test_loss_round", "final_test_loss",
+               "final_train_loss", "oscillation", "client_loss_spread")
+    layers = sorted({layer for st in stats.values() for layer in st.cosine})  # the layers the runs logged
+    rows = [",".join(("experiment",) + scalars + tuple(f"cos_{l}" for l in layers))]
+    for n, st in stats.items():
+        rows.append(",".join([n] + [f"{getattr(st, k):.6g}" for k in scalars]
+                             + [f"{st.cosine.get(l, float('nan')):.6g}" for l in layers]))
     write_text(out / "stats.csv", "\n".join(rows) + "\n")
     files += [out / "findings.md", out / "stats.csv"]
     return files, text

@@ -72,6 +72,8 @@ def test_findings_verdicts_and_figures(tmp_path):
     assert {"iid_lr.png", "noniid_epochs.png", "cosine_layers.png", "client_losses.png", "labels_per_client.png",
             "findings.md", "stats.csv"} <= names
     assert all(p.exists() and p.stat().st_size > 0 for p in files)
+    header = (res / "study" / "stats.csv").read_text().splitlines()[0].split(",")
+    assert header[-2:] == ["cos_conv1", "cos_fc1"]  # the layers the runs logged, nothing else
     rows = {line.split("|")[2].strip(): line.split("|")[3].strip() for line in text.splitlines()
             if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
 
