@@ -5,8 +5,14 @@ under ``<project root>/mlartifacts`` (absolute, so DVC stages, queued ``dvc exp`
 share one store). Per-round metrics are buffered and written in one ``log_batch`` every
 ``tracking.log_every`` rounds and at checkpoints (about a millisecond per round on SQLite).
 
-Resume: a resumed run reopens its MLflow run (its id is in the checkpoint) and skips the steps
-already stored, so every metric keeps exactly one value per round.
+Run identity: an experiment's parent run carries the tags ``fl.experiment`` (its name),
+``fl.fingerprint`` (hash of the config that determines its numbers, seeds excluded) and
+``fl.role=parent``; a seed's child run carries ``fl.seed`` under it. Every start looks these runs
+up by tags (:meth:`Tracking.parent_run`, :meth:`Tracking.child_run`), so a command run again after
+a kill at any point continues in the same runs, and a reopened run skips every (metric, step) it
+already holds: each metric keeps exactly one value per round. Every run also records the process
+that runs it (:func:`fl_core.procs.identity`), so a later start can end the runs of a process that
+is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``).
 """
 
 from __future__ import annotations
@@ -18,12 +24,19 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+from . import procs
 from .paths import store_root
 
 log = logging.getLogger(__name__)
 
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
+
+TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_ROLE, TAG_SEED = "fl.experiment", "fl.fingerprint", "fl.role", "fl.seed"
+TAG_END_REASON = "fl.end_reason"
+#: statuses of a run that an interrupted command left behind (a new attempt continues in it)
+RESUMABLE = ("RUNNING", "KILLED", "SCHEDULED")
+ORPHAN_REASON = "orphaned: the process that ran it is gone"
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
@@ -72,6 +85,43 @@ def _quiet_mlflow() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _filter(tags: Dict[str, str], status: Optional[str] = None) -> str:
+    conds = [f"tags.`{k}` = '{v}'" for k, v in tags.items()]
+    if status:
+        conds.append(f"attributes.status = '{status}'")
+    return " and ".join(conds)
+
+
+def end_orphaned_runs(client, experiment_id: str, tags: Optional[Dict[str, str]] = None) -> List[str]:
+    """End the runs of ``experiment_id`` (with the given tag values) left RUNNING by a process of this
+    machine that is gone (:func:`fl_core.procs.gone` on the run's ``fl.host`` / ``fl.pid`` /
+    ``fl.proc_start`` tags; without ``fl.proc_start`` the run's start bounds the process's). Each is set
+    KILLED with ``fl.end_reason`` = :data:`ORPHAN_REASON`; runs of other machines, of live processes
+    and without the tags are left alone.
+
+    Returns:
+        The ids of the runs ended.
+
+    Raises:
+        mlflow.exceptions.MlflowException: the store cannot be searched or written.
+    """
+    query = _filter({**(tags or {}), "fl.host": procs.HOST}, "RUNNING")
+    runs, token = [], None
+    while True:  # every page first: ending runs while paging would shift the pages
+        page = client.search_runs([experiment_id], filter_string=query, max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            break
+    ended = []
+    for run in runs:
+        if procs.gone(run.data.tags, run.info.start_time / 1000):
+            client.set_tag(run.info.run_id, TAG_END_REASON, ORPHAN_REASON)
+            client.set_terminated(run.info.run_id, status="KILLED")
+            ended.append(run.info.run_id)
+    return ended
+
+
 class Tracking:
     """A thin wrapper over :class:`mlflow.tracking.MlflowClient` for one MLflow experiment."""
 
@@ -89,23 +139,80 @@ class Tracking:
         else:
             self.experiment_id = exp.experiment_id
 
+    def find_runs(self, tags: Dict[str, str], status: Optional[str] = None) -> List[Any]:
+        """Runs of this experiment whose tags have the given values (newest first)."""
+        return self.client.search_runs([self.experiment_id], filter_string=_filter(tags, status),
+                                       order_by=["attributes.start_time DESC"], max_results=1000)
+
+    def reopen(self, run_id: str) -> None:
+        """Mark a run RUNNING again, recorded as this process's (an earlier ``fl.end_reason`` dropped)."""
+        if TAG_END_REASON in self.client.get_run(run_id).data.tags:
+            self.client.delete_tag(run_id, TAG_END_REASON)
+        self.client.update_run(run_id, status="RUNNING")
+        for k, v in procs.identity().items():
+            self.client.set_tag(run_id, k, v)
+
+    def parent_run(self, name: str, fingerprint: str, tags: Dict[str, str]) -> str:
+        """The parent run of experiment (``name``, ``fingerprint``): the newest one an interrupted
+        command left (:data:`RESUMABLE`), reopened; else a new one. FINISHED and FAILED parents are
+        complete attempts and are never reused."""
+        for run in self.find_runs({TAG_ROLE: "parent", TAG_EXPERIMENT: name, TAG_FINGERPRINT: fingerprint}):
+            if run.info.status in RESUMABLE:
+                self.reopen(run.info.run_id)
+                return run.info.run_id
+        return self.start_parent(name, {**tags, TAG_ROLE: "parent", TAG_EXPERIMENT: name,
+                                        TAG_FINGERPRINT: fingerprint})
+
+    def latest_parent(self, name: str, fingerprint: str) -> Optional[Any]:
+        """The newest parent run of (``name``, ``fingerprint``) whatever its status, or None."""
+        runs = self.find_runs({TAG_ROLE: "parent", TAG_EXPERIMENT: name, TAG_FINGERPRINT: fingerprint})
+        return runs[0] if runs else None
+
+    def child_run(self, parent_id: str, seed: int) -> Optional[Any]:
+        """The newest child run of ``seed`` under ``parent_id``, or None."""
+        runs = self.find_runs({"mlflow.parentRunId": parent_id, TAG_SEED: str(seed)})
+        return runs[0] if runs else None
+
     def start_parent(self, name: str, tags: Dict[str, str]) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **procs.identity()})
         return run.info.run_id
 
-    def end_parent(self, run_id: str, status: str = "FINISHED") -> None:
+    def end_parent(self, run_id: str, status: str = "FINISHED", reason: Optional[str] = None) -> None:
+        self.end_run(run_id, status, reason)
+
+    def end_run(self, run_id: str, status: str, reason: Optional[str] = None) -> None:
+        """End a run with ``status``; ``reason`` goes to the tag ``fl.end_reason``."""
+        if reason:
+            self.client.set_tag(run_id, TAG_END_REASON, reason[:5000])
         self.client.set_terminated(run_id, status=status)
+
+    def end_orphans(self, name: str) -> int:
+        """End the RUNNING runs of experiment ``name`` whose process is gone (:func:`end_orphaned_runs`);
+        returns how many were ended."""
+        return len(end_orphaned_runs(self.client, self.experiment_id, {TAG_EXPERIMENT: name}))
 
     def child_logger(self, parent_id, name: str, tags: Dict[str, str], params: Dict[str, Any],
                      log_every: int = 10) -> "MlflowRunLogger":
         return MlflowRunLogger(self, parent_id, name, tags, params, log_every)
 
     def log_params(self, run_id: str, params: Dict[str, Any]) -> None:
-        items = [(k, str(v)[:6000]) for k, v in params.items()]
+        """Log params, skipping those the run already holds (params cannot change once logged)."""
+        have = self.client.get_run(run_id).data.params
+        items = [(k, str(v)[:6000]) for k, v in params.items() if k not in have]
         from mlflow.entities import Param
 
         for s in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             self.client.log_batch(run_id, params=[Param(k, v) for k, v in items[s:s + _MAX_PARAMS_PER_BATCH]])
+
+    def log_metrics_once(self, run_id: str, metrics: Dict[str, float], step: int = 0) -> None:
+        """Log step-``step`` values of the keys the run does not hold yet (summaries: once per run)."""
+        from mlflow.entities import Metric
+
+        have = self.client.get_run(run_id).data.metrics
+        ts = int(time.time() * 1000)
+        todo = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in have and v is not None]
+        for s in range(0, len(todo), _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=todo[s:s + _MAX_METRICS_PER_BATCH])
 
     def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: Optional[str] = None) -> None:
         for p in paths:
@@ -114,37 +221,45 @@ class Tracking:
 
 
 class MlflowRunLogger:
-    """A child run that receives the per-round metrics of one seed (implements the RunLogger protocol)."""
+    """A child run that receives the per-round metrics of one seed (implements the RunLogger protocol).
 
-    def __init__(self, tracking: Tracking, parent_id, name: str, tags: Dict[str, str],
+    With a parent id and a ``fl.seed`` tag the run is looked up by tags when it opens
+    (:meth:`Tracking.child_run`): an existing child of that seed is reopened and keeps its
+    (metric, step) pairs; else, or without them, the run id saved in a checkpoint is reopened, or a
+    new child is created.
+    """
+
+    def __init__(self, tracking: Tracking, parent_id: Optional[str], name: str, tags: Dict[str, str],
                  params: Dict[str, Any], log_every: int):
         self.tracking = tracking
-        # the parent run id, or a callable giving it (called only for a new run; a resumed run keeps
-        # the parent recorded in its checkpoint)
-        self._parent = parent_id
-        self.parent_id: Optional[str] = parent_id if isinstance(parent_id, str) or parent_id is None else None
+        self.parent_id = parent_id
         self.name = name
         self.tags = dict(tags)
         self.params = params
         self.log_every = max(1, int(log_every))
         self.run_id: Optional[str] = None
         self._buffer: List[Any] = []
-        self._skip_until = 0  # steps <= this are already stored (resume)
+        self._logged: Dict[str, set] = {}  # key -> steps the (reopened) run already holds
         self._pending_steps = 0
 
     # -------------------------------------------------------------- RunLogger protocol
     def open(self, saved: Optional[dict]) -> None:
         client = self.tracking.client
-        if saved and saved.get("run_id"):
-            self.run_id = saved["run_id"]
-            self.parent_id = saved.get("parent_id")
-            client.update_run(self.run_id, status="RUNNING")
-            hist = client.get_metric_history(self.run_id, "train_loss")
-            self._skip_until = max((m.step for m in hist), default=0)
+        run_id = None
+        if self.parent_id and TAG_SEED in self.tags:
+            found = self.tracking.child_run(self.parent_id, int(self.tags[TAG_SEED]))
+            run_id = found.info.run_id if found is not None else None
+        if run_id is None and saved and saved.get("run_id"):
+            run_id = saved["run_id"]
+            self.parent_id = self.parent_id or saved.get("parent_id")
+        if run_id is not None:
+            self.run_id = run_id
+            self.tracking.reopen(run_id)
+            for key in client.get_run(run_id).data.metrics:
+                self._logged[key] = {m.step for m in client.get_metric_history(run_id, key)}
+            self.tracking.log_params(run_id, self.params)
             return
-        tags = dict(self.tags)
-        if callable(self._parent):
-            self.parent_id = self._parent()
+        tags = {**self.tags, **procs.identity()}
         if self.parent_id:
             tags["mlflow.parentRunId"] = self.parent_id
         run = client.create_run(self.tracking.experiment_id, run_name=self.name, tags=tags)
@@ -155,12 +270,12 @@ class MlflowRunLogger:
         return {"run_id": self.run_id, "parent_id": self.parent_id}
 
     def log_round(self, step: int, metrics: Dict[str, float]) -> None:
-        if step <= self._skip_until:
-            return
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), ts, int(step)) for k, v in metrics.items())
+        step = int(step)
+        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items()
+                            if step not in self._logged.get(k, ()))
         self._pending_steps += 1
         if self._pending_steps >= self.log_every:
             self.flush()
@@ -177,9 +292,9 @@ class MlflowRunLogger:
         if self.run_id is None:
             return
         self.flush()
-        if reason:
+        if reason and status == "FAILED":
             self.tracking.client.set_tag(self.run_id, "failure_reason", reason[:5000])
-        self.tracking.client.set_terminated(self.run_id, status=status)
+        self.tracking.end_run(self.run_id, status, reason)
 
     # -------------------------------------------------------------- extras
     def log_artifacts(self, paths: Iterable[Path], artifact_path: Optional[str] = None) -> None:
@@ -187,10 +302,6 @@ class MlflowRunLogger:
             self.tracking.log_artifacts(self.run_id, paths, artifact_path)
 
     def log_summary(self, metrics: Dict[str, float]) -> None:
-        """Summary values (no step), e.g. best accuracy."""
-        if self.run_id is None:
-            return
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        self.tracking.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, 0) for k, v in metrics.items()])
+        """Summary values (step 0), e.g. best accuracy; each key is logged once per run."""
+        if self.run_id is not None:
+            self.tracking.log_metrics_once(self.run_id, metrics)

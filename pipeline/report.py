@@ -173,6 +173,15 @@ class Experiment:
     col_label: str = ""
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def failed(self) -> str:
+        """The failure reasons when every seed of the experiment failed (``status: failed``), else ''."""
+        m = self.metrics or {}
+        if m.get("status") != "failed":
+            return ""
+        reasons = m.get("failures") or {}
+        return "; ".join(f"seed {s}: {r}" for s, r in reasons.items()) or "every seed failed"
+
 
 def _float(s: str) -> float:
     try:
@@ -387,7 +396,7 @@ def accuracy_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str]
             if e is None:
                 line.append(DASH)
                 continue
-            text = fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
+            text = "FAILED" if e.failed else fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
             v = _num(e.metrics.get("final_acc_mean"))
             line.append(f"**{text}**" if v is not None and best[c] is not None and round(100 * v, 2) == best[c]
                         else text)
@@ -535,7 +544,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     for e in exps:
         m = e.metrics
         rows.append([f"`{e.name}`", e.row_label, e.col_label,
-                     fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
+                     "FAILED" if e.failed else fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
                      fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
                      fmt_rounds(m),
                      fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
@@ -574,6 +583,11 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out.append("- `summary.csv` holds the numbers of the first table as plain fractions.")
     out.append("")
 
+    failed = [e for e in exps if e.failed]
+    if failed:
+        out += ["## Failed", "", "Experiments whose every seed failed (the reason as the run recorded it):", ""]
+        out += [f"- `{e.name}`: FAILED: {_cell(e.failed)}" for e in failed]
+        out.append("")
     noted = [e for e in exps if e.notes]
     if noted:
         out += ["## Notes", ""]

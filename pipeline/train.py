@@ -14,23 +14,29 @@ Outputs in ``results/<name>/``: ``metrics.json`` (mean +- std over seeds), ``rou
 mean over seeds), ``runs.csv`` (every seed and round), ``curves.png``, ``config.yaml``,
 ``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``, ``details/`` (per-seed
 curves and CSV, the algorithm's local-step schedule such as FedBug's units per step). MLflow: one parent run
-per experiment, one child run per seed with every round logged. A run killed midway resumes
-from its last checkpoint (``engine.checkpoint_every``) when the same command is run again.
+per experiment, one child run per seed with every round logged. The same command run again after a
+kill continues the same runs (finished seeds from their completion records, the seed in training
+from its checkpoint); after a completed run it does nothing (see :func:`run_experiment`,
+``docs/reliability.md``).
 
-Exit status: 0 on success, 2 for a bad config (one line, nothing written), 1 if a run failed
-(e.g. non-finite loss; the other seeds still run).
+Exit status: 0 on success (and for a ``--grid`` experiment whose seeds failed: ``status`` in
+``metrics.json`` records it, so a DVC pipeline goes on); 1 if a seed failed in a single run (e.g.
+non-finite loss; the other seeds still run); 2 for bad input or an experiment another process
+holds (one line, nothing written); 130 when interrupted (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import signal
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
+from fl_core import faults
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.data import DataSourceError, PartitionError
 from fl_core.data.partition import partition_key, plot_label_distribution
@@ -39,8 +45,9 @@ from fl_core.engine.factory import DTYPES, build_simulator, client_data
 from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run
 from fl_core.models import resolve_model_name
-from fl_core.tracking import Tracking, flatten, git_commit
 from fl_core.paths import project_root
+from fl_core.runstore import ExperimentBusy, ExperimentStore
+from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, flatten, git_commit
 
 from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
 
@@ -67,7 +74,9 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor=sequential|vectorized|auto
   engine.device  seed  name
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db).
-A killed run resumes from its checkpoint when the same command runs again.
+A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
+Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
+2 bad input or experiment busy, 130 interrupted.
 """
 
 CURVE_KEYS = ("test_acc", "test_loss", "train_loss")
@@ -143,41 +152,317 @@ def plot_curves(histories: Dict[int, List[Dict]], title: str, path: Path) -> Non
         ax.set_xlabel("round")
         ax.set_title(key)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].lines:
+        axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM during training; ``round`` is the round that was in progress."""
+
+    def __init__(self, round_: int, signal_name: str = "SIGINT"):
+        super().__init__(f"interrupted at round {round_}")
+        self.round, self.signal_name = round_, signal_name
+
+
 class _Progress:
-    """One progress bar per experiment (rounds x seeds)."""
+    """One progress bar per experiment (rounds x seeds), opened at the first seed that trains so that it
+    starts at the rounds already done (finished seeds, the resumed seed's checkpoint)."""
 
     def __init__(self, name: str, total: int, enabled: bool):
+        self.name, self.total, self.enabled = name, total, enabled
         self.bar = None
-        if enabled:
+        self.done = 0  # rounds done before the bar opened
+        self.last_round = 0  # last round completed by the seed in training
+
+    def skip(self, n: int) -> None:
+        """Count ``n`` rounds that need no training (a seed read from its completion record)."""
+        if self.bar is not None:
+            self.bar.update(n)
+        else:
+            self.done += n
+
+    def start(self, seed: int, resumed_from: int) -> None:
+        """A seed starts training at round ``resumed_from + 1``; says so when it resumes."""
+        self.last_round = resumed_from
+        if resumed_from:
+            print(f"{self.name} seed {seed}: resumed from round {resumed_from}", file=sys.stderr)
+        if self.bar is None and self.enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=name, unit="round", dynamic_ncols=True, mininterval=0.5,
-                            file=sys.stderr)
+            self.bar = tqdm(total=self.total, initial=self.done + resumed_from, desc=self.name, unit="round",
+                            dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        elif self.bar is not None:
+            self.bar.update(resumed_from)
 
     def __call__(self, r: int, row: Dict) -> None:
+        self.last_round = r
         if self.bar is not None:
             self.bar.update(1)
             if "test_acc" in row:
                 self.bar.set_postfix(acc=f"{row['test_acc']:.3f}", loss=f"{row['train_loss']:.3f}", refresh=False)
-
-    def skip(self, n: int) -> None:
-        if self.bar is not None and n:
-            self.bar.update(n)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
+def experiment_fingerprint(cfg) -> str:
+    """Fingerprint of the config that determines an experiment's numbers, seeds excluded."""
+    sections = result_sections(cfg)
+    sections.pop("seed")
+    return config_fingerprint(sections)
+
+
+class _Experiment:
+    """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs."""
+
+    def __init__(self, cfgs: List, callbacks: Optional[list]):
+        self.cfgs, self.cfg0 = cfgs, cfgs[0]
+        cfg0 = self.cfg0
+        self.name = cfg0.name or derive_name(cfg0)
+        self.device = resolve_device(cfg0.engine.device)
+        self.ds = dataset_for(cfg0, write_cache=False)
+        self.part = partition_for(cfg0, self.ds, write_cache=False)
+        # the effective update amount u = eta E |D| / (B K) of the IID-to-non-IID study (section 3 of that paper)
+        self.u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(self.part.sizes)),
+                                  cfg0.train.batch_size, self.part.num_clients, cfg0.train.local_steps)
+        self.data = client_data(self.ds, self.part, self.device, DTYPES[cfg0.engine.dtype])
+        self.model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
+        self.probe = self._preflight()
+        self.algo_desc = self.probe.algo.describe()
+        self.model_d = self.probe.spec.d
+        self.pkey = partition_key(cfg0.partition, cfg0.dataset.name)
+        self.seeds = [int(c.seed) for c in cfgs]
+        self.store = ExperimentStore(self.name, experiment_fingerprint(cfg0), Path(cfg0.results_dir),
+                                     Path(cfg0.engine.checkpoint_dir))
+        self.callbacks = list(callbacks or [])
+        self.progress = _Progress(self.name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
+        self.tracking: Optional[Tracking] = None
+        self.parent_id: Optional[str] = None
+        self.records: Dict[int, Dict] = {}
+        self.tags = {"algorithm": self.algo_desc, "dataset": cfg0.dataset.name, "partition": self.pkey,
+                     "model": self.model_name, "git_commit": git_commit(project_root()), "experiment": self.name,
+                     # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out split
+                     "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test",
+                     "executor": self.probe.executor.name, "executor_reason": self.probe.executor.reason}
+
+    def _preflight(self):
+        """Build seed 1's simulator and push one training sample through the model, before anything is
+        written, so that a model that does not fit the data (or a rule that cannot run on the model)
+        fails with one line and no file touched.
+
+        Raises:
+            ConfigError: naming ``model`` and the dataset's input shape.
+        """
+        cfg = self.cfg0
+        shape = tuple(self.ds.input_shape)
+        try:
+            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data)
+            with torch.no_grad():
+                sim.model.eval()
+                sim.model(self.data.x[:1])
+                sim.model.train()
+        except ConfigError:
+            raise
+        except (RuntimeError, ValueError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise ConfigError(f"model={cfg.model.name} ({self.model_name}) does not fit dataset={cfg.dataset.name} "
+                              f"inputs of shape {list(shape)}: {first}") from None
+        return sim
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> Dict:
+        store, cfg0 = self.store, self.cfg0
+        with store.lock():
+            store.recover()
+            if cfg0.tracking.enabled:
+                self.tracking = Tracking(cfg0.tracking.experiment)
+                ended = self.tracking.end_orphans(self.name)
+                if ended:
+                    print(f"{self.name}: ended {ended} MLflow run(s) left RUNNING by a process that is gone "
+                          "(status KILLED)", file=sys.stderr)
+            done = store.completed(self.seeds)
+            if done is not None:
+                print(f"{self.name}: {store.out}/ already holds this experiment (same config and seeds); "
+                      "nothing to do (delete that folder to train again)", file=sys.stderr)
+                return done
+            continuing = store.begin()
+            if self.tracking is not None:
+                latest = self.tracking.latest_parent(self.name, store.fingerprint) if continuing else None
+                if latest is not None:
+                    self.parent_id = latest.info.run_id
+                    self.tracking.reopen(self.parent_id)
+                else:
+                    self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags)
+            try:
+                return self._run_locked()
+            except KeyboardInterrupt:
+                if self.tracking is not None and self.parent_id is not None:
+                    self.tracking.end_parent(self.parent_id, "KILLED", INTERRUPTED)
+                raise Interrupted(min(self.progress.last_round + 1, cfg0.train.rounds)) from None
+            finally:
+                self.progress.close()
+
+    def _run_locked(self) -> Dict:
+        store = self.store
+        staging = store.begin_staging()
+        self._write_description(staging)
+        schedule_files = write_schedule(self.probe, self.part, self.cfg0, staging)
+        for i, cfg in enumerate(self.cfgs):
+            if i:
+                faults.point("between_seeds")
+            self.records[int(cfg.seed)] = self._seed(cfg, staging, schedule_files)
+        summary = self._write_outputs(staging)
+        store.publish()
+        faults.point("after_outputs")
+        self._end_parent(summary)
+        store.finish()
+        return summary
+
+    def _write_description(self, staging: Path) -> None:
+        """config.yaml and the partition's statistics and plot (the files that describe the experiment)."""
+        import yaml
+
+        container = to_container(self.cfg0)
+        container.pop("seed")
+        write_text(staging / "config.yaml", yaml.safe_dump({**container, "name": self.name, "seeds": self.seeds,
+                                                           "effective_update_u": self.u}, sort_keys=False))
+        write_json(staging / "partition" / "stats.json", self.part.stats())
+        plot_label_distribution(self.part, staging / "partition" / "labels_per_client.png", title=self.pkey)
+
+    def _seed(self, cfg, staging: Path, schedule_files: List[Path]) -> Dict:
+        """Train (or resume, or read back) one seed; returns its completion record."""
+        seed = int(cfg.seed)
+        store = self.store
+        rec = store.load_record(seed)
+        logger = None
+        if rec is not None:
+            print(f"{self.name} seed {seed}: done earlier (read from its completion record)", file=sys.stderr)
+            self.progress.skip(len(rec["history"]))
+        else:
+            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
+                                  checkpoint_path=store.checkpoint_path(seed) if cfg.engine.checkpoint_every else None,
+                                  callbacks=[self.progress] + self.callbacks)
+            if self.tracking is not None:
+                sim.logger = logger = self._child_logger(cfg, seed)
+            self.progress.start(seed, sim.restore())
+            try:
+                result = sim.run()
+            except RunFailed as err:
+                print(f"error: {self.name} seed {seed} FAILED: {err}", file=sys.stderr)
+                rec = {"status": "failed", "reason": str(err), "history": err.history}
+            except KeyboardInterrupt:
+                if logger is not None:
+                    logger.close("KILLED", INTERRUPTED)
+                raise
+            else:
+                faults.point("after_last_round")
+                rec = {"status": "ok", "history": result.history, "state_dict": result.state_dict,
+                       "summary": summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)}
+            store.save_record(seed, rec)
+            faults.point("after_record")
+            sim.discard_checkpoint()
+        files = self._write_seed_files(seed, rec, staging)
+        if self.tracking is not None:
+            self._finish_child(cfg, seed, rec, logger, files + schedule_files)
+        faults.point("after_child_finished")
+        return rec
+
+    def _child_logger(self, cfg, seed: int):
+        params = {**flatten(to_container(cfg)), "model.resolved": self.model_name, "model.d": self.model_d,
+                  "algorithm.describe": self.algo_desc, "effective_update_u": self.u}
+        tags = {**self.tags, "seed": str(seed), TAG_SEED: str(seed), TAG_EXPERIMENT: self.name,
+                TAG_FINGERPRINT: self.store.fingerprint}
+        return self.tracking.child_logger(self.parent_id, f"{self.name}/seed{seed}", tags, params,
+                                          cfg.tracking.log_every)
+
+    def _write_seed_files(self, seed: int, rec: Dict, staging: Path) -> List[Path]:
+        """details/seed_<s>.csv and .png, and models/seed_<s>.pt for a seed that finished."""
+        hist = rec["history"]
+        seed_csv, seed_png = staging / "details" / f"seed_{seed}.csv", staging / "details" / f"seed_{seed}.png"
+        write_text(seed_csv, _csv(hist, _history_columns(hist)))
+        status = "" if rec["status"] == "ok" else " (FAILED)"
+        plot_curves({seed: hist}, f"{self.name} seed {seed}{status}: {self.algo_desc}", seed_png)
+        files = [seed_csv, seed_png]
+        if rec["status"] == "ok":
+            model_path = staging / "models" / f"seed_{seed}.pt"
+            atomic_write(model_path, lambda p: torch.save(rec["state_dict"], p))
+            if self.cfg0.tracking.log_model:
+                files.append(model_path)
+        return files
+
+    def _finish_child(self, cfg, seed: int, rec: Dict, logger, files: List[Path]) -> None:
+        """Bring the seed's MLflow child run to its end state, once: every round, the summary, the
+        artifacts, FINISHED (or FAILED with the reason). A run already ended is left as it is."""
+        if logger is None:  # read back from its record: find the child, or create it if it never was
+            found = self.tracking.child_run(self.parent_id, seed)
+            if found is not None and found.info.status in ("FINISHED", "FAILED"):
+                return
+            logger = self._child_logger(cfg, seed)
+            logger.open(None)
+            for row in rec["history"]:
+                logger.log_round(int(row["round"]), {k: v for k, v in row.items() if k != "round"})
+            logger.flush()
+        if rec["status"] == "ok":
+            logger.log_summary({f"summary_{k}": v for k, v in rec["summary"].items()
+                                if isinstance(v, (int, float)) and v is not None})
+        staging = self.store.staging
+        logger.log_artifacts([staging / "config.yaml"] + files)
+        logger.log_artifacts([staging / "partition" / "stats.json", staging / "partition" / "labels_per_client.png"],
+                             "partition")
+        logger.close("FINISHED" if rec["status"] == "ok" else "FAILED", rec.get("reason"))
+
+    def _write_outputs(self, staging: Path) -> Dict:
+        """runs.csv, rounds.csv, curves.png and metrics.json of the finished seeds."""
+        ok = {s: r for s, r in self.records.items() if r["status"] == "ok"}
+        failures = {s: r["reason"] for s, r in self.records.items() if r["status"] == "failed"}
+        histories = {s: r["history"] for s, r in ok.items()}
+        summary = _experiment_summary(self.name, self.cfg0, self.algo_desc, self.pkey, self.model_name,
+                                      {s: r["summary"] for s, r in ok.items()}, failures, self.model_d)
+        summary.update(fingerprint=self.store.fingerprint, seeds_run=sorted(self.records))
+        all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
+        write_text(staging / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
+        mean_rows = mean_curve(histories)
+        write_text(staging / "rounds.csv", _csv(mean_rows, ["round"] + _history_columns(mean_rows)[1:]))
+        title = f"{self.name}: {self.algo_desc}, {self.pkey}"
+        plot_curves(histories, title if histories else f"{title}: every seed FAILED", staging / "curves.png")
+        (staging / "models").mkdir(exist_ok=True)
+        (staging / "details").mkdir(exist_ok=True)
+        write_json(staging / "metrics.json", summary)
+        return summary
+
+    def _end_parent(self, summary: Dict) -> None:
+        if self.tracking is None or self.parent_id is None:
+            return
+        container = to_container(self.cfg0)
+        container.pop("seed")
+        tr, out = self.tracking, self.store.out
+        tr.log_params(self.parent_id, {**flatten(container), "seeds": self.seeds, "effective_update_u": self.u})
+        tr.log_metrics_once(self.parent_id, {k: v for k, v in summary.items()
+                                             if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))})
+        tr.log_artifacts(self.parent_id, [out / "metrics.json", out / "rounds.csv", out / "curves.png",
+                                          out / "config.yaml"])
+        failures = summary.get("failures") or {}
+        tr.end_parent(self.parent_id, "FAILED" if failures else "FINISHED",
+                      "; ".join(f"seed {s}: {r}" for s, r in failures.items()) or None)
+
+
+INTERRUPTED = "interrupted; run the same command again to resume"
+
+
 def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
-    """Train every seed of one experiment and write its outputs.
+    """Train every seed of one experiment and publish its outputs, exactly once per (name, config, seed).
+
+    Everything that can fail on the inputs (data files, partition, model vs. input shape, rule vs.
+    model) is checked before anything is written. Then, holding the experiment's writer lock, finished
+    seeds are read back from their completion records, a seed in training resumes from its checkpoint,
+    and MLflow parent and child runs are found by tags and continued (:mod:`fl_core.runstore`,
+    :mod:`fl_core.tracking`). A seed whose loss becomes non-finite ends as FAILED; the experiment
+    still completes, with ``status`` and ``failures`` in ``metrics.json``.
 
     Args:
         cfgs: composed configs, one per seed, identical except for ``seed``.
@@ -187,128 +472,11 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
         The experiment summary written to ``metrics.json``.
 
     Raises:
-        RunFailed: only after every seed ran, if any of them failed (its reason in the message).
+        ConfigError, DataSourceError, PartitionError: bad inputs (nothing written).
+        ExperimentBusy: another process writes this experiment (nothing written).
+        Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
-    cfg0 = cfgs[0]
-    name = cfg0.name or derive_name(cfg0)
-    out_dir = Path(cfg0.results_dir) / name
-    device = resolve_device(cfg0.engine.device)
-    ds = dataset_for(cfg0, write_cache=False)
-    part = partition_for(cfg0, ds, write_cache=False)
-    # the effective update amount u = eta E |D| / (B K) of the IID-to-non-IID study (ALGORITHMS.md 10)
-    u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(part.sizes)), cfg0.train.batch_size,
-                         part.num_clients, cfg0.train.local_steps)
-    data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
-    model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
-
-    # files that describe the experiment (written before training; the run itself adds the rest)
-    container = to_container(cfg0)
-    container.pop("seed")
-    import yaml
-
-    write_text(out_dir / "config.yaml", yaml.safe_dump({**container, "name": name,
-                                                        "seeds": [int(c.seed) for c in cfgs],
-                                                        "effective_update_u": u}, sort_keys=False))
-    pkey = partition_key(cfg0.partition, cfg0.dataset.name)
-    write_json(out_dir / "partition" / "stats.json", part.stats())
-    plot_label_distribution(part, out_dir / "partition" / "labels_per_client.png", title=pkey)
-
-    tracking = None
-    parent_id = None
-    tags = {"algorithm": "", "dataset": cfg0.dataset.name, "partition": pkey, "model": model_name,
-            "git_commit": git_commit(project_root()), "experiment": name,
-            # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out validation split
-            "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test"}
-    if cfg0.tracking.enabled:
-        tracking = Tracking(cfg0.tracking.experiment)
-
-    schedule_files: List[Path] = []
-    progress = _Progress(name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
-    histories: Dict[int, List[Dict]] = {}
-    summaries: Dict[int, Dict] = {}
-    failures: Dict[int, str] = {}
-    algo_desc = ""
-    model_d = None
-    try:
-        for cfg in cfgs:
-            seed = int(cfg.seed)
-            ckpt = None
-            if cfg.engine.checkpoint_every:
-                fp = config_fingerprint(result_sections(cfg))
-                ckpt = Path(cfg.engine.checkpoint_dir) / name / f"seed_{seed}-{fp}.pt"
-            logger = None
-            sim = build_simulator(cfg, ds, part, device=device, data=data, checkpoint_path=ckpt,
-                                  callbacks=[progress] + list(callbacks or []))
-            algo_desc = sim.algo.describe()
-            model_d = sim.spec.d
-            tags["algorithm"] = algo_desc
-            if not schedule_files:
-                schedule_files = write_schedule(sim, part, cfg, out_dir)
-            tags["executor"] = sim.executor.name
-            tags["executor_reason"] = sim.executor.reason
-            if cfg.engine.executor == "auto" and seed == int(cfgs[0].seed):
-                print(f"executor: {sim.executor.name} ({sim.executor.reason})", file=sys.stderr)
-            if tracking is not None:
-                def parent(tags=dict(tags)):  # created on the first new run; a resumed run brings its own
-                    return parent_id or tracking.start_parent(name, tags)
-
-                params = {**flatten(to_container(cfg)), "model.resolved": model_name, "model.d": sim.spec.d,
-                          "algorithm.describe": algo_desc, "effective_update_u": u}
-                sim.logger = logger = tracking.child_logger(parent, f"{name}/seed{seed}",
-                                                            {**tags, "seed": str(seed)}, params,
-                                                            cfg.tracking.log_every)
-            try:
-                result = sim.run()
-            except RunFailed as err:
-                parent_id = parent_id or (logger.parent_id if logger is not None else None)
-                failures[seed] = str(err)
-                print(f"error: {name} seed {seed} FAILED: {err}", file=sys.stderr)
-                continue
-            except BaseException:
-                if logger is not None:
-                    logger.close("KILLED", "interrupted; run the same command again to resume")
-                raise
-            parent_id = parent_id or (logger.parent_id if logger is not None else None)
-            progress.skip(result.resumed_from)
-            histories[seed] = result.history
-            summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
-            model_path = out_dir / "models" / f"seed_{seed}.pt"
-            atomic_write(model_path, lambda p: torch.save(result.state_dict, p))
-            if logger is not None:
-                logger.log_summary({f"summary_{k}": v for k, v in summaries[seed].items()
-                                    if isinstance(v, (int, float)) and v is not None})
-                seed_csv = out_dir / "details" / f"seed_{seed}.csv"
-                write_text(seed_csv, _csv(result.history, _history_columns(result.history)))
-                seed_png = out_dir / "details" / f"seed_{seed}.png"
-                plot_curves({seed: result.history}, f"{name} seed {seed}: {algo_desc}", seed_png)
-                arts = [out_dir / "config.yaml", seed_csv, seed_png] + schedule_files
-                if cfg.tracking.log_model:
-                    arts.append(model_path)
-                logger.log_artifacts(arts)
-                logger.log_artifacts([out_dir / "partition" / "stats.json",
-                                      out_dir / "partition" / "labels_per_client.png"], "partition")
-                logger.close("FINISHED")
-            sim.discard_checkpoint()
-    finally:
-        progress.close()
-
-    summary = _experiment_summary(name, cfg0, algo_desc, pkey, model_name, summaries, failures, model_d)
-    if histories:
-        all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
-        write_text(out_dir / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
-        mean_rows = mean_curve(histories)
-        write_text(out_dir / "rounds.csv", _csv(mean_rows, _history_columns(mean_rows)))
-        plot_curves(histories, f"{name}: {algo_desc}, {pkey}", out_dir / "curves.png")
-    write_json(out_dir / "metrics.json", summary)
-    if tracking is not None and parent_id is not None:
-        tracking.log_params(parent_id, {**flatten(container), "seeds": [int(c.seed) for c in cfgs],
-                                        "effective_update_u": u})
-        tracking.log_artifacts(parent_id, [out_dir / "metrics.json", out_dir / "rounds.csv", out_dir / "curves.png",
-                                           out_dir / "config.yaml"])
-        tracking.end_parent(parent_id, "FAILED" if failures else "FINISHED")
-    if failures:
-        raise RunFailed("; ".join(f"seed {s}: {r}" for s, r in failures.items()))
-    return summary
+    return _Experiment(cfgs, callbacks).run()
 
 
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
@@ -358,7 +526,9 @@ def _history_columns(rows: List[Dict]) -> List[str]:
 def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
     out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
                  "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds), "target_acc": float(cfg.train.target_acc),
-                 "seeds": sorted(summaries), "failed_seeds": sorted(failures)}
+                 "status": "failed" if failures and not summaries else ("partial" if failures else "ok"),
+                 "seeds": sorted(summaries), "failed_seeds": sorted(failures),
+                 "failures": {str(s): r for s, r in sorted(failures.items())}}
     for key in ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target",
                 "up_floats_to_target"):
         ms = mean_std([s[key] for s in summaries.values()])
@@ -373,6 +543,10 @@ def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failu
     return out
 
 
+def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001  (signal handler signature)
+    raise KeyboardInterrupt
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -380,8 +554,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
+    grid = bool(argv) and argv[0] == "--grid"
     try:
-        if argv and argv[0] == "--grid":
+        if grid:
             from .grid import load_grid
 
             if len(argv) < 2:
@@ -410,16 +585,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolve_device(cfgs[0].engine.device)
     except (ConfigError, ValueError) as err:
         fail(str(err))
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         summary = run_experiment(cfgs)
-    except RunFailed:
-        return 1  # each failed seed already printed its one-line reason
-    except (DataSourceError, PartitionError) as err:
+    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy) as err:
         fail(str(err))
+    except Interrupted as err:
+        print(f"interrupted at round {err.round}; run the same command again to resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before training started: nothing to resume
+        print("interrupted before training started", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     out = Path(cfgs[0].results_dir) / summary["experiment"]
+    if summary.get("status") == "failed":
+        reasons = "; ".join(f"seed {s}: {r}" for s, r in (summary.get("failures") or {}).items())
+        print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/metrics.json", file=sys.stderr)
+        return 0 if grid else 1  # a grid stage completes so that the other experiments and the report run
     fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
     print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
           f"seed(s); results in {out}/")
+    if summary.get("failed_seeds"):
+        return 0 if grid else 1
     return 0
 
 

@@ -85,35 +85,25 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert [m.step for m in client.get_metric_history(child.info.run_id, "fedbug_trainable_share")] == [1, 2, 3]
 
 
-def test_killed_grid_run_resumes_under_the_same_parent_run(tmp_path):
-    """Interrupt a run (Ctrl-C) after its first checkpoint and run the same command again: still one
-    parent run and one child run, with every round logged exactly once."""
-    import signal
-    import time
+@pytest.mark.parametrize("args,start", [
+    (["model=tiny_cnn"], "error: model=tiny_cnn (tiny_cnn) does not fit dataset=digits inputs of shape [1, 8, 8]: "),
+    (["model=vgg11"], "error: model=vgg11 (vgg11) does not fit dataset=digits inputs of shape [1, 8, 8]: "),
+])
+def test_model_that_does_not_fit_the_data_fails_before_anything_is_written(tmp_path, args, start):
+    proc = _run(args + ["name=smoke"], tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start), proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
-    # 30 rounds: long enough that the signal, sent once the round-2 checkpoint exists, always lands mid-run
-    args = ["train.rounds=30", "engine.checkpoint_every=2", "partition.num_clients=6", "seed=1", "name=resume",
-            "engine.progress=false", "tracking.log_every=1"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.train", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    ck = tmp_path / "checkpoints" / "resume"
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(ck.glob("*.pt")):
-        time.sleep(0.05)
-    assert any(ck.glob("*.pt")), "no checkpoint was written"
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
-    again = _run(args, tmp_path)
-    assert again.returncode == 0, again.stderr
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("fl-pipeline").experiment_id])
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    if proc.returncode == 0:  # the run finished before the signal: nothing to resume, skip the check
-        pytest.skip("the first run finished before it could be interrupted")
-    assert len(parents) == 1 and len(children) == 1
-    assert children[0].data.tags["mlflow.parentRunId"] == parents[0].info.run_id
-    assert sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "test_acc")) == list(range(1, 31))
+def test_bad_inputs_leave_an_earlier_good_run_untouched(tmp_path):
+    """Bad configs, a model that does not fit, and a second writer change no file of a finished run."""
+    good = ["train.rounds=2", "partition.num_clients=4", "seed=1", "name=smoke", "engine.progress=false"]
+    assert _run(good, tmp_path).returncode == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for bad in (["model=tiny_cnn"], ["partition.alpha=-1"], ["dataset=cifar10", "dataset.root=nowhere"]):
+        proc = _run(good + bad, tmp_path)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before

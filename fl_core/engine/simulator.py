@@ -21,13 +21,14 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from .. import durable, faults
 from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
 from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
 from .probes import neuron_drift
-from .state import ClientStateStore, ParamSpec, atomic_torch_save, flatten_params, load_flat
+from .state import ClientStateStore, ParamSpec, flatten_params, load_flat
 
 CHECKPOINT_VERSION = 1
 
@@ -60,7 +61,11 @@ class NullLogger:
 
 
 class RunFailed(RuntimeError):
-    """The run ended as FAILED; the message is the one-line reason."""
+    """The run ended as FAILED; the message is the one-line reason, ``history`` the rounds run until then."""
+
+    def __init__(self, reason: str, history: Optional[List[Dict[str, float]]] = None):
+        super().__init__(reason)
+        self.history = list(history or [])
 
 
 @dataclass
@@ -142,6 +147,8 @@ class Simulator:
         self.device = next(model.parameters()).device
         data = getattr(executor, "data", None)
         self.mean_client_size = (sum(data.size(i) for i in range(num_clients)) / num_clients) if data else 1.0
+        self._restored: Optional[dict] = None  # state loaded by restore(), consumed by run()
+        self._saved = False  # a checkpoint was written by this process
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self) -> dict:
@@ -156,23 +163,46 @@ class Simulator:
     def _save(self, st: dict, store: ClientStateStore) -> None:
         if self.checkpoint_path is None:
             return
-        atomic_torch_save({"version": CHECKPOINT_VERSION, "round": st["round"], "global": st["global"].cpu(),
-                           "server": {k: v.cpu() for k, v in st["server"].items()},
-                           "clients": store.state_dict(), "history": st["history"],
-                           "comm_up": st["comm_up"], "comm_down": st["comm_down"],
-                           "logger": self.logger.state(), "torch_rng": torch.get_rng_state()},
-                          self.checkpoint_path)
+        if not self._saved:
+            faults.point("before_first_checkpoint")
+        durable.save({"version": CHECKPOINT_VERSION, "round": st["round"], "global": st["global"].cpu(),
+                      "server": {k: v.cpu() for k, v in st["server"].items()},
+                      "clients": store.state_dict(), "history": st["history"],
+                      "comm_up": st["comm_up"], "comm_down": st["comm_down"],
+                      "logger": self.logger.state(), "torch_rng": torch.get_rng_state()},
+                     self.checkpoint_path)
+        self._saved = True
+
+    @staticmethod
+    def _checkpoint_problem(ck: Any) -> Optional[str]:
+        """None if ``ck`` is a checkpoint this version can resume from, else why not."""
+        if not isinstance(ck, dict):
+            return "not a checkpoint"
+        if ck.get("version") != CHECKPOINT_VERSION:
+            return f"checkpoint version {ck.get('version')!r}, this code writes {CHECKPOINT_VERSION}"
+        missing = {"round", "global", "server", "clients", "history", "torch_rng"} - set(ck)
+        return f"missing {', '.join(sorted(missing))}" if missing else None
 
     def _load(self) -> Optional[dict]:
-        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+        """The newest readable checkpoint (its ``.prev`` if the newest is unreadable; each unreadable
+        file is moved aside as ``*.corrupt`` with a warning line), or None: start from scratch."""
+        if self.checkpoint_path is None:
             return None
-        ck = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
-        if ck.get("version") != CHECKPOINT_VERSION:
+        ck = durable.load(self.checkpoint_path, self._checkpoint_problem)
+        if ck is None:
             return None
         ck["global"] = ck["global"].to(self.device)
         ck["server"] = {k: v.to(self.device) for k, v in ck["server"].items()}
         torch.set_rng_state(ck.pop("torch_rng"))
         return ck
+
+    def restore(self) -> int:
+        """Load the checkpoint (if any) now; returns the round it resumes from (0: a fresh run).
+
+        :meth:`run` calls it itself; call it first to learn the resume round before training."""
+        if self._restored is None:
+            self._restored = self._load() or self._fresh_state()
+        return int(self._restored["round"])
 
     # ------------------------------------------------------------------ loop
     def _diagnostics(self, updates) -> Dict[str, float]:
@@ -190,9 +220,8 @@ class Simulator:
         Raises:
             RunFailed: non-finite loss; the logger's run is closed as FAILED with the reason.
         """
-        st = self._load()
-        resumed_from = st["round"] if st else 0
-        st = st or self._fresh_state()
+        resumed_from = self.restore()
+        st, self._restored = self._restored, None
         store = ClientStateStore("cpu")
         store.load_state_dict(st["clients"])
         self.logger.open(st.get("logger"))
@@ -242,9 +271,8 @@ class Simulator:
         except NonFiniteLossError as err:
             self.logger.flush()
             self.logger.close("FAILED", str(err))
-            if self.checkpoint_path is not None and self.checkpoint_path.exists():
-                self.checkpoint_path.unlink()
-            raise RunFailed(str(err)) from None
+            self.discard_checkpoint()
+            raise RunFailed(str(err), st["history"]) from None
         final = self.algo.eval_flat(st["server"], st["global"])
         data = getattr(self.executor, "data", None)
         post = self.algo.post_training(PostTraining(self.model, final, self.spec, data, self.seed,
@@ -266,6 +294,6 @@ class Simulator:
         return result
 
     def discard_checkpoint(self) -> None:
-        """Remove the checkpoint once the run's outputs are safely written."""
-        if self.checkpoint_path is not None and self.checkpoint_path.exists():
-            self.checkpoint_path.unlink()
+        """Remove the checkpoint and its ``.prev`` once the run's result is safely recorded."""
+        if self.checkpoint_path is not None:
+            durable.remove(self.checkpoint_path)

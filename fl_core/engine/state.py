@@ -1,12 +1,9 @@
-"""Flat parameter views, the client-state store, and atomic checkpoints."""
+"""Flat parameter views and the client-state store (checkpoint files: :mod:`fl_core.durable`)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -114,20 +111,3 @@ class ClientStateStore:
 
     def load_state_dict(self, sd: Dict[int, Dict[str, torch.Tensor]]) -> None:
         self._states = {int(i): {k: v.to(self.device) for k, v in s.items()} for i, s in sd.items()}
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write ``obj`` with torch.save to a temporary file in the same folder, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -1,0 +1,274 @@
+"""Exactly one clean run per experiment and seed, whatever is killed: fault injection at every named point.
+
+Each case runs a two-seed SCAFFOLD grid experiment in a subprocess that ``FL_FAULT`` kills (SIGKILL)
+or interrupts (SIGINT) at a named point of :mod:`fl_core.faults`, then runs the same command again
+(in this process) and checks the end state against an uninterrupted run: the same final models,
+one MLflow parent with one child per seed, every (metric, step) once, every run FINISHED, no
+temporary or staging files, no attempt folder left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fl_core import faults
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUNDS = 4
+SEEDS = [1, 2]
+GRID = {
+    "seeds": SEEDS,
+    "partition": {"num_clients": 4},
+    "train": {"rounds": ROUNDS, "participation": 1.0, "local_epochs": 1, "batch_size": 64, "lr": 0.05},
+    "engine": {"checkpoint_every": 1, "progress": False},
+    "tracking": {"log_every": 1},
+    "experiments": {"exp": {"algorithm": "scaffold", "partition": "dirichlet"}},
+}
+
+
+def _project(tmp: Path, grid=GRID) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "params.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    return tmp
+
+
+def _env(tmp: Path, fault: str | None = None) -> dict:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+           "PYTHONPATH": str(ROOT), "FL_PROJECT_ROOT": str(ROOT),
+           "OMP_NUM_THREADS": "1"}  # as this process (tests/conftest.py): float sums depend on the thread count
+    env.pop(faults.ENV, None)
+    if fault:
+        env[faults.ENV] = fault
+    return env
+
+
+def _subprocess(tmp: Path, args, fault=None):
+    return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=tmp, env=_env(tmp, fault),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _in_process(tmp: Path, args, monkeypatch) -> int:
+    """The same command in this process (no interpreter start-up): a plain rerun."""
+    from pipeline.train import main
+
+    with monkeypatch.context() as m:
+        m.chdir(tmp)
+        for k, v in _env(tmp).items():
+            if os.environ.get(k) != v:
+                m.setenv(k, v)
+        m.delenv(faults.ENV, raising=False)
+        try:
+            return main(args)
+        except SystemExit as exit_:
+            return int(exit_.code)
+
+
+def _models(tmp: Path) -> dict:
+    return {s: torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt") for s in SEEDS}
+
+
+def _mlflow_state(tmp: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("fl-pipeline")
+    runs = client.search_runs([exp.experiment_id])
+    return client, runs
+
+
+def _assert_clean(tmp: Path, reference: dict) -> None:
+    """The end state every kill must lead to after one rerun."""
+    got = _models(tmp)
+    for s in SEEDS:
+        assert got[s].keys() == reference[s].keys()
+        for k in got[s]:
+            assert torch.equal(got[s][k], reference[s][k]), (s, k)
+    metrics = json.loads((tmp / "results" / "exp" / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["seeds"] == SEEDS
+    assert not (tmp / "results" / "exp" / "old.txt").exists()  # the earlier outputs were replaced whole
+
+    client, runs = _mlflow_state(tmp)
+    parents = [r for r in runs if r.data.tags.get("fl.role") == "parent"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(runs) == 1 + len(SEEDS)
+    assert sorted(int(c.data.tags["fl.seed"]) for c in children) == SEEDS
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    for c in children:
+        for key in c.data.metrics:
+            steps = [m.step for m in client.get_metric_history(c.info.run_id, key)]
+            assert len(steps) == len(set(steps)), (key, steps)  # each (key, step) once
+            if key.startswith("summary_"):
+                assert steps == [0]
+        assert sorted(m.step for m in client.get_metric_history(c.info.run_id, "test_acc")) == list(range(1, ROUNDS + 1))
+    assert parents[0].data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
+
+    leftovers = [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".corrupt", ".staging", ".old",
+                                                                 ".removed", ".holder"))]
+    assert leftovers == []
+    assert not (tmp / "checkpoints" / "exp").exists()  # the attempt folder is gone
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final models of an uninterrupted run."""
+    tmp = _project(tmp_path_factory.mktemp("reference"))
+    proc = _subprocess(tmp, ["--grid", "exp"])
+    assert proc.returncode == 0, proc.stderr
+    return _models(tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(faults.POINTS))
+def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, monkeypatch):
+    tmp = _project(tmp_path)
+    (tmp / "results" / "exp").mkdir(parents=True)
+    (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
+    # the second hit of the checkpoint points, so that a previous checkpoint exists
+    fault = f"{point}@2" if point in ("checkpoint_write", "checkpoint_swap") else point
+    killed = _subprocess(tmp, ["--grid", "exp"], fault)
+    assert killed.returncode == -signal.SIGKILL, (point, killed.returncode, killed.stderr)
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _assert_clean(tmp, reference)
+
+
+@pytest.mark.slow
+def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys):
+    tmp = _project(tmp_path)
+    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
+    assert _subprocess(tmp, ["--grid", "exp"], "after_child_finished").returncode == -signal.SIGKILL
+    (tmp / "results" / "exp").mkdir(parents=True)
+    (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _assert_clean(tmp, reference)
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0  # complete: nothing is trained or logged again
+    assert "nothing to do" in capsys.readouterr().err
+    _assert_clean(tmp, reference)
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_moved_aside_and_the_previous_one_used(tmp_path, reference, monkeypatch, capsys):
+    tmp = _project(tmp_path)
+    # killed inside the third checkpoint write of seed 1: seed_1.pt holds round 2, seed_1.pt.prev round 1
+    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
+    attempt = next((tmp / "checkpoints" / "exp").iterdir())
+    ck = attempt / "seed_1.pt"
+    assert ck.exists() and (attempt / "seed_1.pt.prev").exists()
+    assert list(attempt.glob("*.tmp"))  # what the kill left: removed by the next start
+    ck.write_bytes(ck.read_bytes()[:100])  # truncated
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    err = capsys.readouterr().err
+    rel = ck.relative_to(tmp)
+    assert f"warning: {rel} is unreadable" in err and "moved it to seed_1.pt.corrupt" in err
+    assert "seed 1: resumed from round 1" in err
+    _assert_clean(tmp, reference)
+
+
+@pytest.mark.slow
+def test_garbage_checkpoints_fall_back_to_scratch(tmp_path, reference, monkeypatch, capsys):
+    tmp = _project(tmp_path)
+    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
+    attempt = next((tmp / "checkpoints" / "exp").iterdir())
+    (attempt / "seed_1.pt").write_bytes(b"")
+    (attempt / "seed_1.pt.prev").write_bytes(b"not a checkpoint at all")
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert err.count("is unreadable") == 2 and "resumed" not in err
+    _assert_clean(tmp, reference)
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_the_rerun_resumes(tmp_path, reference, monkeypatch, capsys):
+    tmp = _project(tmp_path)
+    interrupted = _subprocess(tmp, ["--grid", "exp"], "before_first_checkpoint@2:INT")  # seed 2, round 1
+    assert interrupted.returncode == 130, interrupted.stderr
+    assert interrupted.stderr.strip().splitlines()[-1] == \
+        "interrupted at round 1; run the same command again to resume"
+    assert "Traceback" not in interrupted.stderr
+    _client, runs = _mlflow_state(tmp)
+    assert {r.info.status for r in runs if r.data.tags.get("fl.seed") == "2"} == {"KILLED"}
+    assert {r.info.status for r in runs if r.data.tags.get("fl.role") == "parent"} == {"KILLED"}
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _assert_clean(tmp, reference)
+
+
+@pytest.mark.slow
+def test_second_writer_of_the_same_experiment_exits_2_naming_the_holder(tmp_path):
+    from fl_core.runstore import ExperimentStore
+
+    tmp = _project(tmp_path)
+    store = ExperimentStore("exp", "any", tmp / "results", tmp / "checkpoints")
+    with store.lock():
+        proc = _subprocess(tmp, ["--grid", "exp"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: experiment 'exp' is being written by another process")
+    assert f"pid {os.getpid()}" in lines[0]
+    assert not (tmp / "results" / "exp").exists() and not (tmp / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_orphaned_runs_are_ended_killed(tmp_path, monkeypatch):
+    """Runs of a process that is gone (here: a kill before the first checkpoint of a config that is then
+    changed) are ended KILLED with a reason when the experiment next starts."""
+    tmp = _project(tmp_path)
+    assert _subprocess(tmp, ["--grid", "exp"], "before_first_checkpoint").returncode == -signal.SIGKILL
+    changed = {**GRID, "train": {**GRID["train"], "lr": 0.02}}
+    _project(tmp, changed)
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _client, runs = _mlflow_state(tmp)
+    old = [r for r in runs if r.info.status != "FINISHED"]
+    assert len(old) == 2 and {r.info.status for r in old} == {"KILLED"}  # the first attempt's parent and seed 1
+    assert {r.data.tags["fl.end_reason"] for r in old} == {"orphaned: the process that ran it is gone"}
+    assert len([r for r in runs if r.info.status == "FINISHED"]) == 1 + len(SEEDS)
+
+
+@pytest.mark.slow
+def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_path, monkeypatch, capsys):
+    """A grid entry that diverges (lr 100) ends its `--grid` stage with exit 0 and `status: failed`; the
+    other experiments and the report still run; a single CLI run of it exits 1."""
+    grid = {**GRID, "seeds": [1], "engine": {"checkpoint_every": 2, "progress": False},
+            "experiments": {"good": {"algorithm": "fedavg"}, "bad": {"algorithm": "fedavg", "train.lr": 100}}}
+    tmp = _project(tmp_path, grid)
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "bad"], monkeypatch) == 0
+    err = capsys.readouterr().err
+    assert "error: bad seed 1 FAILED: non-finite" in err and "bad: FAILED (seed 1: non-finite" in err
+    assert _in_process(tmp, ["--grid", "good"], monkeypatch) == 0
+    m = json.loads((tmp / "results" / "bad" / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["failed_seeds"] == [1] and m["seeds"] == []
+    assert m["failures"]["1"].startswith("non-finite")
+    for out in ("runs.csv", "rounds.csv", "curves.png", "config.yaml", "models", "details/seed_1.csv"):
+        assert (tmp / "results" / "bad" / out).exists(), out  # every output DVC expects
+    _client, runs = _mlflow_state(tmp)
+    bad = [r for r in runs if r.data.tags.get("fl.experiment") == "bad"]
+    assert sorted(r.info.status for r in bad) == ["FAILED", "FAILED"]
+    assert not (tmp / "checkpoints" / "bad").exists()
+
+    from pipeline.report import main as report_main
+
+    with monkeypatch.context() as m_:
+        m_.chdir(tmp)
+        assert report_main([]) == 0
+    report = (tmp / "results" / "report.md").read_text()
+    assert "## Failed" in report and "- `bad`: FAILED: seed 1: non-finite" in report
+    assert json.loads((tmp / "results" / "good" / "metrics.json").read_text())["status"] == "ok"
+
+    single = _subprocess(tmp, ["train.lr=100", "seed=1", "name=single", "engine.progress=false",
+                               "partition.num_clients=4", "train.rounds=4", "train.participation=1.0",
+                               "train.local_epochs=1", "train.batch_size=64"])
+    assert single.returncode == 1
+    assert single.stderr.strip().splitlines()[-1].startswith("single: FAILED (seed 1: non-finite")
