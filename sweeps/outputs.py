@@ -19,7 +19,7 @@ from fl_core.paths import project_root
 from pipeline.files import atomic_write, write_text
 from pipeline.grid import format_value
 
-from .runner import DataCache, Settings, error_reason, quiet_optuna, round_metrics, train_seeds
+from .runner import DataCache, Settings, error_reason, owner_tags, quiet_optuna, round_metrics, train_seeds
 from .spaces import (VALIDATION_FRACTION, Space, display_path, make_override, merge_overrides, override_key,
                      overrides_mapping)
 
@@ -28,7 +28,9 @@ from .spaces import (VALIDATION_FRACTION, Space, display_path, make_override, me
 
 def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Optional[str]:
     """The study's MLflow parent run: the one recorded in the study's user attribute
-    ``mlflow_parent_run_id`` if it still exists (set RUNNING again), else a new one; None without MLflow."""
+    ``mlflow_parent_run_id`` if it still exists (set RUNNING again, owned by this process: its
+    :func:`~sweeps.runner.owner_tags` replaced, a ``fl.end_reason`` of an earlier end dropped),
+    else a new one; None without MLflow."""
     if tracking is None:
         return None
     from fl_core.tracking import git_commit
@@ -36,13 +38,18 @@ def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Opti
     run_id = study.user_attrs.get("mlflow_parent_run_id")
     if run_id:
         try:
-            tracking.client.get_run(run_id)
+            run = tracking.client.get_run(run_id)
             tracking.client.update_run(run_id, status="RUNNING")
+            if "fl.end_reason" in run.data.tags:  # ended as orphaned by end_orphaned_runs: running again
+                tracking.client.delete_tag(run_id, "fl.end_reason")
+            for k, v in owner_tags().items():
+                tracking.client.set_tag(run_id, k, v)
         except Exception:  # another store, or the run was deleted: start a new parent
             run_id = None
     if not run_id:
         tags = {"sweep_role": "study", "optuna_study": settings.study_name, "space": space.name,
-                "objectives": ",".join(settings.objectives), "git_commit": git_commit(project_root())}
+                "objectives": ",".join(settings.objectives), "git_commit": git_commit(project_root()),
+                **owner_tags()}
         run_id = tracking.start_parent(f"sweep-{settings.study_name}", tags)
         tracking.log_params(run_id, {"space": space.name, "space_file": str(space.path), "seeds": settings.seeds,
                                      "objectives": ",".join(settings.objectives),
@@ -96,7 +103,7 @@ def test_best(study, settings: Settings, trial, tracking=None) -> Dict[str, Any]
     if tracking is not None and settings.parent_run_id:
         logger = tracking.child_logger(settings.parent_run_id, f"{settings.study_name}/best-test",
                                        {"sweep_role": "best_test", "optuna_study": settings.study_name,
-                                        "optuna_trial": str(trial.number)},
+                                        "optuna_trial": str(trial.number), **owner_tags()},
                                        {"sweep.overrides": " ".join(overrides)}, 10_000)
         logger.open(None)
     holder: Dict[str, int] = {"R": 1}

@@ -12,15 +12,21 @@ compares trials at the same seed and round. How a trial ends (:class:`TrialRunne
   (:class:`fl_core.algorithms.InfeasibleSetting`, e.g. FedBug's code schedule with P*K_i < M);
 - FAIL, reason "error: <exception>": any other exception while training (the study continues);
 - FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`).
+
+Processes killed hard: spawned workers die with the process that started them
+(:func:`die_with_parent`); every MLflow run of a sweep records its process (:func:`owner_tags`) and
+the next invocation ends the runs whose process is gone (:func:`end_orphaned_runs`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
-import socket
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -30,7 +36,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from fl_core import procs
 from fl_core.config import ConfigError
+from fl_core.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
+from fl_core.tracking import end_orphaned_runs as tracking_end_orphans
 
 from .spaces import TRIAL_FIXED, Space, load_space, make_override, merge_overrides
 
@@ -38,7 +47,9 @@ OBJECTIVES = {"acc": "maximize", "uplink": "minimize"}  # uplink: cumulative flo
 SAMPLERS = ("tpe", "cmaes", "gp", "random", "nsga2")
 EXIT_INTERRUPTED = 130
 STALE_REASON = "stale: left RUNNING by an earlier process"
-HOST = socket.gethostname()
+HOST = procs.HOST
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): a signal for this process when its parent exits
+EXIT_PARENT_GONE = 1  # exit status of a worker whose parent is already gone when it starts
 
 
 @dataclass
@@ -186,10 +197,17 @@ def parse_pruner(spec: str) -> Tuple[str, Optional[float]]:
 def make_pruner(spec: str, rounds: int, num_seeds: int, multi: bool):
     """The pruner for reports at steps 1 .. num_seeds * rounds (see the module docstring).
 
-    median: no pruning before 5 trials finished nor in the first third of seed 1's rounds;
-    hyperband: resources from rounds // 4 to num_seeds * rounds steps, reduction factor 3;
+    Warm-up: Optuna prunes at steps >= ``rounds // 3`` only; steps count on over the seeds
+    (``seed_index * rounds + round``), so the warm-up covers seed 1's rounds 1 .. rounds // 3 - 1
+    and nothing of the later seeds (none at all for rounds < 6).
+    median: no pruning before 5 trials are COMPLETE nor during the warm-up; the trial's best value
+    so far (over all its steps) is compared with the median of the complete trials at the same step;
+    hyperband: resources from rounds // 4 to num_seeds * rounds steps, reduction factor 3, no warm-up;
     threshold:X: prune as soon as an evaluated validation accuracy is below X (after the same
     warm-up as median). Multi-objective studies get no pruner.
+
+    Raises:
+        ValueError: see :func:`parse_pruner`.
     """
     import optuna
 
@@ -227,29 +245,9 @@ def sampler_and_pruner(settings: Settings, space: Space, worker: int = 0) -> Dic
 # =========================================================================== stale trials
 
 
-def _process_start(pid: int) -> Optional[float]:
-    """Start time (epoch seconds) of process ``pid`` from /proc (Linux), None where unknown."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def _alive(pid: int, since: Optional[datetime]) -> bool:
-    """Whether process ``pid`` of this machine is running and started before ``since`` (else its id was reused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists (another user)
-        pass
-    except OSError:
-        return False
-    start = _process_start(pid)
-    return not (start is not None and since is not None and start > since.timestamp() + 2.0)
+    """Whether process ``pid`` of this machine runs and started before ``since`` (:func:`fl_core.procs.alive`)."""
+    return procs.alive(pid, since.timestamp() if since is not None else None)
 
 
 def fail_stale_trials(study) -> List[int]:
@@ -275,6 +273,19 @@ def fail_stale_trials(study) -> List[int]:
         study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         stale.append(t.number)
     return stale
+
+
+owner_tags = procs.identity  # MLflow tags naming the process that creates a run (fl.host, fl.pid, fl.proc_start)
+
+
+def end_orphaned_runs(client, experiment_id: str) -> List[str]:
+    """End the sweep's MLflow runs left RUNNING by a process of this machine that is gone (status KILLED,
+    ``fl.end_reason`` = :data:`ORPHAN_REASON`; :func:`fl_core.tracking.end_orphaned_runs`).
+
+    Returns:
+        The ids of the runs ended.
+    """
+    return tracking_end_orphans(client, experiment_id)
 
 
 # =========================================================================== training
@@ -423,7 +434,7 @@ class TrialRunner:
             return None
         s = self.settings
         tags = {"sweep_role": "trial", "optuna_study": s.study_name, "optuna_trial": str(trial.number),
-                "space": self.space.name, "worker": str(self.worker)}
+                "space": self.space.name, "worker": str(self.worker), **owner_tags()}
         params = {**{f"optuna.{k}": v for k, v in trial.params.items()}, "sweep.overrides": " ".join(overrides),
                   "sweep.seeds": ",".join(map(str, s.seeds))}
         logger = self.tracking.child_logger(s.parent_run_id, f"{s.study_name}/trial-{trial.number}", tags,
@@ -471,6 +482,8 @@ class TrialRunner:
                 trial.set_user_attr("reason", outcome.reason)
             if logger is not None:
                 self.tracking.client.set_tag(logger.run_id, "optuna_state", outcome.state)
+                if outcome.reason:  # the documented tag of every non-COMPLETE trial, whatever close() tags
+                    self.tracking.client.set_tag(logger.run_id, "failure_reason", (outcome.reason + detail)[:5000])
                 logger.close(status, (outcome.reason + detail) or None)
             return outcome
 
@@ -571,8 +584,43 @@ def set_threads(threads: int) -> int:
     return previous
 
 
-def _worker_main(settings: Settings, n_trials: int, worker: int) -> None:
-    """Entry point of spawned worker process ``worker`` (1..W)."""
+def die_with_parent(parent_pid: int, poll_s: float = 1.0, use_prctl: bool = True) -> str:
+    """Make this process end when its parent ``parent_pid`` ends, however it ends (SIGKILL included).
+
+    On Linux the kernel sends this process SIGKILL when the parent exits
+    (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes; strictly when the parent's thread that
+    started it exits: start workers from a thread that lives as long as the parent). Where prctl is
+    not available (or ``use_prctl`` is False) a daemon thread checks ``os.getppid()`` every
+    ``poll_s`` seconds and ends the process with ``os._exit`` once it changed (POSIX reparents an
+    orphan; on Windows the id never changes, so nothing ends it there). Either way, a parent
+    that died before this call (before the signal was armed) ends this process at once
+    (status :data:`EXIT_PARENT_GONE`). Call it first thing in a child's entry point.
+
+    Returns:
+        How the parent is watched: ``"prctl"`` or ``"poll"``. Nothing is raised.
+    """
+    how = "poll"
+    if use_prctl and sys.platform.startswith("linux"):
+        try:
+            if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+                how = "prctl"
+        except (OSError, AttributeError):  # no libc symbol: poll
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(EXIT_PARENT_GONE)
+    if how == "poll":
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(poll_s)
+            os._exit(EXIT_PARENT_GONE)
+
+        threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+    return how
+
+
+def _worker_main(settings: Settings, n_trials: int, worker: int, parent_pid: int) -> None:
+    """Entry point of spawned worker process ``worker`` (1..W) of process ``parent_pid``."""
+    die_with_parent(parent_pid)  # first: a worker must not outlive a killed tune.py
     import optuna
 
     set_threads(settings.threads)
@@ -602,7 +650,8 @@ def count_finished(study) -> int:
 
 def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Tuple[bool, int]:
     """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar
-    in this process (polling ``study``). Each worker prints its trial lines to stderr.
+    in this process (polling ``study``). Each worker prints its trial lines to stderr and dies
+    with this process (:func:`die_with_parent`), even when it is killed with SIGKILL.
 
     Returns:
         (interrupted, number of workers that exited with an error).
@@ -614,7 +663,7 @@ def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Tuple
     counts = [c for c in split_trials(n_trials, workers) if c > 0]
     start = count_finished(study)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, args=(settings, c, w + 1), name=f"sweep-worker-{w + 1}")
+    procs = [ctx.Process(target=_worker_main, args=(settings, c, w + 1, os.getpid()), name=f"sweep-worker-{w + 1}")
              for w, c in enumerate(counts)]
     for p in procs:
         p.start()

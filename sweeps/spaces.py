@@ -297,7 +297,10 @@ def _parse_params(where: str, value: Any) -> Dict[str, Param]:
 def space_path(ref: str) -> Path:
     """``ref`` is a file (``.yaml``/``.yml`` or an existing path) or the name of ``sweeps/spaces/<ref>.yaml``."""
     p = Path(ref)
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    try:
+        if p.suffix in (".yaml", ".yml") or p.exists():
+            return p
+    except OSError:  # e.g. a folder on the way that cannot be searched: a path, load_space says why
         return p
     return SPACES_DIR / f"{ref}.yaml"
 
@@ -308,6 +311,23 @@ def display_path(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def yaml_error_text(err: "yaml.YAMLError", text: str) -> str:
+    """``"YAML syntax error at line L, column C: <problem>"`` (1-based) for an error of
+    ``yaml.safe_load(text)``; the position is left out where PyYAML gives none."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or getattr(err, "reason", None)
+    if mark is not None:
+        line, column = mark.line + 1, mark.column + 1
+    elif isinstance(getattr(err, "position", None), int):  # ReaderError: a character YAML does not allow
+        pos = err.position
+        line, column = text.count("\n", 0, pos) + 1, pos - (text.rfind("\n", 0, pos) + 1) + 1
+    else:
+        line = column = None
+    problem = " ".join(str(problem or (str(err).strip().splitlines() or [type(err).__name__])[0]).split())
+    where = f" at line {line}, column {column}" if line is not None else ""
+    return f"YAML syntax error{where}: {problem}"
 
 
 def space_names() -> List[str]:
@@ -322,18 +342,27 @@ def load_space(ref: str) -> Space:
         ref: a space name (``fedbug`` -> ``sweeps/spaces/fedbug.yaml``) or a YAML file path.
 
     Raises:
-        SpaceError: one line naming the file and the offending key (missing file, unknown field,
-            low >= high, a conditional on a non-categorical, a value that is not a choice, a key the
-            sweep fixes, ...).
+        SpaceError: one line naming the file and the offending key (missing or unreadable file,
+            a YAML syntax error with its line and column, unknown field, low >= high, a conditional
+            on a non-categorical, a value that is not a choice, a key the sweep fixes, ...).
     """
     path = space_path(ref)
     shown = display_path(path)
-    if not path.is_file():
-        raise SpaceError(f"{shown}: no such search space (names: {', '.join(space_names())}; or give a YAML file)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpaceError(f"{shown}: no such search space (names: {', '.join(space_names())}; "
+                         "or give a YAML file)") from None
+    except IsADirectoryError:
+        raise SpaceError(f"{shown}: is a directory, not a search space file") from None
+    except OSError as err:  # permissions, I/O
+        raise SpaceError(f"{shown}: cannot read the search space ({err.strerror or type(err).__name__})") from None
+    except UnicodeDecodeError as err:
+        raise SpaceError(f"{shown}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise SpaceError(f"{shown}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise SpaceError(f"{shown}: {yaml_error_text(err, text)}") from None
     if not isinstance(raw, dict):
         raise SpaceError(f"{shown}: must be a mapping with params (and description, base, conditional)")
     unknown = sorted(set(raw) - {"description", "base", "params", "conditional"})

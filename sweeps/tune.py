@@ -31,8 +31,9 @@ if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make t
 
 from fl_core.paths import project_root
 from sweeps.runner import (EXIT_INTERRUPTED, OBJECTIVES, SAMPLERS, DataCache, Settings, TrialRunner,
-                           default_storage, error_reason, fail_stale_trials, is_url, open_storage, optimize,
-                           parse_pruner, quiet_optuna, run_workers, sampler_and_pruner, set_threads, shown_storage)
+                           default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url, open_storage,
+                           optimize, parse_pruner, quiet_optuna, run_workers, sampler_and_pruner, set_threads,
+                           shown_storage)
 from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
@@ -167,6 +168,7 @@ def _main(argv: Optional[List[str]]) -> int:
         from fl_core.tracking import Tracking
 
         tracking = Tracking(settings.experiment)
+        _end_orphaned_runs(tracking)
     from sweeps.outputs import ensure_parent_run, finish_study
 
     settings.parent_run_id = ensure_parent_run(study, settings, space, tracking)
@@ -209,6 +211,20 @@ def _main(argv: Optional[List[str]]) -> int:
     finally:
         set_threads(previous_threads)
     return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+
+
+def _end_orphaned_runs(tracking) -> None:
+    """Before any run is created: end the MLflow runs a killed process of this machine left RUNNING
+    (:func:`sweeps.runner.end_orphaned_runs`), with one line on stderr; a failure is only reported."""
+    try:
+        ended = end_orphaned_runs(tracking.client, tracking.experiment_id)
+    except Exception as err:  # housekeeping: the sweep itself may still work
+        print(f"warning: MLflow: could not look for orphaned runs ({type(err).__name__}: "
+              f"{(str(err).strip().splitlines() or [''])[0]})", file=sys.stderr)
+        return
+    if ended:
+        print(f"note: ended {len(ended)} MLflow run(s) left RUNNING on this machine by a process that is gone "
+              "(status KILLED, tag fl.end_reason)", file=sys.stderr)
 
 
 def _run_in_process(study, runner: TrialRunner, n_trials: int) -> bool:
