@@ -78,22 +78,74 @@ class Grid:
         return cfgs
 
 
+def _read_text(path: Path, what: str) -> str:
+    """The text of ``path``; ``what`` says what the file is, for the message.
+
+    Raises:
+        ConfigError: ``<path>: file not found (<what>)``, or the file cannot be read (a folder, no
+            permission, not UTF-8 text); one line naming the file as given.
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found ({what})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a file ({what})") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the file ({err.strerror or type(err).__name__})") from None
+    except UnicodeDecodeError as err:
+        line = err.object[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not a UTF-8 text file (line {line}: {err.reason})") from None
+
+
+def load_yaml(path: Path, what: str) -> Any:
+    """The parsed content of the YAML file ``path`` (``what`` says what it is, for the messages).
+
+    Raises:
+        ConfigError: one line naming ``path`` as given: file not found / unreadable (see
+            :func:`_read_text`), or ``<path>: YAML syntax error at line L, column C: <problem>``
+            (1-based, where the parser stopped).
+    """
+    text = _read_text(path, what)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        if mark is not None:
+            line, column = mark.line + 1, mark.column + 1
+        elif isinstance(getattr(err, "position", None), int):  # ReaderError: a character YAML forbids
+            before = text[: err.position]
+            line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+        else:
+            line = column = None
+        lines = str(err).strip().splitlines()
+        problem = getattr(err, "problem", None) or (lines[0] if lines else type(err).__name__)
+        where = f" at line {line}, column {column}" if line is not None else ""
+        raise ConfigError(f"{path}: YAML syntax error{where}: {' '.join(str(problem).split())}") from None
+
+
 def load_grid(path: Path = Path("params.yaml")) -> Grid:
     """Read the grid from ``path``.
 
     Raises:
-        ConfigError: missing file, no experiments, or a malformed entry (names the key).
+        ConfigError: one line naming the file as given: missing or unreadable file, a YAML syntax error
+            (with line and column), a top level that is not a mapping, no experiments, or a malformed
+            entry (names the key).
     """
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: file not found (the experiment grid)")
-    raw = yaml.safe_load(path.read_text()) or {}
-    unknown = sorted(set(raw) - set(GRID_KEYS) - set(SHARED_SECTIONS) - {"report"})
+    raw = load_yaml(path, "the experiment grid")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys such as seeds, experiments, train; "
+                          f"got a {type(raw).__name__}")
+    unknown = sorted(str(k) for k in set(raw) - set(GRID_KEYS) - set(SHARED_SECTIONS) - {"report"})
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {unknown[0]!r} "
                           f"(allowed: {', '.join(GRID_KEYS + SHARED_SECTIONS + ('report',))})")
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
     exps = raw.get("experiments") or {}
     if not isinstance(exps, dict) or not exps:
@@ -127,9 +179,10 @@ def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
     """Rewrite the generated block of the report stage's deps in ``dvc_yaml``; True if it changed.
 
     Raises:
-        ConfigError: the markers are missing from ``dvc_yaml``.
+        ConfigError: ``dvc_yaml`` is missing, unreadable or cannot be written, or lacks the markers
+            (one line naming the file).
     """
-    text = Path(dvc_yaml).read_text()
+    text = _read_text(dvc_yaml, "the DVC pipeline")
     lines = text.splitlines(keepends=True)
     try:
         b = next(i for i, l in enumerate(lines) if l.strip().startswith(BEGIN_MARK))
@@ -140,7 +193,10 @@ def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
     block = [f"{indent}- {d}\n" for d in report_deps(grid)]
     new = "".join(lines[: b + 1] + block + lines[e:])
     if new != text:
-        Path(dvc_yaml).write_text(new)
+        try:
+            Path(dvc_yaml).write_text(new, encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"{dvc_yaml}: cannot write the file ({err.strerror or type(err).__name__})") from None
         return True
     return False
 

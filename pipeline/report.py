@@ -258,11 +258,13 @@ def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
             except (OSError, csv.Error, UnicodeDecodeError):
                 exp.curves = None
             failed = exp.metrics.get("failed_seeds") or []
-            if failed:
+            if exp.failed:  # every seed failed: listed under "Failed", nothing else to say
+                pass
+            elif failed:
                 n_ok = len(exp.metrics.get("seeds") or [])
                 exp.notes.append(f"seed(s) {', '.join(map(str, failed))} failed; numbers are over the "
                                  f"remaining {n_ok} seed(s)")
-            if exp.curves is None:
+            if exp.curves is None and not exp.failed:
                 exp.notes.append("no runs.csv: not in the curves figure")
         out.append(exp)
     _assign_labels([e for e in out if e.metrics is not None])

@@ -430,8 +430,8 @@ class _Experiment:
         write_text(staging / "rounds.csv", _csv(mean_rows, ["round"] + _history_columns(mean_rows)[1:]))
         title = f"{self.name}: {self.algo_desc}, {self.pkey}"
         plot_curves(histories, title if histories else f"{title}: every seed FAILED", staging / "curves.png")
-        (staging / "models").mkdir(exist_ok=True)
-        (staging / "details").mkdir(exist_ok=True)
+        if not ok:  # keep the folder DVC expects, saying why it holds no model
+            write_text(staging / "models" / "README.txt", "No model: every seed failed (see ../metrics.json).\n")
         write_json(staging / "metrics.json", summary)
         return summary
 
