@@ -9,7 +9,8 @@ previous one (as ``<name>`` or ``<name>.prev``), complete on disk, plus at most 
 Reading (:func:`load`): the file, else its ``.prev``. A file that cannot be read (truncated, empty,
 garbage, or not the expected kind) is renamed to ``<name>.corrupt`` with one warning line on stderr
 naming it, and the next candidate is tried; with none left the caller starts from scratch. Nothing
-is deleted, so a user can inspect what was moved aside.
+is deleted here, so a user can inspect what was moved aside (an experiment's attempt folder, and the
+``*.corrupt`` files in it, are removed once the experiment completes: :mod:`fl_core.runstore`).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def load(path: Path, check: Optional[Callable[[Any], Optional[str]]] = None) -> 
 
 
 def remove(path: Path) -> None:
-    """Remove ``path`` and its ``.prev`` (not the ``.corrupt`` files, which are kept for inspection)."""
+    """Remove ``path`` and its ``.prev`` (not the ``.corrupt`` files)."""
     for p in (Path(path), previous(Path(path))):
         if p.exists():
             p.unlink()
