@@ -289,6 +289,14 @@ def _range(key: str, value: float, lo=None, hi=None, lo_open=False, hi_open=Fals
         raise ConfigError(f"{key} must be {'<' if hi_open else '<='} {hi}, got {_fmt(value)}")
 
 
+def _finite_positive(key: str, value: Any, hint: str) -> None:
+    """``value`` must be a finite number > 0: NaN and +inf get ``<key> must be a finite number > 0, got inf
+    (<hint>)``; values <= 0 (-inf included) keep :func:`_range`'s ``<key> must be > 0, got -1``."""
+    if isinstance(value, float) and (math.isnan(value) or value == math.inf):
+        raise ConfigError(f"{key} must be a finite number > 0, got {_fmt(value)} ({hint})")
+    _range(key, value, 0, lo_open=True)
+
+
 def validate(cfg: Any) -> None:
     """Check ranges and choices of a composed config (DictConfig or ExperimentConfig).
 
@@ -301,7 +309,7 @@ def validate(cfg: Any) -> None:
     _range("dataset.validation_fraction", d.validation_fraction, 0, 1, hi_open=True)
     _choice("partition.name", p.name, PARTITIONS)
     _range("partition.num_clients", p.num_clients, 1)
-    _range("partition.alpha", p.alpha, 0, lo_open=True)
+    _finite_positive("partition.alpha", p.alpha, "use partition=iid for an IID split")
     _choice("partition.variant", p.variant, DIRICHLET_VARIANTS)
     _range("partition.min_size", p.min_size, 0)
     _range("partition.samples_per_client", p.samples_per_client, 1)

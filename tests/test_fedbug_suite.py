@@ -176,3 +176,41 @@ def test_fixed_layers_never_move(digits, strategy, frozen):
 def test_fedbug_logs_its_schedule(digits):
     _, res = run_sim(digits, *MLP, "algorithm=fedbug", "algorithm.fedbug.gu_percentage=0.5")
     assert all(0 < r["fedbug_trainable_share"] < 1 and r["fedbug_gu_steps_mean"] >= 1 for r in res.history)
+
+
+# ----------------------------------------------------------------------------- FedBug needs several units
+
+def test_fedbug_refuses_a_single_unit_model(digits):
+    """logreg is one unit: gradual unfreezing would change nothing (or, with fixed_last, train nothing)."""
+    from fl_core.config import ConfigError
+
+    for strategy in ("bottom_up", "fixed_last"):
+        with pytest.raises(ConfigError) as err:
+            run_sim(digits, "model=logreg", "algorithm=fedbug", f"algorithm.fedbug.strategy={strategy}")
+        assert str(err.value) == ("algorithm.fedbug needs a model with at least 2 units (this model has 1); with one "
+                                  "unit there is nothing to unfreeze gradually: pick a model with several layers "
+                                  "(e.g. model=mlp) or drop the fedbug wrapper")
+    # a plain logreg run is fine
+    sim, res = run_sim(digits, "model=logreg", "algorithm=fedavg", "train.rounds=1")
+    assert sim.spec.num_units == 1 and len(res.history) == 1
+
+
+def test_fedbug_names_the_model_when_given_and_accepts_two_units():
+    from fl_core.algorithms import FedAvg, FedBug
+    from fl_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^algorithm\.fedbug needs a model with at least 2 units "
+                                          r"\(model=logreg has 1\); "):
+        FedBug(FedAvg(), 0.5, unit_of=[0, 0], num_units=1, model_name="logreg")
+    with pytest.raises(ConfigError, match=r"^algorithm\.fedbug\.strategy=fixed_last_two needs a model with >= 3 "
+                                          r"units, got 2$"):
+        FedBug(FedAvg(), 0.5, unit_of=[0, 1], num_units=2, strategy="fixed_last_two")
+    two = FedBug(FedAvg(), 0.5, unit_of=[0, 0, 1], num_units=2)  # K = 4, P*K = 2 steps: unit 1, then both
+    assert [list(two.trainable_units(k, 4)) for k in (1, 2, 3)] == [[0], [0, 1], [0, 1]]
+
+
+def test_fedbug_on_a_multi_unit_model_still_trains_its_units_gradually(digits):
+    sim, res = run_sim(digits, *MLP, "algorithm=fedbug", "algorithm.fedbug.gu_percentage=0.5", "train.rounds=1")
+    assert sim.spec.num_units == 3 and res.history[0]["fedbug_trainable_share"] < 1
+    init = sim._fresh_state()["global"]
+    assert all(not torch.equal(init[s], res.final_flat[s]) for unit in sim.spec.unit_slices() for s in unit)

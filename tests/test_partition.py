@@ -601,3 +601,17 @@ def test_fixed_size_reuse_save_load_plot_and_cache(tmp_path, labels, monkeypatch
     # another samples_per_client is another folder, not the cached one
     s = get_partition(replace(cfg, samples_per_client=150), "toy", labels, C, tmp_path)
     assert np.all(s.sizes == 150) and len(list((tmp_path / "partitions").iterdir())) == 2
+
+
+@pytest.mark.parametrize("variant", ["per_client", "per_class", "fixed_size_reuse"])
+@pytest.mark.parametrize("alpha", [math.inf, math.nan])
+def test_dirichlet_refuses_a_non_finite_alpha(labels, variant, alpha):
+    """Dir(inf) would give NaN priors: refused like in the config validation, pointing at partition=iid."""
+    cfg = PartitionConfig(name="dirichlet", variant=variant, alpha=alpha, num_clients=10, samples_per_client=50)
+    with pytest.raises(PartitionError) as err:
+        make_partition(cfg, labels, C)
+    assert str(err.value) == (f"partition.alpha must be a finite number > 0, got {alpha} "
+                              f"(use partition=iid for an IID split)")
+    with pytest.raises(PartitionError, match=r"^partition\.alpha must be > 0, got -inf$"):
+        make_partition(replace(cfg, alpha=-math.inf), labels, C)
+    assert make_partition(PartitionConfig(name="iid", alpha=alpha, num_clients=10), labels, C).num_clients == 10

@@ -3,6 +3,7 @@ readers on tiny files written in the official formats."""
 
 import io
 import math
+import os
 import pickle
 import struct
 from dataclasses import replace
@@ -228,6 +229,15 @@ def test_get_dataset_caches(tmp_path, monkeypatch):
     assert len(calls) == 1 and not torch.equal(third.x_train, first.x_train)
 
 
+def test_get_dataset_unwritable_data_dir_is_one_line(tmp_path):
+    (tmp_path / "data").write_text("a file where the data folder should be")
+    with pytest.raises(DataSourceError) as err:
+        get_dataset(DatasetConfig(name="digits"), tmp_path / "data", tmp_path)
+    msg = str(err.value)
+    assert msg.startswith(f"data_dir: cannot write the prepared dataset {tmp_path / 'data' / 'prepared' / 'digits.pt'} (")
+    assert "\n" not in msg
+
+
 def test_get_dataset_resolves_root_against_project(tmp_path, monkeypatch):
     project = tmp_path / "proj"
     write_cifar10(project / "raw")
@@ -322,13 +332,14 @@ def test_tiny_imagenet_bad_image_named(tmp_path):
     write_tiny_imagenet(tmp_path)
     broken = tmp_path / "tiny-imagenet-200" / "train" / "n0100" / "images" / "n0100_1.JPEG"
     broken.write_bytes(b"not a jpeg")
-    with pytest.raises(DataSourceError, match=r"^dataset\.root: cannot read the Tiny-ImageNet image .*n0100_1\.JPEG"):
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: .*n0100_1\.JPEG is not a readable Tiny-ImageNet image "
+                                              r"\(truncated or corrupt: not an image file\)"):
         load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
     broken.unlink()
     missing = tmp_path / "tiny-imagenet-200" / "val" / "images" / "val_2.JPEG"
     missing.unlink()
     # the train listing no longer has n0100_1; the val image named in the annotations is missing
-    with pytest.raises(DataSourceError, match=r"val_2\.JPEG"):
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: the Tiny-ImageNet image .*val_2\.JPEG does not exist"):
         load_source(DatasetConfig(name="tiny_imagenet"), tmp_path)
 
 
@@ -422,7 +433,8 @@ def test_cinic10_bad_image_named(tmp_path):
     write_cinic10(tmp_path, per_class=(1, 1))
     broken = tmp_path / "cinic-10" / "test" / "dog" / "n05_0.png"
     broken.write_bytes(b"not a png")
-    with pytest.raises(DataSourceError, match=r"^dataset\.root: cannot read the CINIC-10 image .*dog.n05_0\.png"):
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: .*dog.n05_0\.png is not a readable CINIC-10 image "
+                                              r"\(truncated or corrupt: not an image file\)"):
         load_source(DatasetConfig(name="cinic10"), tmp_path)
     Image.new("RGB", (32, 30)).save(broken)
     with pytest.raises(DataSourceError, match=r"n05_0\.png is 32x30, expected 32x32"):
@@ -459,3 +471,277 @@ def test_holdout_validation_is_a_stratified_disjoint_seeded_split(digits):
     assert val.mean == digits.mean and torch.equal(digits.x_test, digits.x_test)
     with pytest.raises(ValueError, match="dataset.validation_fraction"):
         holdout_validation(digits, 1.0)
+
+
+# --------------------------------------------------------------------------- broken files: one line naming the file
+
+
+def _one_line_error(err) -> str:
+    """The message of a raised DataSourceError, checked to be one line with no chained exception to print."""
+    msg = str(err.value)
+    assert type(err.value) is DataSourceError
+    assert "\n" not in msg and msg.startswith("dataset.root: ")
+    assert err.value.__cause__ is None and (err.value.__context__ is None or err.value.__suppress_context__)
+    return msg
+
+
+def _write_tiny(root):
+    write_tiny_imagenet(root)
+
+
+def _write_cinic(root):
+    write_cinic10(root, per_class=(1, 1))
+
+
+# dataset, writer, file to break (relative to the root), what the message calls it
+BREAKABLE = [
+    ("cifar10", write_cifar10, "cifar-10-batches-py/data_batch_3", "CIFAR-10 batch"),
+    ("cifar10", write_cifar10, "cifar-10-batches-py/test_batch", "CIFAR-10 batch"),
+    ("cifar10", write_cifar10, "cifar-10-batches-py/batches.meta", "CIFAR-10 meta file"),
+    ("cifar100", write_cifar100, "cifar-100-python/train", "CIFAR-100 batch"),
+    ("cifar100", write_cifar100, "cifar-100-python/meta", "CIFAR-100 meta file"),
+    ("mnist", write_mnist, "MNIST/raw/train-images-idx3-ubyte", "MNIST idx file"),
+    ("mnist", write_mnist, "MNIST/raw/t10k-labels-idx1-ubyte", "MNIST idx file"),
+    ("fmnist", lambda r: write_mnist(r, "FashionMNIST"), "FashionMNIST/raw/train-labels-idx1-ubyte",
+     "FashionMNIST idx file"),
+    ("tiny_imagenet", _write_tiny, "tiny-imagenet-200/train/n0200/images/n0200_0.JPEG", "Tiny-ImageNet image"),
+    ("tiny_imagenet", _write_tiny, "tiny-imagenet-200/val/images/val_1.JPEG", "Tiny-ImageNet image"),
+    ("cinic10", _write_cinic, "cinic-10/train/frog/n06_0.png", "CINIC-10 image"),
+    ("cinic10", _write_cinic, "cinic-10/test/airplane/n00_0.png", "CINIC-10 image"),
+]
+
+
+def _break(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    else:  # garbage: random bytes of the same length
+        path.write_bytes(np.random.default_rng(7).integers(0, 256, len(data), dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["verify_off", "verify_on"])
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbage"])
+@pytest.mark.parametrize("name,writer,rel,what", BREAKABLE, ids=[f"{b[0]}:{Path(b[2]).name}" for b in BREAKABLE])
+def test_broken_file_is_named_in_one_line(tmp_path, name, writer, rel, what, how, verify):
+    writer(tmp_path)
+    _break(tmp_path / rel, how)
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name=name, verify=verify), tmp_path)
+    msg = _one_line_error(err)
+    # the same message whatever dataset.verify: a broken file is named even where the MD5 check runs first
+    assert msg.startswith(f"dataset.root: {tmp_path / rel} is not a readable {what} (truncated or corrupt: ")
+    assert msg.endswith("); replace it with the official file")
+    if how == "empty":
+        assert "(truncated or corrupt: the file is empty)" in msg
+
+
+def test_cifar_reasons_name_what_is_wrong(tmp_path):
+    write_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    cfg = DatasetConfig(name="cifar10", verify=False)
+    batch = folder / "data_batch_2"
+    _dump_py2({b"labels": [0, 10, 3], b"data": np.zeros((3, 3072), np.uint8)}, batch)  # label out of range
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: {batch} is not a readable CIFAR-10 batch (not in the official "
+                                    f"format: label 10 outside 0..9); replace it with the official file")
+    _dump_py2({b"labels": [0, 1, 2], b"data": np.zeros((3, 1024), np.float32)}, batch)
+    with pytest.raises(DataSourceError, match=r"data_batch_2 .*'data' must be a uint8 array \[N, 3072\], "
+                                              r"got float32 \[3, 1024\]"):
+        load_source(cfg, tmp_path)
+    _dump_py2({b"labels": [0, 1], b"data": np.zeros((3, 3072), np.uint8)}, batch)
+    with pytest.raises(DataSourceError, match=r"data_batch_2 .*'labels' must list one integer label per image \(3\)"):
+        load_source(cfg, tmp_path)
+    _dump_py2([1, 2, 3], batch)
+    with pytest.raises(DataSourceError, match=r"data_batch_2 .*it holds a list, not a dict"):
+        load_source(cfg, tmp_path)
+    batch.unlink()
+    batch.mkdir()  # a folder where the file should be
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == f"dataset.root: cannot read {batch} (not a file)"
+    batch.rmdir()
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err).startswith(f"dataset.root: CIFAR-10 not found under {tmp_path} (expected "
+                                           f"cifar-10-batches-py/ in the official python format, missing data_batch_2;")
+
+
+def _md5(path: Path) -> str:
+    import hashlib
+
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def test_cifar_verify_names_the_one_file_that_fails_the_md5_check(tmp_path, monkeypatch):
+    from fl_core.compat import torchvision
+
+    base = torchvision().datasets.CIFAR100
+    x, *_ = write_cifar100(tmp_path)
+    folder = tmp_path / "cifar-100-python"
+    # pretend our tiny files are the official ones: their MD5 sums in place of torchvision's
+    monkeypatch.setattr(base, "train_list", [["train", _md5(folder / "train")]])
+    monkeypatch.setattr(base, "test_list", [["test", _md5(folder / "test")]])
+    monkeypatch.setattr(base, "meta", {**base.meta, "md5": _md5(folder / "meta")})
+    d = load_source(DatasetConfig(name="cifar100", verify=True), tmp_path)  # the MD5 path passes
+    assert torch.equal(d.x_train, torch.from_numpy(x).reshape(-1, 3, 32, 32))
+    # a readable batch that is not the official file: only the MD5 check can tell
+    _dump_py2({b"fine_labels": [1], b"coarse_labels": [0], b"data": np.zeros((1, 3072), np.uint8)}, folder / "test")
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="cifar100", verify=True), tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: {folder / 'test'} failed torchvision's MD5 check of the CIFAR-100 "
+                                    f"files; replace it with the official file or set dataset.verify=false")
+    assert load_source(DatasetConfig(name="cifar100", verify=False), tmp_path).y_test.tolist() == [1]
+
+
+def test_mnist_reasons_name_what_is_wrong(tmp_path):
+    import gzip
+
+    write_mnist(tmp_path)
+    raw = tmp_path / "MNIST" / "raw"
+    cfg = DatasetConfig(name="mnist")
+    labels = raw / "train-labels-idx1-ubyte"
+    good = labels.read_bytes()
+    labels.write_bytes(struct.pack(">ii", 2049, 5) + bytes([1, 2, 3, 4, 5]))  # 5 labels for 6 images
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: {raw / 'train-images-idx3-ubyte'} holds 6 images but {labels} "
+                                    f"5 labels; replace them with the official files")
+    labels.write_bytes(struct.pack(">ii", 2049, 6) + bytes([1, 2, 3, 4, 5, 12]))
+    with pytest.raises(DataSourceError, match=r"train-labels-idx1-ubyte is not a readable MNIST idx file "
+                                              r"\(not in the official format: label 12 outside 0\.\.9\)"):
+        load_source(cfg, tmp_path)
+    labels.write_bytes(gzip.compress(good))  # the .gz archive under the unpacked name
+    with pytest.raises(DataSourceError, match=r"train-labels-idx1-ubyte .*it is a gzip archive, unpack it"):
+        load_source(cfg, tmp_path)
+    labels.write_bytes(good)
+    images = raw / "t10k-images-idx3-ubyte"
+    images.write_bytes(struct.pack(">iiii", 2051, 3, 32, 32) + bytes(3 * 32 * 32))
+    with pytest.raises(DataSourceError, match=r"t10k-images-idx3-ubyte .*images are 32x32, expected 28x28"):
+        load_source(cfg, tmp_path)
+    images.write_bytes(struct.pack(">iiii", 2051, 3, 28, 28) + bytes(3 * 28 * 28 + 5))  # trailing bytes
+    with pytest.raises(DataSourceError, match=r"t10k-images-idx3-ubyte .*\(truncated or corrupt: 2373 bytes where "
+                                              r"the header announces 2368\)"):
+        load_source(cfg, tmp_path)
+    images.unlink()
+    with pytest.raises(DataSourceError, match=r"^dataset\.root: MNIST not found under .*; missing t10k-images-idx3-ubyte;"):
+        load_source(cfg, tmp_path)
+
+
+def test_mnist_broken_legacy_cache_is_named(tmp_path):
+    write_mnist(tmp_path)
+    processed = tmp_path / "MNIST" / "processed"
+    processed.mkdir()
+    (processed / "training.pt").write_bytes(b"\x00" * 10)  # torchvision reads these instead of raw/ when both exist
+    (processed / "test.pt").write_bytes(b"")
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="mnist"), tmp_path)
+    msg = _one_line_error(err)
+    assert msg.startswith(f"dataset.root: {processed / 'training.pt'} is not a readable MNIST file of torchvision's "
+                          f"legacy cache (truncated or corrupt: ")
+    assert msg.endswith(f"delete {processed} so that the idx files in {tmp_path / 'MNIST' / 'raw'} are read")
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10"])
+def test_root_that_is_a_file(tmp_path, name):
+    root = tmp_path / "raw"
+    root.write_text("not a folder")
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name=name, verify=False), root)
+    assert _one_line_error(err).startswith(f"dataset.root: {root} is not a folder; set dataset.root to the folder "
+                                           f"that holds ")
+
+
+def test_unreadable_root(tmp_path, monkeypatch):
+    write_cifar10(tmp_path)
+    real = os.access
+    monkeypatch.setattr(sources.os, "access", lambda p, mode: Path(p) != tmp_path and real(p, mode))
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="cifar10", verify=False), tmp_path)
+    assert _one_line_error(err) == f"dataset.root: cannot read the folder {tmp_path} (permission denied)"
+
+
+def _skip_unless_permissions_apply(tmp_path: Path) -> None:
+    """Skip where a file with mode 000 can still be read (root, CAP_DAC_OVERRIDE)."""
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    probe.chmod(0)
+    try:
+        probe.read_text()
+    except PermissionError:
+        return
+    finally:
+        probe.chmod(0o644)
+        probe.unlink()
+    pytest.skip("this user reads files without read permission (root)")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_unreadable_file_and_folder(tmp_path, verify):
+    _skip_unless_permissions_apply(tmp_path)
+    write_cifar10(tmp_path)
+    folder = tmp_path / "cifar-10-batches-py"
+    cfg = DatasetConfig(name="cifar10", verify=verify)
+    (folder / "data_batch_4").chmod(0)
+    try:
+        with pytest.raises(DataSourceError) as err:
+            load_source(cfg, tmp_path)
+        assert _one_line_error(err) == f"dataset.root: cannot read {folder / 'data_batch_4'} (permission denied)"
+    finally:
+        (folder / "data_batch_4").chmod(0o644)
+    folder.chmod(0)
+    try:
+        with pytest.raises(DataSourceError) as err:
+            load_source(cfg, tmp_path)
+        assert _one_line_error(err) == f"dataset.root: cannot read the folder {folder} (permission denied)"
+    finally:
+        folder.chmod(0o755)
+
+
+def test_tiny_imagenet_broken_index_files_are_named(tmp_path):
+    write_tiny_imagenet(tmp_path)
+    base = tmp_path / "tiny-imagenet-200"
+    cfg = DatasetConfig(name="tiny_imagenet")
+    annotations = base / "val" / "val_annotations.txt"
+    text = annotations.read_text()
+    annotations.write_text("")
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: {annotations} lists no image (truncated or corrupt); "
+                                    f"replace it with the official file")
+    annotations.write_text(text[: len(text) // 2 + 3])  # cut inside a line
+    with pytest.raises(DataSourceError, match=r"val_annotations\.txt has a line that is not a file name, a class of "
+                                              r"wnids\.txt and 4 box coordinates \(truncated or corrupt\): 'val_1\.JPEG"):
+        load_source(cfg, tmp_path)
+    annotations.write_text(text)
+    (base / "wnids.txt").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: {base / 'wnids.txt'} is not a text file (truncated or corrupt); "
+                                    f"replace it with the official file")
+    (base / "wnids.txt").write_text("n0300\nn0100\nn0200\n")
+    for f in (base / "train" / "n0200" / "images").iterdir():
+        f.unlink()
+    with pytest.raises(DataSourceError) as err:
+        load_source(cfg, tmp_path)
+    assert _one_line_error(err) == (f"dataset.root: the Tiny-ImageNet folder {base / 'train' / 'n0200' / 'images'} "
+                                    f"has no JPEG images")
+
+
+def test_cli_prints_one_line_for_a_truncated_batch(tmp_path, monkeypatch, capsys):
+    from pipeline import train
+
+    write_cifar10(tmp_path / "raw")
+    batch = tmp_path / "raw" / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:200])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        train.main(["dataset=cifar10", f"dataset.root={tmp_path / 'raw'}", "dataset.verify=false",
+                    "tracking.enabled=false", "engine.progress=false", f"results_dir={tmp_path / 'results'}",
+                    f"data_dir={tmp_path / 'data'}"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: dataset.root: {batch} is not a readable CIFAR-10 batch (truncated or corrupt: pickle data "
+                   f"was truncated); replace it with the official file\n")

@@ -24,6 +24,7 @@ import math
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence
 
+from ..config import ConfigError
 from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
 
 
@@ -58,15 +59,30 @@ class FedBug(Wrapper):
     STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
 
     def __init__(self, base: Algorithm, gu_percentage: float, unit_of: List[int], num_units: int,
-                 schedule: str = "paper", strategy: str = "bottom_up"):
+                 schedule: str = "paper", strategy: str = "bottom_up", model_name: Optional[str] = None):
+        """Wrap ``base``; the model's layout comes as ``unit_of`` / ``num_units`` (a ParamSpec's fields).
+
+        ``model_name`` (``model.name``, optional) only serves the error messages.
+
+        Raises:
+            ConfigError: ``gu_percentage`` outside [0, 1], an unknown ``strategy``, a model with a single
+                unit (nothing to unfreeze gradually: FedBug would be the base algorithm, or with
+                ``fixed_last`` train nothing), or ``fixed_last_two`` with fewer than 3 units.
+        """
         super().__init__(base)
         if not 0.0 <= gu_percentage <= 1.0:
-            raise ValueError(f"algorithm.fedbug.gu_percentage must be in [0, 1], got {gu_percentage}")
+            raise ConfigError(f"algorithm.fedbug.gu_percentage must be in [0, 1], got {gu_percentage}")
         if strategy not in self.STRATEGIES:
-            raise ValueError(f"algorithm.fedbug.strategy must be one of {', '.join(self.STRATEGIES)}, "
-                             f"got {strategy!r}")
+            raise ConfigError(f"algorithm.fedbug.strategy must be one of {', '.join(self.STRATEGIES)}, "
+                              f"got {strategy!r}")
+        if num_units < 2:
+            which = f"model={model_name} has {num_units}" if model_name else f"this model has {num_units}"
+            raise ConfigError(f"algorithm.fedbug needs a model with at least 2 units ({which}); with one unit there "
+                              f"is nothing to unfreeze gradually: pick a model with several layers (e.g. model=mlp) "
+                              f"or drop the fedbug wrapper")
         if strategy == "fixed_last_two" and num_units < 3:
-            raise ValueError(f"algorithm.fedbug.strategy=fixed_last_two needs a model with >= 3 units, got {num_units}")
+            raise ConfigError(f"algorithm.fedbug.strategy=fixed_last_two needs a model with >= 3 units, "
+                              f"got {num_units}")
         self.gu_percentage = float(gu_percentage)
         self.unit_of = list(unit_of)
         self.num_units = int(num_units)

@@ -479,6 +479,10 @@ def _check(cfg: Any, total: int, num_classes: int) -> None:
             f"partition.size_sigma={cfg.size_sigma}: partition.size_sigma applies to iid and "
             f"dirichlet/per_client only (set it to 0)"
         )
+    if cfg.name == "dirichlet" and (math.isnan(float(cfg.alpha)) or float(cfg.alpha) == math.inf):
+        # Dir(inf) gives NaN priors; the IID split is partition=iid
+        raise PartitionError(f"partition.alpha must be a finite number > 0, got {cfg.alpha} "
+                             f"(use partition=iid for an IID split)")
     if cfg.name == "dirichlet" and not float(cfg.alpha) > 0:
         raise PartitionError(f"partition.alpha must be > 0, got {cfg.alpha}")
     if cfg.name == "dirichlet" and cfg.variant == "fixed_size_reuse" and _samples_per_client(cfg) < 1:

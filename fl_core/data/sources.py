@@ -30,6 +30,10 @@ Sources (``dataset.name``):
   set; ``valid/`` is not used. 32x32 RGB, 10 classes; mean/std are the CINIC-10
   authors' training-set values. It cannot be downloaded automatically.
 
+Every reader turns a missing, unreadable, empty, truncated or garbage file into a one-line
+:class:`DataSourceError` that names the file (CIFAR and MNIST files are only diagnosed one by one
+when torchvision's reader fails or returns inconsistent arrays, so a good dataset is read once).
+
 :func:`get_dataset` caches the result as ``<data_dir>/prepared/<name>.pt``.
 """
 
@@ -37,10 +41,12 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -80,6 +86,8 @@ _CINIC_LAYOUT = ("cinic-10/ (or CINIC-10/) with train/<class>/*.png and test/<cl
                  "CINIC-10.tar.gz unpacked into that folder")
 # file types torchvision's ImageFolder accepts
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
+_ROOT_HOLDS = {"cifar10": "cifar-10-batches-py/", "cifar100": "cifar-100-python/", "mnist": "MNIST/raw/",
+               "fmnist": "FashionMNIST/raw/", "tiny_imagenet": f"{_TINY_FOLDER}/", "cinic10": "cinic-10/"}
 _PROGRESS_MIN = 1000  # show a progress bar when decoding more images than this
 
 
@@ -176,6 +184,71 @@ def holdout_validation(ds: FLDataset, fraction: float, seed: int = 0) -> FLDatas
                      num_classes=ds.num_classes, scale=ds.scale, mean=ds.mean, std=ds.std)
 
 
+# --------------------------------------------------------------------------- error helpers
+
+
+def _one_line(err: BaseException, with_type: bool = True) -> str:
+    """``err`` as one printable line of at most 200 characters: ``Type: first line of the message``."""
+    lines = str(err).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if with_type or not text:
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _os_reason(err: OSError) -> str:
+    """``Type: strerror`` of an OSError, without the file name it repeats."""
+    return f"{type(err).__name__}: {err.strerror}" if err.strerror else _one_line(err)
+
+
+def _folder_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a readable folder: ``"missing"``, ``"not a folder"``, ``"permission denied"``
+    or an OS error; None when it can be listed and entered."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as err:  # permission denied on a parent folder, loops, ...
+        return _one_line(err)
+    if not stat.S_ISDIR(mode):
+        return "not a folder"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return "permission denied"
+    return None
+
+
+def _file_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a readable regular file: ``"missing"``, ``"not a file"``, ``"permission denied"``
+    or an OS error; None otherwise (its content is not looked at)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as err:
+        return _one_line(err)
+    if not stat.S_ISREG(mode):
+        return "not a file"
+    if not os.access(path, os.R_OK):
+        return "permission denied"
+    return None
+
+
+def _check_root(root: Path, holds: str) -> None:
+    """``dataset.root`` must be a readable folder if it exists (each source reports a missing one);
+    ``holds`` names what it should contain (for the message).
+
+    Raises:
+        DataSourceError: ``root`` is a file, or cannot be listed or entered.
+    """
+    problem = _folder_problem(root)
+    if problem == "not a folder":
+        raise DataSourceError(f"dataset.root: {root} is not a folder; set dataset.root to the folder that "
+                              f"holds {holds}")
+    if problem not in (None, "missing"):
+        raise DataSourceError(f"dataset.root: cannot read the folder {root} ({problem})")
+
+
 # --------------------------------------------------------------------------- sources
 
 
@@ -232,30 +305,28 @@ def _unverified(cls: type) -> type:
 
 
 def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
+    """CIFAR-10 / CIFAR-100 through torchvision's reader of the official python pickles.
+
+    Raises:
+        DataSourceError: files missing, unreadable, truncated, empty or garbage (names the file), the MD5
+            check failing with ``dataset.verify=true`` (names the files), or labels out of range.
+    """
     datasets = torchvision().datasets
     base = datasets.CIFAR100 if hundred else datasets.CIFAR10
     reader = base if cfg.verify else _unverified(base)
     title = "CIFAR-100" if hundred else "CIFAR-10"
-    folder = base.base_folder
+    num_classes = 100 if hundred else 10
     _download(cfg, title, root, lambda: reader(str(root), train=True, download=True))
     try:
         train = reader(str(root), train=True, download=False)
         test = reader(str(root), train=False, download=False)
-    except RuntimeError as err:
-        files = [f for f, _ in base.train_list + base.test_list] + [base.meta["filename"]]
-        if all((root / folder / f).is_file() for f in files):
-            raise DataSourceError(
-                f"dataset.root: {title} files under {root / folder} failed torchvision's MD5 check "
-                f"({err}); replace them with the official files or set dataset.verify=false"
-            ) from None
-        raise DataSourceError(
-            f"dataset.root: {title} not found under {root} (expected {folder}/ in the official "
-            f"python format; or set dataset.download=true)"
-        ) from None
-    except (OSError, EOFError, KeyError, ValueError) as err:
-        raise DataSourceError(
-            f"dataset.root: cannot read {title} under {root / folder} ({type(err).__name__}: {err})"
-        ) from None
+        for split in (train, test):  # a garbage file can unpickle into arrays of the wrong kind
+            labels = np.asarray(split.targets, dtype=np.int64)
+            if (split.data.dtype != np.uint8 or labels.shape != (len(split.data),)
+                    or (labels.size and not 0 <= labels.min() <= labels.max() < num_classes)):
+                raise ValueError("inconsistent arrays")
+    except Exception as err:  # pickle errors, EOFError, OSError, RuntimeError (not found / MD5), ...
+        raise _cifar_error(base, title, root, bool(cfg.verify), num_classes, err) from None
     mean, std = _CIFAR100_STATS if hundred else _CIFAR10_STATS
 
     def to_tensor(data: np.ndarray) -> torch.Tensor:  # HWC uint8 numpy -> [N, 3, 32, 32]
@@ -267,32 +338,136 @@ def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
         y_train=torch.as_tensor(train.targets, dtype=torch.int64),
         x_test=to_tensor(test.data),
         y_test=torch.as_tensor(test.targets, dtype=torch.int64),
-        num_classes=100 if hundred else 10,
+        num_classes=num_classes,
         scale=255.0,
         mean=mean,
         std=std,
     )
 
 
+def _cifar_error(base: type, title: str, root: Path, verify: bool, num_classes: int,
+                 err: BaseException) -> DataSourceError:
+    """The one-line error for a CIFAR read that failed with ``err``: find the file to blame.
+
+    In this order: the folder or a file is missing ("not found"), a folder or file cannot be opened,
+    a file is not a CIFAR pickle of the expected layout (truncated, empty, garbage; whatever
+    ``verify``), a file fails the MD5 check (``verify``), else ``err`` itself.
+    """
+    folder = root / base.base_folder
+    batches = [f for f, _ in base.train_list + base.test_list]
+    meta = base.meta["filename"]
+    files = batches + [meta]
+    problem = _folder_problem(folder)
+    if problem not in (None, "missing", "not a folder"):
+        return DataSourceError(f"dataset.root: cannot read the folder {folder} ({problem})")
+    missing = files if problem else [f for f in files if _file_problem(folder / f) == "missing"]
+    if missing:
+        what = "" if problem else f", missing {', '.join(missing)}"
+        return DataSourceError(
+            f"dataset.root: {title} not found under {root} (expected {base.base_folder}/ in the official "
+            f"python format{what}; or set dataset.download=true)"
+        )
+    labels_key = "fine_labels" if num_classes == 100 else "labels"
+    for f in files:
+        path = folder / f
+        try:
+            reason = _cifar_file_problem(path, None if f == meta else labels_key, num_classes, base.meta["key"])
+        except OSError as io_err:
+            return DataSourceError(f"dataset.root: cannot read {path} ({_file_problem(path) or _os_reason(io_err)})")
+        if reason:
+            what = "meta file" if f == meta else "batch"
+            return DataSourceError(f"dataset.root: {path} is not a readable {title} {what} ({reason}); "
+                                   f"replace it with the official file")
+    if verify:
+        from torchvision.datasets.utils import check_integrity
+
+        md5 = dict(base.train_list + base.test_list)
+        md5[meta] = base.meta["md5"]
+        failed = [f for f in files if not check_integrity(str(folder / f), md5[f])]
+        if len(failed) == 1:
+            return DataSourceError(
+                f"dataset.root: {folder / failed[0]} failed torchvision's MD5 check of the {title} files; "
+                f"replace it with the official file or set dataset.verify=false"
+            )
+        if failed:
+            return DataSourceError(
+                f"dataset.root: {title} files under {folder} failed torchvision's MD5 check "
+                f"({', '.join(failed)}); replace them with the official files or set dataset.verify=false"
+            )
+    return DataSourceError(f"dataset.root: cannot read {title} under {folder} ({_one_line(err)})")
+
+
+def _cifar_file_problem(path: Path, labels_key: Optional[str], num_classes: int, meta_key: str) -> Optional[str]:
+    """Why ``path`` is not a CIFAR batch (``labels_key`` given) or meta file (``labels_key`` None).
+
+    Returns a short reason such as ``"truncated or corrupt: pickle data was truncated"``, or None when
+    the file holds what torchvision expects: a dict with a uint8 ``data`` array ``[N, 3072]`` and ``N``
+    labels in ``[0, num_classes)`` (batch), or a dict with ``meta_key`` (meta file).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    with open(path, "rb") as f:
+        if not f.read(1):
+            return "truncated or corrupt: the file is empty"
+        f.seek(0)
+        try:
+            entry = pickle.load(f, encoding="latin1")
+        except OSError:
+            raise
+        except Exception as err:  # UnpicklingError, EOFError, ValueError, ImportError, MemoryError, ...
+            return f"truncated or corrupt: {_one_line(err, with_type=False)}"
+    fmt = "not in the official format"
+    if not isinstance(entry, dict):
+        return f"{fmt}: it holds a {type(entry).__name__}, not a dict"
+    if labels_key is None:
+        return None if meta_key in entry else f"{fmt}: no {meta_key!r} entry"
+    data, labels = entry.get("data"), entry.get(labels_key)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        got = (f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray)
+               else "missing" if data is None else type(data).__name__)
+        return f"{fmt}: 'data' must be a uint8 array [N, 3072], got {got}"
+    try:
+        y = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        y = None
+    if labels is None or y is None or y.shape != (len(data),):
+        return f"{fmt}: {labels_key!r} must list one integer label per image ({len(data)})"
+    if y.size and not 0 <= y.min() <= y.max() < num_classes:
+        bad = y.min() if y.min() < 0 else y.max()
+        return f"{fmt}: label {bad} outside 0..{num_classes - 1}"
+    return None
+
+
+_MNIST_FILES = {  # file under <Folder>/raw -> (idx magic number, images?)
+    "train-images-idx3-ubyte": (2051, True),
+    "train-labels-idx1-ubyte": (2049, False),
+    "t10k-images-idx3-ubyte": (2051, True),
+    "t10k-labels-idx1-ubyte": (2049, False),
+}
+
+
 def _mnist(cfg: Any, root: Path, fashion: bool) -> FLDataset:
+    """MNIST / FashionMNIST through torchvision's reader of the extracted idx files.
+
+    Raises:
+        DataSourceError: files missing, unreadable, truncated, empty or garbage (names the file), image
+            and label counts that differ, or labels out of range.
+    """
     datasets = torchvision().datasets
     reader = datasets.FashionMNIST if fashion else datasets.MNIST
     title = "FashionMNIST" if fashion else "MNIST"
-    raw = root / reader.__name__ / "raw"
     _download(cfg, title, root, lambda: reader(str(root), train=True, download=True))
     try:
         train = reader(str(root), train=True, download=False)
         test = reader(str(root), train=False, download=False)
-    except RuntimeError:
-        raise DataSourceError(
-            f"dataset.root: {title} not found under {root} (expected {reader.__name__}/raw/ with "
-            f"train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
-            f"t10k-labels-idx1-ubyte; or set dataset.download=true)"
-        ) from None
-    except (OSError, AssertionError, TypeError, ValueError) as err:
-        raise DataSourceError(
-            f"dataset.root: cannot read the {title} idx files under {raw} ({type(err).__name__}: {err})"
-        ) from None
+        for split in (train, test):
+            if (split.data.dtype != torch.uint8 or tuple(split.data.shape[1:]) != (28, 28)
+                    or split.targets.shape != (split.data.shape[0],)
+                    or (split.targets.numel() and not 0 <= int(split.targets.min()) <= int(split.targets.max()) < 10)):
+                raise ValueError("inconsistent arrays")
+    except Exception as err:  # AssertionError, RuntimeError (not found, view), ValueError, OSError, ...
+        raise _mnist_error(reader.__name__, title, root, err) from None
     mean, std = _FMNIST_STATS if fashion else _MNIST_STATS
     return FLDataset(
         name=cfg.name,
@@ -307,6 +482,91 @@ def _mnist(cfg: Any, root: Path, fashion: bool) -> FLDataset:
     )
 
 
+def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException) -> DataSourceError:
+    """The one-line error for an MNIST read that failed with ``err``: find the file to blame.
+
+    Checks, in order: torchvision's legacy cache ``<Folder>/processed/{training,test}.pt`` (read
+    instead of ``raw/`` when both files exist) loads; the raw folder and its four idx files exist and
+    can be opened; every idx file has the right magic number, dimensions, size and label range;
+    images and labels of a split have the same count. Falls back to ``err``.
+    """
+    raw = root / folder_name / "raw"
+    processed = root / folder_name / "processed"
+    legacy = [processed / "training.pt", processed / "test.pt"]
+    if all(p.is_file() for p in legacy):
+        for path in legacy:
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+                ok = (isinstance(obj, (tuple, list)) and len(obj) == 2
+                      and all(isinstance(t, torch.Tensor) for t in obj))
+                reason = None if ok else "not a pair of tensors"
+            except Exception as load_err:  # noqa: BLE001 (whatever a broken file raises)
+                reason = _one_line(load_err, with_type=False)
+            if reason:
+                return DataSourceError(f"dataset.root: {path} is not a readable {title} file of torchvision's "
+                                       f"legacy cache (truncated or corrupt: {reason}); delete {processed} "
+                                       f"so that the idx files in {raw} are read")
+    problem = _folder_problem(raw)
+    if problem not in (None, "missing", "not a folder"):
+        return DataSourceError(f"dataset.root: cannot read the folder {raw} ({problem})")
+    missing = list(_MNIST_FILES) if problem else [f for f in _MNIST_FILES if _file_problem(raw / f) == "missing"]
+    if missing:
+        what = "" if problem else f"; missing {', '.join(missing)}"
+        return DataSourceError(
+            f"dataset.root: {title} not found under {root} (expected {folder_name}/raw/ with "
+            f"{', '.join(_MNIST_FILES)}{what}; or set dataset.download=true)"
+        )
+    counts = {}
+    for f, (magic, images) in _MNIST_FILES.items():
+        path = raw / f
+        try:
+            data = path.read_bytes()
+        except OSError as io_err:
+            return DataSourceError(f"dataset.root: cannot read {path} ({_file_problem(path) or _os_reason(io_err)})")
+        reason, counts[f] = _idx_problem(data, magic, images)
+        if reason:
+            return DataSourceError(f"dataset.root: {path} is not a readable {title} idx file ({reason}); "
+                                   f"replace it with the official file")
+    for split in ("train", "t10k"):
+        n_img, n_lab = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
+        if n_img != n_lab:
+            return DataSourceError(
+                f"dataset.root: {raw / f'{split}-images-idx3-ubyte'} holds {n_img} images but "
+                f"{raw / f'{split}-labels-idx1-ubyte'} {n_lab} labels; replace them with the official files"
+            )
+    return DataSourceError(f"dataset.root: cannot read the {title} idx files under {raw} ({_one_line(err)})")
+
+
+def _idx_problem(data: bytes, magic: int, images: bool) -> tuple[Optional[str], int]:
+    """Why ``data`` is not an MNIST idx file (28x28 uint8 images or uint8 labels 0..9), and its item count.
+
+    Returns ``(reason, n)``: reason None for a good file; n is the count the header announces (0 if unknown).
+    """
+    bad = "truncated or corrupt"
+    if not data:
+        return f"{bad}: the file is empty", 0
+    if data[:2] == b"\x1f\x8b":
+        return f"{bad}: it is a gzip archive, unpack it", 0
+    if len(data) < 4:
+        return f"{bad}: {len(data)} bytes, shorter than the idx header", 0
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        return f"{bad}: magic number {found:#010x}, expected {magic:#010x}", 0
+    ndim = 3 if images else 1
+    head = 4 + 4 * ndim
+    if len(data) < head:
+        return f"{bad}: {len(data)} bytes, shorter than the {head}-byte idx header", 0
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    need = head + math.prod(dims)
+    if len(data) != need:
+        return f"{bad}: {len(data)} bytes where the header announces {need}", dims[0]
+    if images and dims[1:] != [28, 28]:
+        return f"not in the official format: images are {dims[1]}x{dims[2]}, expected 28x28", dims[0]
+    if not images and dims[0] and max(data[head:]) > 9:
+        return f"not in the official format: label {max(data[head:])} outside 0..9", dims[0]
+    return None, dims[0]
+
+
 def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
     """Tiny-ImageNet from the official ``root/tiny-imagenet-200/`` layout (ALGORITHMS.md 1.6, 2.2).
 
@@ -314,7 +574,7 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
       in FedBug's ImageFolder reader (sorted folder names), so partitions match its class order.
     - train: ``train/<wnid>/images/*.JPEG`` (500 per class), ordered by class, then file name.
     - test: the official validation set ``val/images/*.JPEG`` labelled by ``val/val_annotations.txt``
-      (tab-separated: file name, wnid, bounding box), re-sorted by class, then file name -- the
+      (tab-separated: file name, wnid, 4 bounding-box coordinates), re-sorted by class, then file name -- the
       same images FedBug re-folders by class and uses as its test set. The unlabelled official
       ``test/`` folder is not used.
 
@@ -323,8 +583,9 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
     for the official files.
 
     Raises:
-        DataSourceError: the folder or one of its index files is missing or malformed, an image
-            cannot be decoded or is not 64x64 (the message names the file).
+        DataSourceError: the folder or one of its index files is missing, unreadable or malformed, a
+            class folder holds no image, an image is missing, cannot be decoded (empty, truncated,
+            garbage) or is not 64x64 (the message names the file).
     """
     base = root / _TINY_FOLDER
     if cfg.download and not (base / "wnids.txt").is_file():
@@ -340,28 +601,33 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
             f"dataset.root: Tiny-ImageNet not found under {root} (expected {_TINY_LAYOUT}; "
             f"or set dataset.download=true)"
         )
-    try:
-        wnids = sorted(line.strip() for line in wnids_file.read_text().splitlines() if line.strip())
-        val_lines = [line for line in annotations.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataSourceError(f"dataset.root: cannot read the Tiny-ImageNet index files under {base} "
-                              f"({type(err).__name__}: {err})") from None
+    wnids = sorted(line.strip() for line in _read_index(wnids_file).splitlines() if line.strip())
+    val_lines = [line for line in _read_index(annotations).splitlines() if line.strip()]
     index = {w: i for i, w in enumerate(wnids)}
     if not wnids or len(index) != len(wnids):
         raise DataSourceError(f"dataset.root: {wnids_file} must list distinct class ids, one per line")
+    if not val_lines:
+        raise DataSourceError(f"dataset.root: {annotations} lists no image (truncated or corrupt); "
+                              f"replace it with the official file")
 
     train: list[tuple[Path, int]] = []
     for w, c in index.items():
         folder = base / "train" / w / "images"
         if not folder.is_dir():
             raise DataSourceError(f"dataset.root: Tiny-ImageNet class {w} of wnids.txt has no folder {folder}")
-        train += [(f, c) for f in sorted(folder.iterdir()) if f.suffix.lower() in (".jpeg", ".jpg")]
+        try:
+            images = [f for f in sorted(folder.iterdir()) if f.suffix.lower() in (".jpeg", ".jpg")]
+        except OSError as err:
+            raise DataSourceError(f"dataset.root: cannot list the folder {folder} ({_os_reason(err)})") from None
+        if not images:
+            raise DataSourceError(f"dataset.root: the Tiny-ImageNet folder {folder} has no JPEG images")
+        train += [(f, c) for f in images]
     test: list[tuple[Path, int]] = []
     for line in val_lines:
-        row = line.split("\t")
-        if len(row) < 2 or row[1] not in index:
-            raise DataSourceError(f"dataset.root: {annotations} has a line that does not name a file and a "
-                                  f"class of wnids.txt: {line!r}")
+        row = line.split("\t")  # file, wnid and the bounding box x0, y0, x1, y1
+        if len(row) != 6 or row[1] not in index or not all(v.strip().isdigit() for v in row[2:]):
+            raise DataSourceError(f"dataset.root: {annotations} has a line that is not a file name, a class of "
+                                  f"wnids.txt and 4 box coordinates (truncated or corrupt): {line[:80]!r}")
         test.append((base / "val" / "images" / row[0], index[row[1]]))
     test.sort(key=lambda item: (item[1], item[0].name))
     return _image_dataset(cfg.name, train, test, ("train", "val"), "Tiny-ImageNet", _TINY_SIZE, len(wnids),
@@ -384,9 +650,9 @@ def _cinic10(cfg: Any, root: Path) -> FLDataset:
     Returns uint8 ``[90000, 3, 32, 32]`` train and test tensors for the official files.
 
     Raises:
-        DataSourceError: the folder, ``train/`` or ``test/`` is missing; a class folder has no image; the
-            test classes differ from the train classes; an image cannot be decoded or is not 32x32 (the
-            message names the file).
+        DataSourceError: the folder, ``train/`` or ``test/`` is missing or cannot be listed; a class folder
+            has no image; the test classes differ from the train classes; an image cannot be decoded (empty,
+            truncated, garbage) or is not 32x32 (the message names the file).
     """
     base = next((root / f for f in _CINIC_FOLDERS if (root / f / "train").is_dir() and (root / f / "test").is_dir()),
                 None)
@@ -401,8 +667,8 @@ def _cinic10(cfg: Any, root: Path) -> FLDataset:
             files = [sorted(f for f in (folder / c).iterdir() if f.is_file() and f.suffix.lower() in _IMAGE_SUFFIXES)
                      for c in classes]
         except OSError as err:
-            raise DataSourceError(f"dataset.root: cannot list the CINIC-10 folder {folder} "
-                                  f"({type(err).__name__}: {err})") from None
+            where = err.filename or folder
+            raise DataSourceError(f"dataset.root: cannot list the CINIC-10 folder {where} ({_os_reason(err)})") from None
         if not classes:
             raise DataSourceError(f"dataset.root: the CINIC-10 folder {folder} has no class folders "
                                   f"(expected {_CINIC_LAYOUT})")
@@ -420,6 +686,21 @@ def _cinic10(cfg: Any, root: Path) -> FLDataset:
     test = [(f, c) for c, fs in enumerate(test_files) for f in fs]
     return _image_dataset(cfg.name, train, test, ("train", "test"), "CINIC-10", _CINIC_SIZE, len(classes),
                           _CINIC_STATS)
+
+
+def _read_index(path: Path) -> str:
+    """The text of an index file (Tiny-ImageNet's ``wnids.txt``, ``val_annotations.txt``).
+
+    Raises:
+        DataSourceError: the file cannot be read or is not text (names the file).
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise DataSourceError(f"dataset.root: cannot read {path} ({_os_reason(err)})") from None
+    except UnicodeDecodeError:
+        raise DataSourceError(f"dataset.root: {path} is not a text file (truncated or corrupt); "
+                              f"replace it with the official file") from None
 
 
 def _image_dataset(name: str, train: list, test: list, splits: tuple, title: str, size: int, num_classes: int,
@@ -444,7 +725,8 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
     ``title`` names the dataset in the progress bar (shown above ``_PROGRESS_MIN`` images) and in errors.
 
     Raises:
-        DataSourceError: a file cannot be decoded or is not ``size x size``; the message names the file.
+        DataSourceError: a file is missing or cannot be opened, cannot be decoded (empty, truncated,
+            garbage) or is not ``size x size``; the message names the file.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -457,11 +739,24 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
         paths = tqdm(paths, desc=f"{title} {split}", unit="img", leave=False)
     for i, path in enumerate(paths):
         try:
-            with Image.open(path) as img:
-                rgb = np.asarray(img.convert("RGB"))
-        except (OSError, UnidentifiedImageError, ValueError) as err:  # missing, truncated, not an image
-            raise DataSourceError(f"dataset.root: cannot read the {title} image {path} "
-                                  f"({type(err).__name__}: {err})") from None
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise DataSourceError(f"dataset.root: the {title} image {path} does not exist; "
+                                  f"replace it with the official file") from None
+        except OSError as err:  # permission denied, a folder, ...
+            raise DataSourceError(f"dataset.root: cannot read the {title} image {path} ({_os_reason(err)})") from None
+        with f:
+            try:
+                if not f.read(1):
+                    raise ValueError("the file is empty")
+                f.seek(0)
+                with Image.open(f) as img:
+                    rgb = np.asarray(img.convert("RGB"))
+            except Exception as err:  # UnidentifiedImageError, OSError (truncated), SyntaxError (broken PNG), ...
+                reason = ("not an image file" if isinstance(err, UnidentifiedImageError)
+                          else _one_line(err, with_type=False))
+                raise DataSourceError(f"dataset.root: {path} is not a readable {title} image (truncated or "
+                                      f"corrupt: {reason}); replace it with the official file") from None
         if rgb.shape != (size, size, 3):
             raise DataSourceError(f"dataset.root: {title} image {path} is {rgb.shape[1]}x{rgb.shape[0]}, "
                                   f"expected {size}x{size}")
@@ -494,14 +789,17 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         The dataset with uint8 images and int64 labels.
 
     Raises:
-        DataSourceError: unknown ``dataset.name``; files missing under ``root`` (and
-            ``dataset.download`` false), failing the MD5 check, unreadable (the message names the
-            file where one is to blame), or a failed download.
+        DataSourceError: unknown ``dataset.name``; ``root`` is a file or cannot be read; files
+            missing under ``root`` (and ``dataset.download`` false), failing the MD5 check, unreadable,
+            empty, truncated or garbage (the message names the file where one is to blame), or a
+            failed download.
     """
     name = cfg.name
     root = Path(root)
     if name == "digits":
         return _digits(cfg)
+    if name in _ROOT_HOLDS:
+        _check_root(root, _ROOT_HOLDS[name])
     if name in ("cifar10", "cifar100"):
         return _cifar(cfg, root, hundred=name == "cifar100")
     if name in ("mnist", "fmnist"):
@@ -598,7 +896,8 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
         project_root: base of relative ``cfg.root`` paths.
 
     Raises:
-        DataSourceError: see :func:`load_source`.
+        DataSourceError: see :func:`load_source`; or the prepared file cannot be written (names
+            ``data_dir`` and the file).
     """
     path = prepared_path(cfg, data_dir)
     signature = _signature(cfg)
@@ -609,5 +908,8 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
     if not root.is_absolute():
         root = Path(project_root) / root
     ds = load_source(cfg, root.resolve())
-    _save_atomic(_to_blob(ds, signature), path)
+    try:
+        _save_atomic(_to_blob(ds, signature), path)
+    except OSError as err:  # data_dir is a file, read-only, full, ...
+        raise DataSourceError(f"data_dir: cannot write the prepared dataset {path} ({_os_reason(err)})") from None
     return ds
