@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import skip_unless_permissions_apply
+
 from fl_core.config import ConfigError, compose
 from pipeline import grid
 from pipeline.grid import load_grid, sync_dvc
@@ -81,23 +83,8 @@ def test_missing_and_unreadable_files(tmp_path, monkeypatch):
     assert _error(Path("latin1.yaml")) == "latin1.yaml: not a UTF-8 text file (line 2: invalid continuation byte)"
 
 
-def _skip_unless_permissions_apply(tmp_path: Path) -> None:
-    """Skip where a file with mode 000 can still be read (root, CAP_DAC_OVERRIDE)."""
-    probe = tmp_path / "probe"
-    probe.write_text("x")
-    probe.chmod(0)
-    try:
-        probe.read_text()
-    except PermissionError:
-        return
-    finally:
-        probe.chmod(0o644)
-        probe.unlink()
-    pytest.skip("this user reads files without read permission (root)")
-
-
 def test_file_without_read_permission(tmp_path):
-    _skip_unless_permissions_apply(tmp_path)
+    skip_unless_permissions_apply(tmp_path)
     path = tmp_path / "params.yaml"
     path.write_text(GOOD)
     path.chmod(0)

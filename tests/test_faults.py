@@ -156,36 +156,40 @@ def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, referen
     _assert_clean(tmp, reference)
 
 
+def _truncate_current(attempt: Path) -> None:
+    ck = attempt / "seed_1.pt"
+    ck.write_bytes(ck.read_bytes()[:100])
+
+
+def _garbage_both(attempt: Path) -> None:
+    (attempt / "seed_1.pt").write_bytes(b"")
+    (attempt / "seed_1.pt.prev").write_bytes(b"not a checkpoint at all")
+
+
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_moved_aside_and_the_previous_one_used(tmp_path, reference, monkeypatch, capsys):
+@pytest.mark.parametrize("spoil,moved,resumed", [
+    (_truncate_current, ["seed_1.pt"], "exp seed 1: resumed from round 1"),  # the previous checkpoint is used
+    (_garbage_both, ["seed_1.pt", "seed_1.pt.prev"], None),  # nothing readable: from scratch
+])
+def test_unreadable_checkpoints_are_moved_aside(tmp_path, reference, monkeypatch, capsys, spoil, moved, resumed):
     tmp = _project(tmp_path)
     # killed inside the third checkpoint write of seed 1: seed_1.pt holds round 2, seed_1.pt.prev round 1
     assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
     attempt = next((tmp / "checkpoints" / "exp").iterdir())
-    ck = attempt / "seed_1.pt"
-    assert ck.exists() and (attempt / "seed_1.pt.prev").exists()
+    assert (attempt / "seed_1.pt").exists() and (attempt / "seed_1.pt.prev").exists()
     assert list(attempt.glob("*.tmp"))  # what the kill left: removed by the next start
-    ck.write_bytes(ck.read_bytes()[:100])  # truncated
+    spoil(attempt)
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     err = capsys.readouterr().err
-    rel = ck.relative_to(tmp)
-    assert f"warning: {rel} is unreadable" in err and "moved it to seed_1.pt.corrupt" in err
-    assert "seed 1: resumed from round 1" in err
-    _assert_clean(tmp, reference)
-
-
-@pytest.mark.slow
-def test_garbage_checkpoints_fall_back_to_scratch(tmp_path, reference, monkeypatch, capsys):
-    tmp = _project(tmp_path)
-    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
-    attempt = next((tmp / "checkpoints" / "exp").iterdir())
-    (attempt / "seed_1.pt").write_bytes(b"")
-    (attempt / "seed_1.pt.prev").write_bytes(b"not a checkpoint at all")
-    capsys.readouterr()
-    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
-    err = capsys.readouterr().err
-    assert err.count("is unreadable") == 2 and "resumed" not in err
+    for name in moved:
+        rel = (attempt / name).relative_to(tmp)
+        assert f"warning: {rel} is unreadable" in err and f"moved it to {name}.corrupt" in err
+    assert err.count("is unreadable") == len(moved)
+    if resumed:
+        assert resumed in err
+    else:
+        assert "resumed" not in err
     _assert_clean(tmp, reference)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import skip_unless_permissions_apply
 import torch
 
 from fl_core.config import DatasetConfig
@@ -663,24 +665,9 @@ def test_unreadable_root(tmp_path, monkeypatch):
     assert _one_line_error(err) == f"dataset.root: cannot read the folder {tmp_path} (permission denied)"
 
 
-def _skip_unless_permissions_apply(tmp_path: Path) -> None:
-    """Skip where a file with mode 000 can still be read (root, CAP_DAC_OVERRIDE)."""
-    probe = tmp_path / "probe"
-    probe.write_text("x")
-    probe.chmod(0)
-    try:
-        probe.read_text()
-    except PermissionError:
-        return
-    finally:
-        probe.chmod(0o644)
-        probe.unlink()
-    pytest.skip("this user reads files without read permission (root)")
-
-
 @pytest.mark.parametrize("verify", [False, True])
 def test_unreadable_file_and_folder(tmp_path, verify):
-    _skip_unless_permissions_apply(tmp_path)
+    skip_unless_permissions_apply(tmp_path)
     write_cifar10(tmp_path)
     folder = tmp_path / "cifar-10-batches-py"
     cfg = DatasetConfig(name="cifar10", verify=verify)
