@@ -25,6 +25,7 @@ ENV = "FL_FAULT"
 
 #: Every named point, with where it sits. A point not listed here is a programming error.
 POINTS: Dict[str, str] = {
+    "store_init": "a new MLflow SQLite store's schema is built in a temporary file, not yet renamed into place",
     "before_first_checkpoint": "a fresh run's rounds are logged, its first checkpoint is not yet written",
     "checkpoint_write": "the new checkpoint's temporary file is written, not yet renamed into place",
     "checkpoint_swap": "the previous checkpoint is renamed aside, the new one not yet renamed into place",

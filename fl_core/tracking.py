@@ -122,6 +122,38 @@ def end_orphaned_runs(client, experiment_id: str, tags: Optional[Dict[str, str]]
     return ended
 
 
+def ensure_store(uri: str) -> None:
+    """Create a missing SQLite store whole: MLflow builds its schema in a temporary file beside the
+    target, which is renamed into place only when complete (under a lock, so that concurrent first
+    starts create it once). A kill during MLflow's schema creation would otherwise leave a store
+    that no later start can open. Other stores (a server, PostgreSQL) are left to MLflow.
+    Fault point ``store_init``."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return
+    db = Path(uri[len(prefix):])
+    if not db.is_absolute():
+        db = Path.cwd() / db
+    if db.exists():
+        return
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    from . import durable, faults
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db.with_name(f".{db.name}.lock"))):
+        if db.exists():
+            return
+        for stale in db.parent.glob(f".{db.name}.*.init"):  # left by a killed creation
+            stale.unlink()
+        tmp = db.with_name(f".{db.name}.{os.getpid()}.init")
+        MlflowClient(tracking_uri=f"{prefix}{tmp}").search_experiments(max_results=1)  # builds the schema
+        faults.point("store_init")
+        os.replace(tmp, db)
+        durable.fsync_dir(db.parent)
+
+
 class Tracking:
     """A thin wrapper over :class:`mlflow.tracking.MlflowClient` for one MLflow experiment."""
 
@@ -131,6 +163,7 @@ class Tracking:
 
         self.root = root or store_root()
         self.uri = tracking_uri(self.root)
+        ensure_store(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:

@@ -113,7 +113,7 @@ def _assert_clean(tmp: Path, reference: dict) -> None:
     assert parents[0].data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
 
     leftovers = [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".corrupt", ".staging", ".old",
-                                                                 ".removed", ".holder"))]
+                                                                 ".removed", ".holder", ".init"))]
     assert leftovers == []
     assert not (tmp / "checkpoints" / "exp").exists()  # the attempt folder is gone
 
