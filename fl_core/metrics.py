@@ -56,3 +56,26 @@ def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
     m = sum(xs) / len(xs)
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
     return {"mean": m, "std": sd, "n": len(xs)}
+
+
+SUMMARY_KEYS = ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target",
+                "up_floats_to_target")
+
+
+def summarize_seeds(summaries: Dict[int, Dict[str, Optional[float]]],
+                    failures: Optional[Dict[int, str]] = None) -> Dict[str, object]:
+    """An experiment's numbers over its seeds: ``<key>_mean`` / ``<key>_std`` (:func:`mean_std`) of every
+    :data:`SUMMARY_KEYS` entry of the finished seeds' :func:`summarize_run` results, ``target_reached``
+    (seeds that reached the target), ``status`` (``ok``; ``partial`` when some seeds failed; ``failed``
+    when all did), ``seeds``, ``failed_seeds``, ``failures`` {seed: reason} and ``per_seed``."""
+    failures = failures or {}
+    out: Dict[str, object] = {
+        "status": "failed" if failures and not summaries else ("partial" if failures else "ok"),
+        "seeds": sorted(summaries), "failed_seeds": sorted(failures),
+        "failures": {str(s): r for s, r in sorted(failures.items())}}
+    for key in SUMMARY_KEYS:
+        ms = mean_std([s[key] for s in summaries.values()])
+        out[f"{key}_mean"], out[f"{key}_std"] = ms["mean"], ms["std"]
+    out["target_reached"] = sum(1 for s in summaries.values() if s["rounds_to_target"] is not None)
+    out["per_seed"] = {str(s): v for s, v in summaries.items()}
+    return out

@@ -43,7 +43,7 @@ from fl_core.data.partition import partition_key, plot_label_distribution
 from fl_core.engine.diagnostics import effective_update
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
 from fl_core.engine.simulator import RunFailed, config_fingerprint
-from fl_core.metrics import mean_std, summarize_run
+from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.models import resolve_model_name
 from fl_core.paths import project_root
 from fl_core.runstore import ExperimentBusy, ExperimentStore
@@ -62,6 +62,7 @@ def usage() -> str:
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
        python -m pipeline.train --cfg [KEY=VALUE ...]    print the composed config and exit
 
+(fl-train is the same command, installed as a console script.)
 Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking; presets: +experiment=NAME.
   dataset={opts("dataset")}
   partition={opts("partition")}   partition.num_clients  partition.alpha  partition.variant
@@ -525,21 +526,16 @@ def _history_columns(rows: List[Dict]) -> List[str]:
 
 def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
     out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
-                 "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds), "target_acc": float(cfg.train.target_acc),
-                 "status": "failed" if failures and not summaries else ("partial" if failures else "ok"),
-                 "seeds": sorted(summaries), "failed_seeds": sorted(failures),
-                 "failures": {str(s): r for s, r in sorted(failures.items())}}
-    for key in ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target",
-                "up_floats_to_target"):
-        ms = mean_std([s[key] for s in summaries.values()])
-        out[f"{key}_mean"] = ms["mean"]
-        out[f"{key}_std"] = ms["std"]
-    out["target_reached"] = sum(1 for s in summaries.values() if s["rounds_to_target"] is not None)
+                 "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds),
+                 "target_acc": float(cfg.train.target_acc)}
+    seeds = summarize_seeds(summaries, failures)
+    per_seed = seeds.pop("per_seed")
+    out.update(seeds)
     if summaries:
         any_s = next(iter(summaries.values()))
         out["comm_up_floats"] = any_s["comm_up_floats"]
         out["comm_down_floats"] = any_s["comm_down_floats"]
-    out["per_seed"] = {str(s): v for s, v in summaries.items()}
+    out["per_seed"] = per_seed
     return out
 
 

@@ -17,6 +17,19 @@ from .state import ParamSpec
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU.
+
+    Raises:
+        ValueError: CUDA requested but not available (names ``engine.device``).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"engine.device={name} but no CUDA device is available (use cpu or auto)")
+    return torch.device(name)
+
+
 def client_data(ds, partition, device: torch.device, dtype: torch.dtype = torch.float32) -> ClientData:
     """Normalised training tensors of ``ds`` on ``device`` with ``partition``'s client index arrays."""
     return ClientData(ds.normalize(ds.x_train).to(device, dtype), ds.y_train.to(device), partition.client_indices,

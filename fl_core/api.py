@@ -1,0 +1,144 @@
+"""Python API: run an experiment from a notebook or a script and get its numbers back.
+
+    from fl_core.api import run
+    fedavg = run(["partition=dirichlet", "partition.alpha=0.1"], seeds=(1, 2))
+    scaffold = run(["partition=dirichlet", "partition.alpha=0.1", "algorithm=scaffold"], seeds=(1, 2))
+    print(fedavg.summary["final_acc_mean"], scaffold.summary["final_acc_mean"])
+    fedavg.history.groupby("round").test_acc.mean().plot()
+
+``overrides`` are the Hydra overrides of ``python -m pipeline.train`` (``conf/``). With
+``write=False`` (the default) nothing is written and nothing is tracked: the seeds train in this
+process and the result lives in memory. With ``write=True`` the experiment runs exactly as the CLI
+runs it (``results/<name>/``, MLflow, checkpoints, resume; :func:`pipeline.train.run_experiment`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run` returns.
+
+    Attributes:
+        history: pandas DataFrame, one row per (seed, round): ``seed``, ``round`` and every metric the
+            run logged (``test_acc`` as a fraction in [0, 1], ``test_loss``, ``train_loss``, ``lr``,
+            ``comm_up_floats`` / ``comm_down_floats`` in floats per client, cumulative, ...).
+        summary: mean and std over the seeds that finished (``final_acc_mean``, ``final_acc_std``,
+            ``best_acc_*``, ``rounds_to_target_*``, ``up_floats_to_target_*``), ``failures`` {seed: reason}
+            and ``per_seed`` (each seed's own summary).
+        models: {seed: final ``state_dict``} of the seeds that finished.
+        config: the resolved config of the first seed (a plain dict; ``seed`` differs per seed).
+    """
+
+    history: Any
+    summary: Dict[str, Any]
+    models: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict)
+
+
+def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, write: bool = False,
+        track: Optional[bool] = None) -> ExperimentResult:
+    """Train one experiment (``overrides``) for every seed in ``seeds`` and return its results.
+
+    Args:
+        overrides: Hydra overrides, e.g. ``["algorithm=fedprox", "algorithm.fedprox.mu=0.01"]``; a
+            ``seed=`` override is not allowed (use ``seeds``).
+        seeds: the run seeds.
+        write: False: train in memory, write no file; True: run as ``python -m pipeline.train`` does
+            (outputs under ``results/<name>/``, checkpoints, MLflow when tracking is enabled).
+        track: with ``write=True``, override ``tracking.enabled`` (None keeps the config's value).
+            Without writing nothing is tracked, so ``track=True`` is refused there.
+
+    Returns:
+        :class:`ExperimentResult`.
+
+    Raises:
+        fl_core.config.ConfigError: a bad override or value (one line naming the key), a ``seed=``
+            override, no seeds, or ``track=True`` without ``write``.
+        fl_core.data.DataSourceError, fl_core.data.PartitionError: unreadable data or a partition that
+            cannot be built.
+    """
+    import pandas as pd
+
+    from .config import ConfigError, compose, to_container
+
+    overrides = list(overrides)
+    if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):
+        raise ConfigError("seed: pass the seeds as run(..., seeds=(1, 2, 3)), not as an override")
+    if not seeds:
+        raise ConfigError("seeds: at least one seed is needed")
+    if track and not write:
+        raise ConfigError("track=True needs write=True (an in-memory run is not tracked)")
+    extra = [] if track is None else [f"tracking.enabled={'true' if track else 'false'}"]
+    cfgs = [compose(overrides + extra + [f"seed={int(s)}"]) for s in seeds]
+
+    if write:
+        from pipeline.train import run_experiment
+
+        summary = run_experiment(cfgs)
+        histories, models = _read_back(cfgs[0], summary)
+    else:
+        summary, histories, models = _in_memory(cfgs)
+    rows = [{"seed": s, **row} for s, hist in histories.items() for row in hist]
+    history = pd.DataFrame(rows)
+    config = to_container(cfgs[0])
+    return ExperimentResult(history=history, summary=summary, models=models, config=config)
+
+
+def _in_memory(cfgs: List) -> tuple:
+    """Train every seed in this process without files or tracking; (summary, histories, models)."""
+    from .data.access import dataset_for, partition_for
+    from .engine.factory import DTYPES, build_simulator, client_data, resolve_device
+    from .engine.simulator import RunFailed
+    from .metrics import summarize_run, summarize_seeds
+
+    cfg0 = cfgs[0]
+    ds = dataset_for(cfg0, write_cache=False)
+    part = partition_for(cfg0, ds, write_cache=False)
+    device = resolve_device(cfg0.engine.device)
+    data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
+    histories, models, summaries, failures = {}, {}, {}, {}
+    for cfg in cfgs:
+        seed = int(cfg.seed)
+        sim = build_simulator(cfg, ds, part, device=device, data=data)
+        try:
+            result = sim.run()
+        except RunFailed as err:
+            failures[seed] = str(err)
+            histories[seed] = err.history
+            continue
+        histories[seed] = result.history
+        models[seed] = result.state_dict
+        summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
+    return summarize_seeds(summaries, failures), histories, models
+
+
+def _read_back(cfg0, summary: Dict) -> tuple:
+    """Histories and models of a written experiment, from its ``details/`` and ``models/`` files."""
+    import csv
+    from pathlib import Path
+
+    out = Path(cfg0.results_dir) / summary["experiment"]
+    histories, models = {}, {}
+    for seed in summary.get("seeds_run") or summary.get("seeds") or []:
+        path = out / "details" / f"seed_{seed}.csv"
+        if path.exists():
+            with open(path, newline="") as f:
+                histories[int(seed)] = [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        model = out / "models" / f"seed_{seed}.pt"
+        if model.exists():
+            models[int(seed)] = torch.load(model)
+    return histories, models
+
+
+def _num(v: str) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
