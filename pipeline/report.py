@@ -7,8 +7,9 @@ renamed over the target), next to ``--out``:
 * ``report.md``: an "All experiments" table, a "Comparison" table (algorithm x partition, final
   accuracy, best cell per column in bold), the curves figure, a "How to read" note, and the
   experiments that have no results yet ("Missing") or lost seeds ("Notes").
-* ``curves.png``: one column per partition; test accuracy (mean over seeds with a min-max band) and
-  training loss (mean over seeds) per round, one line per algorithm.
+* ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
+  accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
+  loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
 * ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
   fractions.
 
@@ -522,7 +523,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
         results_dir: folder holding ``<name>/metrics.json``.
         experiments: already loaded experiments (from :func:`load_experiments`); loaded if None.
         params_name: how the grid file is named in the text.
-        curves_name: the figure's path relative to the report.
+        curves_name: the figure's path relative to the report (its PDF has the same stem).
     """
     exps_all = experiments if experiments is not None else load_experiments(grid, Path(results_dir))
     exps = [e for e in exps_all if e.metrics is not None]
@@ -567,7 +568,9 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += fedbug_layout(exps)
     out += communication_layout(exps)
 
-    out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", ""]
+    pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
+    out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
+            f"The same figure as PDF, for a draft: [{pdf_name}]({pdf_name}).", ""]
 
     out += ["## How to read", ""]
     out.append("- *final acc*: test accuracy of the global model after the last round; *best acc*: the "
@@ -619,58 +622,20 @@ def summary_csv(exps: List[Experiment]) -> str:
     return buf.getvalue()
 
 
-def plot_curves(exps: List[Experiment], path: Path) -> None:
-    """``curves.png``: per partition column, test accuracy (mean, min-max band) and training loss."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+def plot_curves(exps: List[Experiment], path: Path) -> List[Path]:
+    """The curves figure (:func:`pipeline.figures.comparison_figure`) as ``path`` (PNG) and a PDF beside
+    it with the same stem: per partition column, test accuracy in % (mean, min-max band over seeds)
+    above training loss (mean), one line per algorithm, one legend. Returns the written paths."""
+    from .figures import comparison_figure  # figures imports this module's labels
 
     exps = [e for e in exps if e.metrics is not None]
-    rows, cols, cells = comparison(exps)
-    ncol = max(1, len(cols))
-    many = len(rows) > 8  # big grids: one legend beside the panels, a 20-colour palette, thinner bands
-    fig = Figure(figsize=(6 * ncol + (4 if many else 0), 8.5))
-    axes = fig.subplots(2, ncol, squeeze=False)
-    palette = [f"C{i}" for i in range(10)] if not many else [
-        "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd",
-        "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d",
-        "#17becf", "#9edae5"]
-    colors = {r: palette[i % len(palette)] for i, r in enumerate(rows)}
-    if not cols:
-        axes[0][0].text(0.5, 0.5, "no results", ha="center", va="center")
-    for j, c in enumerate(cols):
-        ax_acc, ax_loss = axes[0][j], axes[1][j]
-        for r in rows:
-            e = cells.get((r, c))
-            if e is None or e.curves is None:
-                continue
-            cv = e.curves
-            if len(cv["acc_round"]):
-                ax_acc.plot(cv["acc_round"], 100 * cv["acc_mean"], color=colors[r], lw=1.8, label=r)
-                ax_acc.fill_between(cv["acc_round"], 100 * cv["acc_min"], 100 * cv["acc_max"],
-                                    color=colors[r], alpha=0.06 if many else 0.18, lw=0)
-            if len(cv["loss_round"]):
-                ax_loss.plot(cv["loss_round"], cv["loss_mean"], color=colors[r], lw=1.8, label=r)
-        ax_acc.set_title(c)
-        ax_acc.set_ylabel("test accuracy (%)")
-        ax_loss.set_ylabel("training loss")
-        ax_loss.set_xlabel("round")
-        for ax in (ax_acc, ax_loss):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0] and not many:
-                ax.legend(fontsize=8)
-    if many and axes[0][ncol - 1].get_legend_handles_labels()[0]:
-        handles, labels = axes[0][ncol - 1].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.suptitle("Test accuracy (mean over seeds, min\u2013max band) and training loss (mean) per round")
-    fig.tight_layout(rect=(0, 0, (6 * ncol) / (6 * ncol + 4), 1) if many else None)
-    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+    return comparison_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.report",
-        description="Summarize the experiments of the grid: writes report.md, curves.png and summary.csv "
+        description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf and summary.csv "
                     "(in the folder of --out) from <results>/<name>/metrics.json and runs.csv.",
         epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid "
                "cannot be read). Experiments without results are listed under 'Missing'.")
@@ -679,7 +644,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
                    help="folder with one sub-folder per experiment (default: results)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="the markdown report; curves.png and summary.csv go beside it "
+                   help="the markdown report; curves.png, curves.pdf and summary.csv go beside it "
                         "(default: <results>/report.md)")
     return p
 

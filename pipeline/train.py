@@ -11,7 +11,7 @@ DVC train stage (every seed of one experiment of ``params.yaml``)::
     python -m pipeline.train --grid fedbug20_dir
 
 Outputs in ``results/<name>/``: ``metrics.json`` (mean +- std over seeds), ``rounds.csv`` (per-round
-mean over seeds), ``runs.csv`` (every seed and round), ``curves.png``, ``config.yaml``,
+mean over seeds), ``runs.csv`` (every seed and round), ``curves.png`` / ``.pdf``, ``config.yaml``,
 ``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``, ``details/`` (per-seed
 curves and CSV, the algorithm's local-step schedule such as FedBug's units per step). MLflow: one parent run
 per experiment, one child run per seed with every round logged. The same command run again after a
@@ -49,6 +49,7 @@ from fl_core.paths import project_root
 from fl_core.runstore import ExperimentBusy, ExperimentStore
 from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, flatten, git_commit
 
+from .figures import experiment_figure, readable_title, schedule_figure
 from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
 
 def usage() -> str:
@@ -79,9 +80,6 @@ A killed or interrupted run continues when the same command runs again; a comple
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
 2 bad input or experiment busy, 130 interrupted.
 """
-
-CURVE_KEYS = ("test_acc", "test_loss", "train_loss")
-
 
 def derive_name(cfg) -> str:
     """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
@@ -131,34 +129,6 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
                     out["test_acc_std"] = ms["std"]
         rows.append(out)
     return rows
-
-
-def plot_curves(histories: Dict[int, List[Dict]], title: str, path: Path) -> None:
-    """Accuracy, test loss and training loss per round, one line per seed and their mean."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    mean_rows = mean_curve(histories)
-    for ax, key in zip(axes, CURVE_KEYS):
-        for seed, hist in histories.items():
-            pts = [(r["round"], r[key]) for r in hist if key in r]
-            if pts:
-                ax.plot(*zip(*pts), lw=0.8, alpha=0.45, label=f"seed {seed}")
-        pts = [(r["round"], r[key]) for r in mean_rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), lw=2.0, color="black", label="mean")
-        ax.set_xlabel("round")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-    if axes[0].lines:
-        axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
 
 
 class Interrupted(Exception):
@@ -386,9 +356,9 @@ class _Experiment:
         hist = rec["history"]
         seed_csv, seed_png = staging / "details" / f"seed_{seed}.csv", staging / "details" / f"seed_{seed}.png"
         write_text(seed_csv, _csv(hist, _history_columns(hist)))
-        status = "" if rec["status"] == "ok" else " (FAILED)"
-        plot_curves({seed: hist}, f"{self.name} seed {seed}{status}: {self.algo_desc}", seed_png)
-        files = [seed_csv, seed_png]
+        files = [seed_csv] + experiment_figure(
+            {seed: hist}, readable_title(self.name, self.algo_desc, self.pkey, seed=seed,
+                                         failed=rec["status"] != "ok"), seed_png)
         if rec["status"] == "ok":
             model_path = staging / "models" / f"seed_{seed}.pt"
             atomic_write(model_path, lambda p: torch.save(rec["state_dict"], p))
@@ -429,8 +399,8 @@ class _Experiment:
         write_text(staging / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
         mean_rows = mean_curve(histories)
         write_text(staging / "rounds.csv", _csv(mean_rows, ["round"] + _history_columns(mean_rows)[1:]))
-        title = f"{self.name}: {self.algo_desc}, {self.pkey}"
-        plot_curves(histories, title if histories else f"{title}: every seed FAILED", staging / "curves.png")
+        experiment_figure(histories, readable_title(self.name, self.algo_desc, self.pkey, failed=not histories),
+                          staging / "curves.png")
         if not ok:  # keep the folder DVC expects, saying why it holds no model
             write_text(staging / "models" / "README.txt", "No model: every seed failed (see ../metrics.json).\n")
         write_json(staging / "metrics.json", summary)
@@ -445,7 +415,7 @@ class _Experiment:
         tr.log_params(self.parent_id, {**flatten(container), "seeds": self.seeds, "effective_update_u": self.u})
         tr.log_metrics_once(self.parent_id, {k: v for k, v in summary.items()
                                              if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))})
-        tr.log_artifacts(self.parent_id, [out / "metrics.json", out / "rounds.csv", out / "curves.png",
+        tr.log_artifacts(self.parent_id, [out / "metrics.json", out / "rounds.csv", out / "curves.png", out / "curves.pdf",
                                           out / "config.yaml"])
         failures = summary.get("failures") or {}
         tr.end_parent(self.parent_id, "FAILED" if failures else "FINISHED",
@@ -481,7 +451,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
 
 
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
-    """What the algorithm does over local steps (FedBug: trainable units per step), as CSV and PNG.
+    """What the algorithm does over local steps (FedBug: trainable units per step), as CSV, PNG and PDF.
 
     Written for the clients' distinct step counts K_i; nothing for algorithms without a schedule."""
     from fl_core.engine.executors import client_steps
@@ -493,26 +463,7 @@ def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
         return []
     csv_path, png_path = out_dir / "details" / "schedule.csv", out_dir / "details" / "schedule.png"
     write_text(csv_path, _csv(rows, list(rows[0])))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = sorted({r["K_i"] for r in rows})
-    shown = sorted({ks[0], ks[len(ks) // 2], ks[-1]})
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    for K in shown:
-        pts = [(r["step"], r["trainable_units"]) for r in rows if r["K_i"] == K]
-        ax.step(*zip(*pts), where="post", label=f"K_i = {K}")
-    ax.set_xlabel("local step k")
-    ax.set_ylabel("trainable units m(k)")
-    ax.set_title(f"{sim.algo.describe()}: units trainable per local step", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write(png_path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
-    return [csv_path, png_path]
+    return [csv_path] + schedule_figure(rows, f"{sim.algo.describe()}: units trainable per local step", png_path)
 
 
 def _history_columns(rows: List[Dict]) -> List[str]:

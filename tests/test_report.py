@@ -117,7 +117,8 @@ def test_report(tree, capsys):
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     assert main(["--params", str(params), "--results", str(results)]) == 0
     after = sorted(p.relative_to(root) for p in root.rglob("*"))
-    added = {Path("results/report.md"), Path("results/curves.png"), Path("results/summary.csv")}
+    added = {Path("results/report.md"), Path("results/curves.png"), Path("results/curves.pdf"),
+             Path("results/summary.csv")}
     assert set(after) - set(before) == added  # nothing else written, no temp files left
     md = (results / "report.md").read_text()
 
@@ -152,12 +153,14 @@ def test_report(tree, capsys):
     assert cells["FedBug P=0.2 (FedAvg)"] == ["**87.00 ± 1.41**", "**72.00 ± 2.83**"]
 
     assert "![" in md and "](curves.png)" in md
+    assert "[curves.pdf](curves.pdf)" in md  # the same figure for a draft
     assert "## How to read" in md and "sample standard deviation" in md
     missing = md.split("## Missing", 1)[1]
     assert "`fedprox_iid`" in missing
 
     png = (results / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (results / "curves.pdf").read_bytes()[:5] == b"%PDF-"
 
     with open(results / "summary.csv", newline="") as f:
         summary = list(csv.DictReader(f))
@@ -173,6 +176,7 @@ def test_report(tree, capsys):
     out = root / "elsewhere" / "r.md"
     assert main(["--params", str(params), "--results", str(results), "--out", str(out)]) == 0
     assert (out.parent / "curves.png").exists() and (out.parent / "summary.csv").exists()
+    assert (out.parent / "curves.pdf").exists()
     assert "](curves.png)" in out.read_text()
 
 
