@@ -247,6 +247,22 @@ class Tracking:
         for s in range(0, len(todo), _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=todo[s:s + _MAX_METRICS_PER_BATCH])
 
+    def log_inputs(self, run_id: str, inputs: Iterable[Dict[str, str]]) -> None:
+        """Log datasets as the run's MLflow inputs (shown in the UI's Datasets column), once per run.
+
+        Args:
+            inputs: dicts with ``name``, ``digest``, ``source`` (where the data comes from) and
+                ``context`` (``training``, ``evaluation``, ...).
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        have = {(d.dataset.name, d.dataset.digest) for d in self.client.get_run(run_id).inputs.dataset_inputs}
+        todo = [DatasetInput(Dataset(i["name"], i["digest"], "local", i["source"]),
+                             [InputTag("mlflow.data.context", i["context"])])
+                for i in inputs if (i["name"], i["digest"]) not in have]
+        if todo:
+            self.client.log_inputs(run_id, datasets=todo)
+
     def log_artifacts(self, run_id: str, paths: Iterable[Path], artifact_path: Optional[str] = None) -> None:
         for p in paths:
             if Path(p).exists():

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 from fl_core import faults
@@ -215,8 +216,11 @@ class _Experiment:
         self.tracking: Optional[Tracking] = None
         self.parent_id: Optional[str] = None
         self.records: Dict[int, Dict] = {}
+        self._inputs: Optional[List[Dict[str, str]]] = None
+        commit = git_commit(project_root())
         self.tags = {"algorithm": self.algo_desc, "dataset": cfg0.dataset.name, "partition": self.pkey,
-                     "model": self.model_name, "git_commit": git_commit(project_root()), "experiment": self.name,
+                     "model": self.model_name, "git_commit": commit, "mlflow.source.git.commit": commit,
+                     "experiment": self.name,
                      # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out split
                      "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test",
                      "executor": self.probe.executor.name, "executor_reason": self.probe.executor.reason}
@@ -269,6 +273,7 @@ class _Experiment:
                     self.tracking.reopen(self.parent_id)
                 else:
                     self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags)
+                self.tracking.log_inputs(self.parent_id, self.inputs())
             try:
                 return self._run_locked()
             except KeyboardInterrupt:
@@ -351,6 +356,28 @@ class _Experiment:
         return self.tracking.child_logger(self.parent_id, f"{self.name}/seed{seed}", tags, params,
                                           cfg.tracking.log_every)
 
+    def inputs(self) -> List[Dict[str, str]]:
+        """The dataset and the partition as MLflow inputs (name, content digest, source)."""
+        if self._inputs is None:
+            self._inputs = self._describe_inputs()
+        return self._inputs
+
+    def _describe_inputs(self) -> List[Dict[str, str]]:
+        import hashlib
+
+        ds, part = self.ds, self.part
+        h = hashlib.sha256(ds.y_train.numpy().tobytes())
+        h.update(repr(tuple(ds.input_shape)).encode())
+        p = hashlib.sha256()
+        for ix in part.client_indices:
+            p.update(np.asarray(ix, dtype=np.int64).tobytes())
+            p.update(b"|")
+        split = "validation" if self.cfg0.dataset.validation_fraction > 0 else "test"
+        return [{"name": self.cfg0.dataset.name, "digest": h.hexdigest()[:16], "context": "training",
+                 "source": f"dataset={self.cfg0.dataset.name} root={self.cfg0.dataset.root} (evaluation: {split} split)"},
+                {"name": self.pkey, "digest": p.hexdigest()[:16], "context": "partition",
+                 "source": f"partition={self.cfg0.partition.name} over {part.num_clients} clients"}]
+
     def _write_seed_files(self, seed: int, rec: Dict, staging: Path) -> List[Path]:
         """details/seed_<s>.csv and .png, and models/seed_<s>.pt for a seed that finished."""
         hist = rec["history"]
@@ -381,6 +408,7 @@ class _Experiment:
         if rec["status"] == "ok":
             logger.log_summary({f"summary_{k}": v for k, v in rec["summary"].items()
                                 if isinstance(v, (int, float)) and v is not None})
+        self.tracking.log_inputs(logger.run_id, self.inputs())
         staging = self.store.staging
         logger.log_artifacts([staging / "config.yaml"] + files)
         logger.log_artifacts([staging / "partition" / "stats.json", staging / "partition" / "labels_per_client.png"],

@@ -83,6 +83,12 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     arts = {a.path for a in client.list_artifacts(child.info.run_id)}
     assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition", "schedule.csv", "schedule.png"} <= arts
     assert [m.step for m in client.get_metric_history(child.info.run_id, "fedbug_trainable_share")] == [1, 2, 3]
+    assert child.data.tags["mlflow.source.git.commit"] == child.data.tags["git_commit"]
+    for run in (child, parents[0]):
+        inputs = {d.dataset.name: d for d in client.get_run(run.info.run_id).inputs.dataset_inputs}
+        assert set(inputs) == {"digits", "digits-dirichlet-per_client-a0.3-n8-sgm0-s0"}
+        assert len(inputs["digits"].dataset.digest) == 16
+    assert parents[0].data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
 
 
 @pytest.mark.parametrize("args,start", [
