@@ -59,3 +59,14 @@ def test_the_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 0 and "scaffold: final accuracy" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.png"]
+
+
+def test_the_readme_snippet_runs(tmp_path, monkeypatch, capsys):
+    """The README's API example, with 1 round instead of 10, runs as printed and writes nothing."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "train.rounds=10" in block
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.replace("train.rounds=10", "train.rounds=1"), "README.md", "exec"), {})
+    assert "test_acc" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
