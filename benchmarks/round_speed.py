@@ -63,7 +63,7 @@ from fl_core.engine.executors import ClientData  # noqa: E402
 from fl_core.engine.factory import build_simulator  # noqa: E402
 from fl_core.models.cnn import StandardCNN  # noqa: E402
 
-# Per-channel statistics of x/255 on the CIFAR-10 training set (ALGORITHMS.md 1.6).
+# Per-channel statistics of x/255 on the CIFAR-10 training set (docs/algorithms.md, Augmentation and normalisation).
 CIFAR10_MEAN = (0.491, 0.482, 0.447)
 CIFAR10_STD = (0.247, 0.243, 0.262)
 INPUT_SHAPE = (3, 32, 32)

@@ -54,7 +54,7 @@ class DatasetConfig:
 
 @dataclass
 class PartitionConfig:
-    """How the training set is split across clients (ALGORITHMS.md section 1)."""
+    """How the training set is split across clients (docs/algorithms.md, Data)."""
 
     name: str = "iid"
     num_clients: int = 20  # N

@@ -1,6 +1,6 @@
 """Figures and findings of the IID-to-non-IID study: ``python -m pipeline.study [--params F] [--results D]``.
 
-The study ("Understanding federated learning from IID to non-IID", ALGORITHMS.md sections 10 and 12.4) varies
+The study ("Understanding federated learning from IID to non-IID"; docs/algorithms.md, The IID-to-non-IID study) varies
 one factor at a time. Its grid is an ordinary experiment grid (``params.yaml``, run by the train stage);
 the ``report.sweeps`` section of the same file groups the experiments into sweeps::
 
@@ -20,8 +20,8 @@ Outputs under ``<results>/study/``:
 * ``cosine_layers.png``: per layer, the mean pairwise cosine similarity of client updates per round, IID vs
   non-IID; ``client_losses.png``: the traced clients' local training losses; ``labels_per_client.png``:
   the label histogram of every client for each alpha.
-* ``findings.md``: each finding of the paper (section 12.4) with the numbers of our runs and a verdict
-  (reproduced / not reproduced / not run); ``stats.csv``: the per-experiment numbers behind it.
+* ``findings.md``: each finding of the paper (docs/algorithms.md, Study findings) with the numbers of our runs
+  and a verdict (reproduced / not reproduced / not run); ``stats.csv``: the per-experiment numbers behind it.
 
 The figures are also logged as artifacts of an MLflow run "study-figures" in ``tracking.experiment``.
 Exit status 0, or 2 when the grid or the sweep section cannot be read (one line naming the key).
@@ -194,7 +194,7 @@ def read_sweeps(params: Path, experiments: Sequence[str]) -> Tuple[List[Sweep], 
 
 @dataclass
 class Finding:
-    """A claim of the paper (section 12.4) and how our runs test it."""
+    """A claim of the paper (docs/algorithms.md, Study findings) and how our runs test it."""
 
     claim: str  # the paper's statement
     needs: Tuple[str, ...]  # sweeps (or "cosine" / "clients") it reads
@@ -496,7 +496,7 @@ def build(params: Path, results: Path) -> Tuple[List[Path], str]:
     lines = ["# IID to non-IID study: findings", "",
              f"From `{params}` and `{results}/<experiment>/runs.csv` by `python -m pipeline.study`. Accuracy is the "
              f"test accuracy averaged over the last {window} rounds and over seeds; each claim is the paper's "
-             "(ALGORITHMS.md section 12.4, CIFAR-10 numbers in brackets); the verdict compares our runs' "
+             "(docs/algorithms.md, Study findings; CIFAR-10 numbers in brackets); the verdict compares our runs' "
              "numbers in the direction the paper states.", "",
              "| # | finding (paper) | verdict | our numbers |", "|---:|:---|:---|:---|"]
     for i, (claim, verdict, text) in enumerate(verdicts, start=1):

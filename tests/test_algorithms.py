@@ -1,4 +1,5 @@
-"""Equivalences and invariants of FedAvg, FedProx and FedBug (ALGORITHMS.md sections 4.1, 4.2, 5, 14)."""
+"""Equivalences and invariants of FedAvg, FedProx and FedBug (docs/algorithms.md, FedAvg, FedProx, FedBug,
+Invariants)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_fedbug_with_p_zero_equals_its_base(digits, base):
 @pytest.mark.parametrize("K,P,first_all", [(50, 0.1, 5), (50, 0.2, 9), (50, 0.4, 17), (100, 0.1, 9),
                                            (100, 0.2, 17), (100, 0.4, 33)])
 def test_fedbug_worked_schedules(K, P, first_all):
-    """ALGORITHMS.md section 5: one new module every f = P*K/M steps; all M = 5 trainable from step (M-1)f+1."""
+    """docs/algorithms.md, FedBug: one new module every f = P*K/M steps; all M = 5 trainable from step (M-1)f+1."""
     M = 5
     f = round(P * K / M)
     ms = [unfrozen_units(k, K, M, P) for k in range(1, K + 1)]

@@ -1,4 +1,5 @@
-"""Compression baselines: QSGD, Top-k with error feedback, FedPAQ (ALGORITHMS.md 8 and 13)."""
+"""Compression baselines: QSGD, Top-k with error feedback, FedPAQ (docs/algorithms.md, Top-k, QSGD,
+FedPAQ and Communication accounting)."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def test_topk_without_error_feedback_keeps_nothing():
         assert ctx.state is None or "residual" not in ctx.state
 
 
-# ----------------------------------------------------------------------------- communication (section 13)
+# ------------------------------------------------------- communication (docs/algorithms.md, Communication accounting)
 
 def test_comm_floats_match_section_13():
     d = 1000

@@ -1,4 +1,5 @@
-"""FedBCGD block tables of VGG-11 and VGG-19 (ALGORITHMS.md 2.5, 2.8, 7.1; FedBCGD paper Tables 8 and 10)."""
+"""FedBCGD block tables of VGG-11 and VGG-19 (docs/algorithms.md, Model catalogue, FedBCGD blocks and FedBCGD;
+FedBCGD paper Tables 8 and 10)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fl_core.models import build_model
 
 # Conv weights per block, weights only, as printed in the paper (Table 8: VGG-11, Table 10: VGG-19).
 # Block 5 of both tables also lists FC rows, and the shared block an "FC-100" row, that do not fit the
-# repository's head (ALGORITHMS.md 2.5 / section 9 row 21); those are checked against the head below.
+# repository's head (docs/algorithms.md, Model catalogue and Paper-vs-code switches); those are checked against
+# the head below.
 PAPER_CONV_WEIGHTS = {
     "vgg11": [1728 + 73728, 294912 + 589824, 1179648 + 2359296, 2 * 2359296, 0],
     "vgg19": [1728 + 36864 + 73728 + 147456 + 294912 + 3 * 589824, 1179648 + 2359296, 2 * 2359296, 2 * 2359296,
@@ -108,7 +110,7 @@ def test_vgg_table_errors_and_other_partitions(models):
 
 @pytest.mark.parametrize("name,classes", [("vgg11", 10), ("vgg19", 100)])
 def test_vgg_fedbcgd_upload_floats(models, name, classes):
-    """Section 7.1 (6): average upload (d - #x_s)/N + #x_s with the table's blocks."""
+    """docs/algorithms.md, FedBCGD (uplink): average upload (d - #x_s)/N + #x_s with the table's blocks."""
     model, spec = models[name, classes]
     blocks, shared = block_partition(model, spec.names, 5, "paper")
     algo = FedBCGD(spec, blocks, shared, lam=0.8)

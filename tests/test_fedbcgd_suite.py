@@ -1,4 +1,5 @@
-"""FedBCGD, FedBCGD+ and FedDC (ALGORITHMS.md 4.10, 7.1, 7.2, 13, 14 item 8)."""
+"""FedBCGD, FedBCGD+ and FedDC (docs/algorithms.md, FedDC, FedBCGD, FedBCGD+, Communication accounting,
+Invariants 8)."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_fedbcgd_freezing_ablation_moves_only_own_block(digits):
     assert not torch.allclose(res.final_flat, full.final_flat, atol=1e-4)
 
 
-# ----------------------------------------------------------------------------- FedBCGD+ (ALGORITHMS.md 7.2)
+# ----------------------------------------------------------------------------- FedBCGD+ (docs/algorithms.md, FedBCGD+)
 
 def _plus(variant="paper", lam=0.0):
     model, spec = _toy()
@@ -216,7 +217,8 @@ def test_fedbcgd_plus_paper_first_step_and_control_variate(digits):
 
 
 def test_fedbcgd_plus_server_c_is_the_mean_of_what_clients_uploaded(digits):
-    """SCAFFOLD's invariant c = (1/M) sum_k c_up_k after several rounds with changing blocks (ALGORITHMS.md 7.2)."""
+    """SCAFFOLD's invariant c = (1/M) sum_k c_up_k after several rounds with changing blocks (docs/algorithms.md,
+    FedBCGD+)."""
     from fl_core.engine.state import ClientStateStore
 
     sim, _ = run_sim(digits, *MLP, "algorithm=fedbcgd_plus", "algorithm.fedbcgd.blocks=2", "train.rounds=1")
@@ -252,7 +254,7 @@ def test_qsgd_quantises_the_fedbcgd_plus_control_variate_upload():
     assert q.comm_floats(5) == (pytest.approx(2 * qsgd_floats(blk, 4)), 10.0)
 
 
-# ----------------------------------------------------------------------------- section 13, every algorithm
+# ------------------------------------------------- every algorithm (docs/algorithms.md, Communication accounting)
 
 def _expected_floats(name, d, algo):
     if name in ("scaffold", "feddc"):

@@ -1,4 +1,5 @@
-"""FedDyn, FedExP, FedDecorr and the FedBug ablations (ALGORITHMS.md 4.3, 4.6, 4.7, 5, 14)."""
+"""FedDyn, FedExP, FedDecorr and the FedBug ablations (docs/algorithms.md, FedDyn, FedExP,
+FedDecorr, FedBug, Invariants)."""
 
 from __future__ import annotations
 

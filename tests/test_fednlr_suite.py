@@ -1,4 +1,5 @@
-"""SCAFFOLD, FedNova, FedRS, FedLC, CCVR and FedNLR (ALGORITHMS.md 4.4, 4.5, 4.11-4.13, 6, 14)."""
+"""SCAFFOLD, FedNova, FedRS, FedLC, CCVR and FedNLR (docs/algorithms.md, SCAFFOLD, FedNova,
+FedRS, FedLC, CCVR, FedNLR, Invariants)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Models of fl_core.models: parameter counts (ALGORITHMS.md section 2), FedBug units (sections 2.1-2.7, 5),
-feature shapes, the GroupNorm ResNets and the registry's ``model.units`` checks."""
+"""Models of fl_core.models: parameter counts (docs/algorithms.md, Model catalogue), FedBug units
+(docs/algorithms.md, FedBug units), feature shapes, the GroupNorm ResNets and the registry's ``model.units``
+checks."""
 
 from __future__ import annotations
 
@@ -61,21 +62,21 @@ def test_units_cover_every_parameter_once(built, name, units):
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("std_cnn", 797_962),       # 2.1, C = 10
-    ("mcmahan_cnn", 878_538),   # 2.3, valid padding, C = 10
-    ("tiny_cnn", 530_888),      # 2.2, 3x64x64, C = 200
-    ("resnet18", 11_227_812),   # 2.6: "d ~ 11.23M (R18, C=100)"
-    ("resnet34", 21_335_972),   # 2.6: "d ~ 21.34M (R34, C=100)"
+    ("std_cnn", 797_962),       # C = 10 (docs/algorithms.md, Model catalogue)
+    ("mcmahan_cnn", 878_538),   # valid padding, C = 10
+    ("tiny_cnn", 530_888),      # 3x64x64, C = 200
+    ("resnet18", 11_227_812),   # C = 100, about 11.23M
+    ("resnet34", 21_335_972),   # C = 100, about 21.34M
 ])
 def test_parameter_counts(built, name, expected):
     assert _count(built[name, "default"]) == expected
 
 
 def test_resnet_counts_cross_checks():
-    # the ALGORITHMS.md 2.6 approximations, to the printed precision
+    # the rounded sizes 11.23M / 21.34M (docs/algorithms.md, Model catalogue), to the printed precision
     assert round(11_227_812 / 1e6, 2) == 11.23 and round(21_335_972 / 1e6, 2) == 21.34
     # 10 classes: only fc changes (512*90 + 90 fewer); the 7x7 stem has 7,680 more weights than the
-    # 3x3 CIFAR-style stem of FedBCGD's ResNet-18 (d = 11,173,962 for C = 10, section 2.6)
+    # 3x3 CIFAR-style stem of FedBCGD's ResNet-18 (d = 11,173,962 for C = 10; docs/algorithms.md, Model catalogue)
     r18 = ResNet18GN((3, 32, 32), 10)
     assert _count(r18) == 11_227_812 - 90 * 513 == 11_173_962 + 3 * 64 * (49 - 9)
     assert r18.fc.weight.shape == (10, 512)
@@ -203,7 +204,7 @@ def test_tiny_cnn_too_small_input():
     assert TinyCNN((3, 36, 36), 10).fc1.in_features == 64
 
 
-# --------------------------------------------------------------------------- VGG-9 (section 2.4) and neuron_layers
+# ----------------------------------------- VGG-9 (docs/algorithms.md, Model catalogue) and neuron_layers
 
 VGG9_LAYERS = ["conv1", "conv2", "conv3", "conv4", "conv5", "conv6", "fc1", "fc2", "fc3"]
 
@@ -346,7 +347,7 @@ def test_neuron_layers(built, name, units):
     assert widths == [m.out_channels if k == "conv" else m.out_features for _, m, k in layers]
 
 
-# --------------------------------------------------------------------------- VGG-11 / VGG-19 of FedBCGD (section 2.5)
+# ------------------------------ VGG-11 / VGG-19 of FedBCGD (docs/algorithms.md, Model catalogue)
 
 # Hand count (weights + biases; conv k x k: k*k*in*out + out, linear: in*out + out):
 #   VGG-11 convs (cfg A): 3->64 1,792; 64->128 73,856; 128->256 295,168; 256->256 590,080; 256->512 1,180,160;
@@ -370,14 +371,14 @@ def test_fedbcgd_vgg_parameter_counts(name, cls, classes, expected):
     convs = [mod for n, mod, kind in m.neuron_layers() if kind == "conv"]
     assert sum(_count(c) for c in convs) == VGG_CONVS[name]
     assert len(convs) == {"vgg11": 8, "vgg19": 16}[name]
-    h = {10: 100, 100: 256}[classes]  # section 9 row 21: 512->100->10 / 512->256->100
+    h = {10: 100, 100: 256}[classes]  # the repository's head: 512->100->10 / 512->256->100
     assert (m.fc1.in_features, m.fc1.out_features, m.fc2.in_features, m.fc2.out_features) == (512, h, h, classes)
     # the conv weight counts of the paper's block tables (FedBCGD Tables 8 and 10, weights only)
     table = {"vgg11": [1728, 73728, 294912, 589824, 1179648, 2359296, 2359296, 2359296],
              "vgg19": [1728, 36864, 73728, 147456, 294912, 589824, 589824, 589824, 1179648] + [2359296] * 7}[name]
     assert [c.weight.numel() for c in convs] == table
     assert all(c.kernel_size == (3, 3) and c.padding == (1, 1) and c.bias is not None for c in convs)
-    assert list(m.buffers()) == []  # no BatchNorm (section 2.5): the vectorised executor accepts it
+    assert list(m.buffers()) == []  # no BatchNorm: the vectorised executor accepts it
     assert not any(isinstance(x, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.Dropout)) for x in m.modules())
 
 

@@ -1,4 +1,4 @@
-"""Client partitions of fl_core.data.partition (ALGORITHMS.md 1.1-1.4, invariant 14.12)."""
+"""Client partitions of fl_core.data.partition (docs/algorithms.md, Data; Invariants 12)."""
 
 import json
 import math
@@ -72,7 +72,7 @@ def test_lognormal_sum_rule(sigma, total, n):
     sizes = lognormal_sizes(total, n, sigma, np.random.default_rng(5))
     assert sizes.dtype == np.int64 and sizes.shape == (n,)
     assert sizes.sum() == total and sizes.min() >= 0
-    # 1.3: floor(s_i / sum(s) * |D|), the shortfall goes to client 0
+    # docs/algorithms.md, Lognormal client sizes: floor(s_i / sum(s) * |D|), the shortfall goes to client 0
     s = np.random.default_rng(5).lognormal(math.log(total // n), sigma, n)
     floors = np.floor(s / s.sum() * total).astype(np.int64)
     assert np.array_equal(sizes[1:], floors[1:])
@@ -426,7 +426,8 @@ def _reuse(n=20, alpha=0.3, spc=100, seed=0):
 
 
 def _assert_valid_reuse(p: Partition, labels: np.ndarray, n: int, spc: int, num_classes: int = C):
-    """14.12 for variant B: exactly ``spc`` valid indices per client; duplicates allowed."""
+    """Invariant 12 (docs/algorithms.md, Invariants) for variant B: exactly ``spc`` valid indices per client;
+    duplicates allowed."""
     assert p.num_clients == n
     assert np.all(p.sizes == spc)
     for i, ix in enumerate(p.client_indices):
@@ -483,9 +484,9 @@ def test_fixed_size_reuse_exhausted_class_is_reshuffled_and_reused():
 
 
 def test_fixed_size_reuse_matches_the_reference_steps(labels):
-    """The algorithm of ALGORITHMS.md 1.2 (B) written out step by step ([BC] ``data_from_dirichlet``, with the
-    project's generator): pools shuffled once, priors in one call, per client its labels from q_i, next index of
-    the class pool, reshuffle on exhaustion."""
+    """Variant B of docs/algorithms.md, Dirichlet label skew, written out step by step ([BC]
+    ``data_from_dirichlet``, with the project's generator): pools shuffled once, priors in one call, per client
+    its labels from q_i, next index of the class pool, reshuffle on exhaustion."""
     n, spc, alpha = 12, 400, 0.2
     rng = numpy_rng("partition", 0)
     pools = [rng.permutation(np.flatnonzero(labels == c)) for c in range(C)]

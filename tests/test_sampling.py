@@ -1,4 +1,4 @@
-"""Client samplers of fl_core.data.sampling (ALGORITHMS.md 1.5, invariant 14.13)."""
+"""Client samplers of fl_core.data.sampling (docs/algorithms.md, Client sampling; Invariants 13)."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from fl_core.data.sampling import expected_bernoulli_size, fixed_sample_size, sa
 
 
 def test_expected_bernoulli_size_formula():
-    # ALGORITHMS.md 1.5: N=100, p=0.01 -> about 1.58 given non-empty; p=0.1 -> about 10.
+    # docs/algorithms.md, Client sampling: N=100, p=0.01 -> about 1.58 given non-empty; p=0.1 -> about 10.
     assert expected_bernoulli_size(100, 0.01) == pytest.approx(1.5774, abs=1e-3)
     assert expected_bernoulli_size(100, 0.1) == pytest.approx(10.0, abs=1e-3)
     assert expected_bernoulli_size(7, 1.0) == 7.0

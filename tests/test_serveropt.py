@@ -1,4 +1,5 @@
-"""FedAvgM and FedAdam / FedYogi / FedAdagrad server rules (ALGORITHMS.md 4.8, 4.9, 14 item 9)."""
+"""FedAvgM and FedAdam / FedYogi / FedAdagrad server rules (docs/algorithms.md, FedAvgM;
+FedAdam, FedYogi, FedAdagrad; Invariants 9)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_fedavgm_heavy_ball_two_rounds_by_hand():
 
 
 def test_fedavgm_ema_equals_heavy_ball_with_eta_one_minus_beta():
-    # ALGORITHMS.md 14.9; EMA ignores eta_g (3.0 here)
+    # docs/algorithms.md, Invariants 9; EMA ignores eta_g (3.0 here)
     gen = torch.Generator().manual_seed(0)
     rounds = [[(int(n), torch.randn(7, generator=gen, dtype=torch.float64).tolist())
                for n in torch.randint(1, 50, (3,), generator=gen)] for _ in range(6)]

@@ -1,4 +1,5 @@
-"""The IID -> non-IID study's baselines and measurements (ALGORITHMS.md 4.1a and 10).
+"""The IID -> non-IID study's baselines and measurements (docs/algorithms.md, Centralised training and
+LocalSGD; The IID-to-non-IID study).
 
 - layer-wise update cosine similarity on hand-made updates (pair means computed by hand) and against a
   brute-force loop; the effective update amount u on the paper's numbers;

@@ -1,4 +1,4 @@
-"""The vectorised executor reproduces the sequential reference (ALGORITHMS.md section 3 step).
+"""The vectorised executor reproduces the sequential reference (docs/algorithms.md, One local step).
 
 Tolerance: rounding only, ATOL = 1e-6 absolute on the global parameters (observed: <= 1.2e-7 in float32).
 Batched matmuls and convolutions sum in another order than per-client ones, so results are not

@@ -1,7 +1,7 @@
 """The algorithm interface: an algorithm is a small object of hooks the engine calls.
 
 The engine never branches on algorithm names. One local step of client i at step k
-(1-indexed, counted across epochs, ALGORITHMS.md section 3) is::
+(1-indexed, counted across epochs; docs/algorithms.md, One local step) is::
 
     loss  = CE(model(x), y) + algo.local_loss(ctx, params, logits, features, y)
     grads = algo.transform_grads(ctx, k, params, grads)
@@ -65,7 +65,7 @@ class ClientContext:
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
     lr_scale: Optional[Dict[str, torch.Tensor]] = None  # per-parameter lr multipliers (FedNLR), set in client_begin
-    # set by the executor when the algorithm asks for them (FedBCGD+, ALGORITHMS.md 7.2):
+    # set by the executor when the algorithm asks for them (FedBCGD+, docs/algorithms.md, FedBCGD+):
     full_grad: Optional[torch.Tensor] = None  # [d] (vectorised: [C, d]) full-batch gradient at the received model
     anchor_grads: Optional[Dict[str, torch.Tensor]] = None  # this step's batch gradient at the received model
 
@@ -93,9 +93,9 @@ class Algorithm:
 
     name = "base"
     vectorizable = True
-    # executor services (FedBCGD+'s SVRG client, ALGORITHMS.md 7.2): ``needs_full_gradient`` makes the executor
-    # set ``ctx.full_grad`` (mean training loss over ALL the client's samples, at the received model, train mode,
-    # no augmentation) before the first step; ``needs_anchor_gradient`` makes it set ``ctx.anchor_grads`` (the
+    # executor services (FedBCGD+'s SVRG client, docs/algorithms.md, FedBCGD+): ``needs_full_gradient`` makes the
+    # executor set ``ctx.full_grad`` (mean training loss over ALL the client's samples, at the received model, train
+    # mode, no augmentation) before the first step; ``needs_anchor_gradient`` makes it set ``ctx.anchor_grads`` (the
     # same step's mini-batch, same augmentation, at the received model) before every ``transform_grads``.
     needs_full_gradient = False
     needs_anchor_gradient = False
@@ -152,7 +152,7 @@ class Algorithm:
         raise NotImplementedError
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
-        """Floats sent (up, down) per participating client per round (ALGORITHMS.md section 13)."""
+        """Floats sent (up, down) per participating client per round (docs/algorithms.md, Communication accounting)."""
         return float(d), float(d)
 
     def eval_flat(self, server_state: Dict[str, torch.Tensor], global_flat: torch.Tensor) -> torch.Tensor:

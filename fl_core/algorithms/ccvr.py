@@ -1,4 +1,4 @@
-"""CCVR: classifier calibration with virtual representations (Luo et al. 2021; ALGORITHMS.md 4.13).
+"""CCVR: classifier calibration with virtual representations (Luo et al. 2021; docs/algorithms.md, CCVR).
 
 A wrapper that changes nothing during training. After the last round every client computes, with
 the final global model, per-class count N_{c,i}, mean mu_{c,i} and covariance Sigma_{c,i} of its
@@ -112,5 +112,5 @@ class CCVR(Wrapper):
         return flatten_params(model).to(flat.device)
 
     def one_off_upload_floats(self, num_classes: int, f: int) -> int:
-        """C (f + f^2 + 1): the statistics each client uploads once (ALGORITHMS.md section 13)."""
+        """C (f + f^2 + 1): the statistics each client uploads once (docs/algorithms.md, Communication accounting)."""
         return num_classes * (f + f * f + 1)

@@ -1,4 +1,5 @@
-"""Uplink compression baselines: Top-k with error feedback, QSGD and FedPAQ (ALGORITHMS.md section 8).
+"""Uplink compression baselines: Top-k with error feedback, QSGD and FedPAQ (docs/algorithms.md,
+Top-k, QSGD, FedPAQ).
 
 Both compressors are wrappers that act only in ``finish_client``: the base algorithm trains and
 finishes the client as usual (its ``finish_client`` runs FIRST, on the raw update), then the

@@ -1,4 +1,4 @@
-"""FedAvg (McMahan et al. 2017; ALGORITHMS.md section 4.1).
+"""FedAvg (McMahan et al. 2017; docs/algorithms.md, FedAvg).
 
 Client: K_i plain SGD steps from the broadcast model. Server (Option I)::
 

@@ -1,4 +1,4 @@
-"""FedBCGD: federated block coordinate gradient descent (Liu et al., MM'24; ALGORITHMS.md section 7.1).
+"""FedBCGD: federated block coordinate gradient descent (Liu et al., MM'24; docs/algorithms.md, FedBCGD).
 
 The parameters are split into N blocks x_(1..N) and a shared block x_s (usually the classifier).
 Each round the S sampled clients are shuffled (keyed by seed and round) and dealt into N
@@ -38,10 +38,10 @@ BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
     "ResNet18GN": {
         "paper": ([["conv1", "bn1", "layer1"], ["layer2"], ["layer3"], ["layer4.0"], ["layer4.1"]], ["fc"]),  # Table 9
     },
-    # VGGs with the repository's head fc1 (512 -> h) + classifier fc2 (h -> C) (ALGORITHMS.md 2.5, section 9
-    # row 21). The tables' conv rows are matched layer by layer; their FC rows ("FC-2048" x2 in Block 5, shared
-    # "FC-100") do not fit that head, so Block 5 gets the hidden FC fc1 and the shared block the classifier fc2.
-    # No "code" table: the repository's FedBCGD.py does not wire VGG in.
+    # VGGs with the repository's head fc1 (512 -> h) + classifier fc2 (h -> C) (docs/algorithms.md, Model catalogue
+    # and FedBCGD blocks). The tables' conv rows are matched layer by layer; their FC rows ("FC-2048" x2 in Block 5,
+    # shared "FC-100") do not fit that head, so Block 5 gets the hidden FC fc1 and the shared block the classifier
+    # fc2. No "code" table: the repository's FedBCGD.py does not wire VGG in.
     "VGG11": {  # Table 8: two convs per block
         "paper": ([["conv1", "conv2"], ["conv3", "conv4"], ["conv5", "conv6"], ["conv7", "conv8"], ["fc1"]],
                   ["fc2"]),
@@ -173,11 +173,12 @@ class FedBCGD(Algorithm):
 
 
 class FedBCGDPlus(FedBCGD):
-    """FedBCGD+ (ALGORITHMS.md 7.2): FedBCGD's block upload and per-block server momentum plus control variates.
+    """FedBCGD+ (docs/algorithms.md, FedBCGD+): FedBCGD's block upload and per-block server momentum plus control
+    variates.
 
     ``variant="paper"`` (paper Eq. 4 / Alg. 3): client k holds c_k [d], the server c [d]. Before its steps the
     client computes the full-batch gradient g_full = grad f_k(x) at the received model x; every step uses, on
-    the same mini-batch xi (signs as in SVRG and SCAFFOLD, see the errata in ALGORITHMS.md 7.2)::
+    the same mini-batch xi (signs as in SVRG and SCAFFOLD, see docs/algorithms.md, FedBCGD+)::
 
         v = grad f_k(y; xi) - grad f_k(x; xi) + g_full - c_k + c;      y <- y - eta v
         c_k+ = g_full;   upload y_(j), y_s and Delta c = (c_k+ - c_up_k) on block j and the shared block
@@ -185,7 +186,7 @@ class FedBCGDPlus(FedBCGD):
     server: model and momentum exactly as FedBCGD, then c <- c + (1/M) sum_{i in S} Delta c_i (M = all
     clients; each Delta c_i is zero outside its client's block and the shared block, so block j moves by
     the sum over its owners and the shared block by the sum over all sampled clients). c_up_k is c_k as the
-    server knows it: the values last uploaded for each coordinate (ALGORITHMS.md 7.2 pitfalls). The paper's
+    server knows it: the values last uploaded for each coordinate (docs/algorithms.md, FedBCGD+). The paper's
     Delta c = c_k+ - c_k on a block breaks SCAFFOLD's invariant c = (1/M) sum_k c_k, because c_k is
     overwritten on every coordinate but uploaded on one block: the server then accumulates differences to
     values it never received (on digits, errors of |g|/M per participation, as large as c itself). With

@@ -1,4 +1,4 @@
-"""FedBug: bottom-up gradual unfreezing (Kao & Wang; ALGORITHMS.md section 5).
+"""FedBug: bottom-up gradual unfreezing (Kao & Wang; docs/algorithms.md, FedBug).
 
 A wrapper over any base algorithm. The model is split into M ordered units (input side first).
 During the first P*K_i of a client's K_i local steps the units are unfrozen one by one; only

@@ -1,4 +1,4 @@
-"""FedDC: local drift decoupling and correction (Gao et al. 2022; ALGORITHMS.md section 4.10).
+"""FedDC: local drift decoupling and correction (Gao et al. 2022; docs/algorithms.md, FedDC).
 
 Client i holds a drift h_i and a gradient state g_i; the server a global gradient state g::
 

@@ -1,4 +1,4 @@
-"""FedDecorr (Shi et al. 2023; ALGORITHMS.md section 4.7): decorrelate the penultimate features.
+"""FedDecorr (Shi et al. 2023; docs/algorithms.md, FedDecorr): decorrelate the penultimate features.
 
 Local loss = CE + beta * L_dec(z), z [N_b, f] the batch's penultimate features (the model's
 ``forward_features``)::

@@ -1,4 +1,4 @@
-"""FedDyn (Acar et al. 2021; ALGORITHMS.md section 4.3).
+"""FedDyn (Acar et al. 2021; docs/algorithms.md, FedDyn).
 
 Client i starts from the broadcast "cloud" model theta and minimises, with its gradient memory
 hist_i = sum over its past rounds of (theta_i - theta) (so g_i = -alpha_i hist_i)::

@@ -1,4 +1,4 @@
-"""FedExP (Jhunjhunwala et al. 2023; ALGORITHMS.md section 4.6): an adaptive server step size.
+"""FedExP (Jhunjhunwala et al. 2023; docs/algorithms.md, FedExP): an adaptive server step size.
 
 Clients train as in FedAvg. With p_i the aggregation weights over S and Delta_bar = sum p_i Delta_i::
 
@@ -6,7 +6,8 @@ Clients train as in FedAvg. With p_i the aggregation weights over S and Delta_ba
                   x_{t+1} = x_t + eta_g Delta_bar;   evaluate (x_t + x_{t+1}) / 2 (x_1 after round 1)
                   eps <- eps * eps_decay^2 after every round
     fedbug_code:  eta_g = max(1, mean_i ||Delta_i||^2 / (||Delta_bar||^2 + |S|)), uniform mean,
-                  no iterate averaging (FedBug's implementation, section 9 item 7)
+                  no iterate averaging (FedBug's implementation; docs/algorithms.md,
+                  Paper-vs-code switches)
 
 eta_g >= 1 always; with one client eta_g = 1 (then A = B). Logs ``fedexp_eta_g`` every round.
 """

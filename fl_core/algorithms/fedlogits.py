@@ -1,4 +1,4 @@
-"""Logit adjustments during local training: FedRS and FedLC (ALGORITHMS.md sections 4.11, 4.12).
+"""Logit adjustments during local training: FedRS and FedLC (docs/algorithms.md, FedRS and FedLC).
 
 - FedRS (Li & Zhan 2021): logits of classes missing from the client's data are scaled by alpha
   (z_c <- z_c * alpha for c not in A_i); alpha = 1 is FedAvg.

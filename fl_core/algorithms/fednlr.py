@@ -1,4 +1,4 @@
-"""FedNLR: neuron-wise learning rates (Wang et al., KDD'24; ALGORITHMS.md section 6). A wrapper.
+"""FedNLR: neuron-wise learning rates (Wang et al., KDD'24; docs/algorithms.md, FedNLR). A wrapper.
 
 Before its first local step, every client measures the received global model's mean activation
 h_{l,m} of each neuron m of each weighted layer l = 1..L over its whole local data (eval mode;

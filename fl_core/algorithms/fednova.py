@@ -1,4 +1,4 @@
-"""FedNova (Wang et al. 2020; ALGORITHMS.md section 4.5): normalised averaging.
+"""FedNova (Wang et al. 2020; docs/algorithms.md, FedNova): normalised averaging.
 
 Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
 (:func:`normalizer`; plain SGD: a_i = tau_i; with FedNova's proximal term mu:

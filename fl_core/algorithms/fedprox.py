@@ -1,4 +1,4 @@
-"""FedProx (Li et al. 2020; ALGORITHMS.md section 4.2).
+"""FedProx (Li et al. 2020; docs/algorithms.md, FedProx).
 
 Client objective F_i(theta_i) + (mu/2)||theta_i - theta||^2, the anchor theta being a detached
 copy of the received global model; server as FedAvg. mu = 0 is exactly FedAvg.

@@ -1,4 +1,4 @@
-"""SCAFFOLD (Karimireddy et al. 2020; ALGORITHMS.md section 4.4), option II.
+"""SCAFFOLD (Karimireddy et al. 2020; docs/algorithms.md, SCAFFOLD), option II.
 
 Client i corrects every local gradient with the control variates: g <- g + c - c_i (applied to the
 trainable tensors only, so FedBug-frozen units get no correction). After its K_i steps (the steps

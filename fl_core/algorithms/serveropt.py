@@ -1,4 +1,5 @@
-"""Server optimisers on the FedAvg pseudo-gradient (ALGORITHMS.md sections 4.8, 4.9, 14 item 9).
+"""Server optimisers on the FedAvg pseudo-gradient (docs/algorithms.md, FedAvgM; FedAdam, FedYogi,
+FedAdagrad; Invariants 9).
 
 Clients train exactly as in FedAvg and send Delta_i. The server forms the pseudo-gradient
 ``Delta_bar = sum_{i in S} p_i Delta_i`` (p_i = FedAvg's weights: n_i / n_S, or 1/|S| with
@@ -9,9 +10,9 @@ FedAvgM (Hsu et al. 2019, "Measuring the effects of non-identical data distribut
     heavy_ball:  v <- beta v + Delta_bar;                x <- x + eta_g v
     ema:         v <- beta v + (1 - beta) Delta_bar;     x <- x + v          (eta_g is ignored)
 
-The EMA form is what FedDecorr's and FedBug's code call FedAvgM (beta = 0.9, server lr fixed to 1). Its
-state is exactly (1 - beta) times the heavy-ball state, so EMA with beta == heavy-ball with
-eta_g = 1 - beta (14.9): the heavy-ball form's effective step on a constant pseudo-gradient is
+The EMA form is what FedDecorr's and FedBug's code call FedAvgM (beta = 0.9, server lr fixed to 1). Its state
+is exactly (1 - beta) times the heavy-ball state, so EMA with beta == heavy-ball with eta_g = 1 - beta
+(docs/algorithms.md, Invariants 9): the heavy-ball form's effective step on a constant pseudo-gradient is
 eta_g / (1 - beta), the EMA form's is 1. beta = 0 (heavy-ball) is FedAvg.
 
 FedAdam / FedYogi / FedAdagrad (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2), all

@@ -1,5 +1,5 @@
 """Data: raw sources (:mod:`.sources`), client partitions (:mod:`.partition`) and
-client sampling (:mod:`.sampling`); ALGORITHMS.md section 1."""
+client sampling (:mod:`.sampling`); docs/algorithms.md, Data."""
 
 from fl_core.data.partition import (
     Partition,

@@ -1,4 +1,4 @@
-"""Per-sample training augmentation, batched on the device (ALGORITHMS.md section 1.6).
+"""Per-sample training augmentation, batched on the device (docs/algorithms.md, Augmentation and normalisation).
 
 Modes (``train.augmentation``):
 - ``none``: no augmentation (the IID-to-non-IID study, digits).

@@ -1,30 +1,30 @@
-"""Splitting a training set across clients (ALGORITHMS.md section 1.1-1.4).
+"""Splitting a training set across clients (docs/algorithms.md, Data).
 
 Partitions (``partition.name`` / ``partition.variant``):
 
-- ``iid`` (1.1, Acar/FedBug): shuffle the whole training set once and cut it into
+- ``iid`` (IID partition, Acar/FedBug): shuffle the whole training set once and cut it into
   contiguous chunks of sizes :func:`lognormal_sizes`. With ``size_sigma = 0`` every
   client gets ``floor(|D|/N)`` samples and the ``|D| mod N`` samples left at the end of
   the permutation are dropped, as in Acar et al.
-- ``dirichlet`` / ``per_client`` (1.2 A, Acar/FedDyn/FedBug): one class prior
+- ``dirichlet`` / ``per_client`` (variant A, Acar/FedDyn/FedBug): one class prior
   ``q_i ~ Dir(alpha 1_C)`` per client and fixed quotas; samples are dealt one at a time
   to a uniformly random client with quota left, the class drawn from ``q_i`` by inverse
   CDF and redrawn while its pool is empty. Every client ends with exactly its quota, no
   index is used twice; the leftover of balanced quotas is dropped as in ``iid``.
-- ``dirichlet`` / ``fixed_size_reuse`` (1.2 B, FedBCGD ``dirichlet_data.data_from_dirichlet``): every
+- ``dirichlet`` / ``fixed_size_reuse`` (variant B, FedBCGD ``dirichlet_data.data_from_dirichlet``): every
   class pool is shuffled once, one prior ``q_i ~ Dir(alpha 1_C)`` per client, and client by client
   ``partition.samples_per_client`` labels are drawn i.i.d. from ``q_i``; each drawn label takes the
   next index of its class pool, and an exhausted pool is reshuffled and read again from its start.
   Every client has exactly ``samples_per_client`` samples; an index may be held by several clients
   (and twice by one), and some indices by none.
-- ``dirichlet`` / ``per_class`` (1.2 C, NIID-Bench): per class, proportions over clients
+- ``dirichlet`` / ``per_class`` (variant C, NIID-Bench): per class, proportions over clients
   ``p ~ Dir(alpha 1_N)``, zeroed for clients already at or above ``|D|/N``; repeated until
   every client has ``min_size`` samples. Every index is used exactly once; sizes vary.
-- ``shards`` / ``label_S`` (1.4, the default ``partition.shards_variant``; NIID-Bench ``#label-S``
+- ``shards`` / ``label_S`` (the default ``partition.shards_variant``; NIID-Bench ``#label-S``
   generalised to any S <= C): client i holds class ``i mod C`` and ``S - 1`` further distinct
   random classes; each class is split evenly (``array_split``) among its holders. Classes
   nobody holds (possible when N < C) are dropped. Exactly S classes per client; sizes vary.
-- ``shards`` / ``mcmahan_sort_shard`` (1.4, McMahan et al. 2017): the training indices sorted
+- ``shards`` / ``mcmahan_sort_shard`` (McMahan et al. 2017): the training indices sorted
   by label (stable) are cut into N*S equal shards of ``floor(|D| / (N*S))`` samples and every
   client gets S distinct random shards. Balanced (every client holds exactly
   ``S * floor(|D| / (N*S))`` samples). A client may get fewer than S distinct classes (two
@@ -213,7 +213,7 @@ class _atomic:
 
 
 def lognormal_sizes(total: int, num_clients: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
-    """Client sizes n_i (ALGORITHMS.md 1.3, Acar's ``unbalanced_sgm``).
+    """Client sizes n_i (docs/algorithms.md, Lognormal client sizes; Acar's ``unbalanced_sgm``).
 
     ``sigma = 0``: every client gets ``floor(total / N)``; the remainder is not assigned
     (sum = ``N * floor(total / N)``) and nothing is drawn from ``rng``.
@@ -270,7 +270,7 @@ def _iid(labels: np.ndarray, n: int, sigma: float, rng: np.random.Generator) -> 
 def _dirichlet_per_client(
     labels: np.ndarray, num_classes: int, n: int, alpha: float, sigma: float, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """Variant A of ALGORITHMS.md 1.2.
+    """Variant A of docs/algorithms.md, Dirichlet label skew.
 
     Class pools are shuffled first (Acar permutes the whole training set at load time,
     which has the same effect); "pools consumed from the end" then takes the last unused
@@ -319,7 +319,7 @@ def _dirichlet_per_client(
 def _dirichlet_fixed_size_reuse(
     labels: np.ndarray, num_classes: int, n: int, alpha: float, per_client: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """Variant B of ALGORITHMS.md 1.2 (FedBCGD ``dirichlet_data.data_from_dirichlet``).
+    """Variant B of docs/algorithms.md, Dirichlet label skew (FedBCGD ``dirichlet_data.data_from_dirichlet``).
 
     Draw order, as in the reference: (1) every class pool shuffled once (:func:`_class_pools`);
     (2) the priors ``q ~ Dir(alpha 1_C)``, ``[n, C]``, in one call; (3) client by client, its
@@ -362,7 +362,7 @@ def _dirichlet_fixed_size_reuse(
 def _dirichlet_per_class(
     labels: np.ndarray, num_classes: int, n: int, alpha: float, min_size: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """Variant C of ALGORITHMS.md 1.2 (NIID-Bench ``noniid-labeldir``).
+    """Variant C of docs/algorithms.md, Dirichlet label skew (NIID-Bench ``noniid-labeldir``).
 
     An attempt in which every client still below ``|D|/N`` got zero Dirichlet mass (only
     possible by floating-point underflow at tiny alpha) counts as failed and is redrawn.
@@ -400,7 +400,7 @@ def _dirichlet_per_class(
 
 
 def _shards(labels: np.ndarray, num_classes: int, n: int, s: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """ALGORITHMS.md 1.4, the ``#label-S`` scheme (``shards_variant = label_S``)."""
+    """docs/algorithms.md, Shards: the ``#label-S`` scheme (``shards_variant = label_S``)."""
     holders: list[list[int]] = [[] for _ in range(num_classes)]
     for i in range(n):
         first = i % num_classes
@@ -419,7 +419,7 @@ def _shards(labels: np.ndarray, num_classes: int, n: int, s: int, rng: np.random
 
 
 def _sort_and_shard(labels: np.ndarray, n: int, s: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """ALGORITHMS.md 1.4, McMahan's scheme (``shards_variant = mcmahan_sort_shard``).
+    """docs/algorithms.md, Shards: McMahan's scheme (``shards_variant = mcmahan_sort_shard``).
 
     1. ``r = |D| mod (N*S)`` indices, drawn uniformly without replacement, are dropped (none when
        N*S divides |D|, e.g. CIFAR-10 with N*S = 40 or 400). Cutting the sorted order instead would
@@ -511,7 +511,7 @@ def _check(cfg: Any, total: int, num_classes: int) -> None:
 
 
 def make_partition(cfg: Any, labels: np.ndarray, num_classes: int) -> Partition:
-    """Split a training set across ``cfg.num_clients`` clients (ALGORITHMS.md 1.1-1.4).
+    """Split a training set across ``cfg.num_clients`` clients (docs/algorithms.md, Data).
 
     Args:
         cfg: a :class:`~fl_core.config.PartitionConfig` (or DictConfig with its fields).

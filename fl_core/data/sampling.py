@@ -1,4 +1,4 @@
-"""Which clients train in a round (ALGORITHMS.md section 1.5).
+"""Which clients train in a round (docs/algorithms.md, Client sampling).
 
 Two samplers (``train.sampler``):
 

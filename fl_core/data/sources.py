@@ -3,7 +3,7 @@
 A source turns the official files of a dataset into an :class:`FLDataset`: uint8
 image tensors ``[N, C, H, W]`` plus int64 labels, for a train and a test split,
 and the per-channel statistics used by :meth:`FLDataset.normalize`
-(ALGORITHMS.md section 1.6).
+(docs/algorithms.md, Augmentation and normalisation).
 
 Sources (``dataset.name``):
 
@@ -66,7 +66,7 @@ __all__ = [
 SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
 
-# Per-channel statistics of x/255 on the official training sets (ALGORITHMS.md 1.6).
+# Per-channel statistics of x/255 on the official training sets (docs/algorithms.md, Augmentation and normalisation).
 _CIFAR10_STATS = ((0.491, 0.482, 0.447), (0.247, 0.243, 0.262))
 _CIFAR100_STATS = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
 _MNIST_STATS = ((0.1307,), (0.3081,))
@@ -568,7 +568,8 @@ def _idx_problem(data: bytes, magic: int, images: bool) -> tuple[Optional[str], 
 
 
 def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
-    """Tiny-ImageNet from the official ``root/tiny-imagenet-200/`` layout (ALGORITHMS.md 1.6, 2.2).
+    """Tiny-ImageNet from the official ``root/tiny-imagenet-200/`` layout (docs/algorithms.md, Augmentation and
+    normalisation; Model catalogue).
 
     - ``wnids.txt``: the 200 WordNet ids, one per line; class index = position in the *sorted* ids, as
       in FedBug's ImageFolder reader (sorted folder names), so partitions match its class order.
@@ -635,7 +636,8 @@ def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
 
 
 def _cinic10(cfg: Any, root: Path) -> FLDataset:
-    """CINIC-10 from its ImageFolder layout ``root/cinic-10/`` or ``root/CINIC-10/`` (ALGORITHMS.md 6, 12.2).
+    """CINIC-10 from its ImageFolder layout ``root/cinic-10/`` or ``root/CINIC-10/`` (docs/algorithms.md, FedNLR and
+    Paper settings).
 
     - train: ``train/<class>/*.png`` (9,000 per class in the official files), test: ``test/<class>/*.png``
       (9,000 per class). ``valid/`` (another 90,000 images) is not read: there is no option to add it to

@@ -1,4 +1,5 @@
-"""Per-round diagnostics of the IID -> non-IID study (ALGORITHMS.md section 10) and its update measure.
+"""Per-round diagnostics of the IID -> non-IID study (docs/algorithms.md, The IID-to-non-IID study) and its
+update measure.
 
 Pure functions of a round's client updates; the simulator calls them only when the matching
 ``tracking.*`` switch is on, so they cost nothing otherwise:
@@ -6,7 +7,8 @@ Pure functions of a round's client updates; the simulator calls them only when t
 - :func:`layer_cosine` (``tracking.layer_cosine``): layer-wise cosine similarity of the client updates,
   mean over client pairs [S2 Fig. 13];
 - :func:`client_loss_trace` (``tracking.client_loss_trace``): local training losses of chosen clients [S2 Fig. 12];
-- :func:`effective_update`: the effective update amount u of a configuration [S2 Eq. 3] (ALGORITHMS.md 4.1a).
+- :func:`effective_update`: the effective update amount u of a configuration [S2 Eq. 3] (docs/algorithms.md,
+  Effective update amount).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def layer_groups(spec: ParamSpec) -> Dict[str, List[int]]:
 
 @torch.no_grad()
 def layer_cosine(deltas: torch.Tensor, spec: ParamSpec) -> Dict[str, float]:
-    """Mean pairwise cosine similarity of the clients' updates, per layer [S2 Fig. 13] (ALGORITHMS.md 10).
+    """Mean pairwise cosine similarity of the clients' updates, per layer [S2 Fig. 13] (docs/algorithms.md,
+    Layer cosine similarity).
 
     For each layer l (:func:`layer_groups`: weight and bias of one module together) and every pair
     i < j of the S clients, cos(Delta_i^l, Delta_j^l) = <Delta_i^l, Delta_j^l> / (|Delta_i^l| |Delta_j^l|),
@@ -105,7 +108,8 @@ def client_loss_trace(updates: Sequence, num_traced: int) -> Dict[str, float]:
 
 def effective_update(lr: float, local_epochs: int, num_samples: int, batch_size: int, num_clients: int,
                      local_steps: int = 0) -> float:
-    """Effective update amount per round u = eta * E * |D| / (B * K) [S2 Eq. 3] (ALGORITHMS.md 4.1a, 10).
+    """Effective update amount per round u = eta * E * |D| / (B * K) [S2 Eq. 3] (docs/algorithms.md, Effective
+    update amount).
 
     u is the local learning rate times the number of local SGD steps a client takes per round in a
     balanced federation: each of the K clients holds |D| / K samples, so E epochs are E |D| / (B K)

@@ -1,7 +1,7 @@
 """Executors: who trains the sampled clients of a round.
 
 :class:`SequentialExecutor` is the reference: one ``nn.Module`` and one ``torch.optim.SGD`` per
-client, clients one after another, exactly the local step of ALGORITHMS.md section 3. Faster
+client, clients one after another, exactly the local step of docs/algorithms.md, One local step. Faster
 executors must reproduce its global parameters (tests compare them).
 """
 
@@ -26,13 +26,14 @@ class NonFiniteLossError(RuntimeError):
 
 
 def local_steps(num_samples: int, batch_size: int, local_epochs: int) -> int:
-    """K_i = E * ceil(n_i / B) (ALGORITHMS.md section 0)."""
+    """K_i = E * ceil(n_i / B) (docs/algorithms.md, Notation)."""
     return local_epochs * math.ceil(num_samples / batch_size)
 
 
 def client_steps(num_samples: int, batch_size: int, local_epochs: int, steps: int = 0) -> int:
-    """K_i of a client in one round: ``steps`` when > 0 (``train.local_steps``, LocalSGD, ALGORITHMS.md 4.1a),
-    else E epochs, :func:`local_steps`. An empty client takes no step either way (K_i = 0)."""
+    """K_i of a client in one round: ``steps`` when > 0 (``train.local_steps``, LocalSGD; docs/algorithms.md,
+    Centralised training and LocalSGD), else E epochs, :func:`local_steps`. An empty client takes no step either
+    way (K_i = 0)."""
     if steps < 0:
         raise ValueError(f"train.local_steps must be >= 0, got {steps}")
     if steps > 0:
@@ -90,7 +91,7 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
     ``algo.local_loss``), computed in train mode without augmentation, in chunks of ``chunk`` samples
     weighted by their size (so the result is the gradient of the mean over the n_i samples; the extra
     loss is added per chunk with the same weights). FedBCGD+ uses it as its control variate
-    (ALGORITHMS.md 7.2, line 10 of the paper's Alg. 3). An empty client gets zeros.
+    (docs/algorithms.md, FedBCGD+; line 10 of the paper's Alg. 3). An empty client gets zeros.
     """
     named = list(model.named_parameters())
     params = dict(named)

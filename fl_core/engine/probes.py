@@ -3,8 +3,8 @@
 A model exposes its weighted layers in forward order with ``neuron_layers()`` -> [(name, module,
 kind)], kind ``conv`` or ``linear``, the last one being the classifier. A neuron is an output channel
 (conv) or an output unit (linear). Its activation is the post-ReLU output, averaged over spatial
-positions for convolutions; the classifier's raw logits are used as they are (ALGORITHMS.md section
-6, implementation choice IC (a)).
+positions for convolutions; the classifier's raw logits are used as they are (an implementation
+choice: docs/algorithms.md, FedNLR).
 """
 
 from __future__ import annotations

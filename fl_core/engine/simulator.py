@@ -1,4 +1,4 @@
-"""The round loop (DESIGN.md "The flow of one experiment").
+"""The round loop (docs/architecture.md, "The flow of one experiment").
 
 Each round r = 1..R: sample clients -> broadcast -> local training (executor) -> aggregate ->
 evaluate (every ``eval_every`` rounds and at the last) -> log -> checkpoint (every
@@ -107,7 +107,7 @@ class Simulator:
         algorithm: the (possibly wrapped) algorithm.
         executor: an executor built on the same model/algorithm (``run_round``).
         x_test, y_test: test tensors on the device.
-        num_clients, participation, sampler: client sampling (ALGORITHMS.md 1.5).
+        num_clients, participation, sampler: client sampling (docs/algorithms.md, Client sampling).
         rounds, lr, lr_decay, eval_every, eval_batch_size: the schedule.
         seed: the run seed.
         checkpoint_path: file for the round state (None: no checkpoints); ``checkpoint_every`` in rounds.
@@ -206,7 +206,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ loop
     def _diagnostics(self, updates) -> Dict[str, float]:
-        """The study's per-round diagnostics (ALGORITHMS.md 10) that are switched on; {} (no work) when none is."""
+        """The study's per-round diagnostics that are switched on (docs/algorithms.md, Layer cosine similarity
+        and Client loss trace); {} (no work) when none is."""
         out: Dict[str, float] = {}
         if self.layer_cosine:
             out.update(layer_cosine(torch.stack([u.delta for u in updates]), self.spec))

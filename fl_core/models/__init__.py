@@ -20,7 +20,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "resnet18": ResNet18GN,
     "resnet34": ResNet34GN,
     "vgg9": VGG9,
-    "vgg11": VGG11,  # FedBCGD (ALGORITHMS.md 2.5): repository head 512->100->10 / 512->256->100
+    "vgg11": VGG11,  # FedBCGD (docs/algorithms.md, Model catalogue): repository head 512->100->10 / 512->256->100
     "vgg19": VGG19,
 }
 

@@ -13,7 +13,7 @@ class FLModel(nn.Module):
 
     Subclasses set ``self.unit_prefixes``: an ordered list (input side first) of
     lists of module-name prefixes. A unit is what FedBug freezes and unfreezes as
-    one piece (ALGORITHMS.md sections 2 and 5: for CNNs one conv/linear layer with
+    one piece (docs/algorithms.md, FedBug units: for CNNs one conv/linear layer with
     its bias; the classifier is the last unit).
     """
 

@@ -1,13 +1,14 @@
-"""Convolutional models (ALGORITHMS.md section 2).
+"""Convolutional models (docs/algorithms.md, Model catalogue).
 
-- :class:`StandardCNN`: the "standard CNN" of Acar et al. / FedBug, also FedBCGD's LeNet-5 (section 2.1).
-- :class:`TinyCNN`: FedBug's 3-conv CNN for 3x64x64 Tiny-ImageNet (section 2.2), FedBug units ``code5`` | ``paper6``.
-- :class:`McMahanCNN`: the 2-conv CNN of McMahan et al. used by the IID-to-non-IID study (section 2.3, valid padding).
+- :class:`StandardCNN`: the "standard CNN" of Acar et al. / FedBug, also FedBCGD's LeNet-5.
+- :class:`TinyCNN`: FedBug's 3-conv CNN for 3x64x64 Tiny-ImageNet, FedBug units ``code5`` | ``paper6``.
+- :class:`McMahanCNN`: the 2-conv CNN of McMahan et al. used by the IID-to-non-IID study (valid padding).
 - :class:`SmallCNN`: a small CNN for 8x8 inputs (scikit-learn digits), not from a paper.
 
 Every model here also has ``neuron_layers()`` (:class:`NeuronLayersMixin`): its weighted layers in forward
-order, as FedNLR's activation statistics need them (section 6). All ReLUs are functional and applied to a
-layer's output after the layer module returns, so a forward hook on a listed module sees pre-activations.
+order, as FedNLR's activation statistics need them (docs/algorithms.md, Neuron layers). All ReLUs are
+functional and applied to a layer's output after the layer module returns, so a forward hook on a listed
+module sees pre-activations.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class NeuronLayersMixin:
 
     ``NEURON_LAYERS`` is a sequence of ``(module name, kind)`` in forward order, kind ``"conv"`` or
     ``"linear"``; the last entry is the classifier. A neuron is an output channel of a conv layer or an
-    output unit of a linear layer (ALGORITHMS.md section 6).
+    output unit of a linear layer (docs/algorithms.md, Neuron layers).
     """
 
     NEURON_LAYERS: Sequence[Tuple[str, str]] = ()
@@ -83,14 +84,14 @@ class StandardCNN(NeuronLayersMixin, FLModel):
 
 
 class TinyCNN(NeuronLayersMixin, FLModel):
-    """FedBug's Tiny-ImageNet CNN (ALGORITHMS.md section 2.2, [FB] ``utils_models.py``).
+    """FedBug's Tiny-ImageNet CNN (docs/algorithms.md, Model catalogue; [FB] ``utils_models.py``).
 
     conv5x5(64)-pool-conv5x5(64)-pool-conv5x5(64)-pool-fc256-fc128-fc(C), valid padding, ReLU after every
     layer but the last. For 3x64x64 inputs the spatial sizes are 60-30, 26-13, 9-4, so fc1 sees 64*4*4 = 1024
     features; d = 530,888 for C = 200. Input ``[B, 3, 64, 64]`` (other sizes work if they survive the three
     conv/pool stages); features: relu(fc2) ``[B, 128]``.
 
-    FedBug units (``units``, section 5):
+    FedBug units (``units``; docs/algorithms.md, FedBug units):
 
     - ``code5`` (= ``default``, M = 5): what the FedBug code does. It toggles only {conv2, fc1, fc2, fc3} and
       never freezes conv3, so conv3 shares the always-trainable first unit with conv1:
@@ -132,7 +133,7 @@ class TinyCNN(NeuronLayersMixin, FLModel):
 class McMahanCNN(NeuronLayersMixin, FLModel):
     """conv5x5(32)-pool-conv5x5(64)-pool-fc512-fc(C), valid padding; d = 878,538 for 3x32x32, C = 10.
 
-    Widths are inferred (the study gives none, ALGORITHMS.md 2.3). Features: relu(fc1) ``[B, 512]``.
+    Widths are inferred (the study gives none; docs/algorithms.md, Model catalogue). Features: relu(fc1) ``[B, 512]``.
     Units (M = 4): conv1, conv2, fc1, fc2.
     """
 

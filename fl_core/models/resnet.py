@@ -1,11 +1,12 @@
-"""ResNet-18 / ResNet-34 with GroupNorm, as used by FedBug / Acar et al. (ALGORITHMS.md sections 2.6 and 2.7).
+"""ResNet-18 / ResNet-34 with GroupNorm, as used by FedBug / Acar et al. (docs/algorithms.md, Model catalogue
+and FedBug units).
 
 The networks are torchvision's ImageNet-style ResNets (7x7 stride-2 stem conv + 3x3 stride-2 max-pool, four
 stages of basic blocks with widths 64/128/256/512, adaptive average pooling, ``fc = Linear(512, C)``), built
 through torchvision's ``norm_layer`` argument so that every BatchNorm -- stem, blocks and downsample
 shortcuts -- is a ``GroupNorm(norm_groups, channels)`` (GN(2) in the papers). GroupNorm keeps no running
 statistics, so the models have parameters only and no buffers: everything the server averages is in
-``named_parameters()`` (section 0).
+``named_parameters()`` (docs/algorithms.md, Notation).
 
 Parameter counts for 3-channel inputs: ResNet-18 d = 11,227,812 (C = 100), 11,181,642 (C = 10);
 ResNet-34 d = 21,335,972 (C = 100), 21,289,802 (C = 10). GroupNorm has the same affine parameters as
@@ -33,7 +34,8 @@ _MIN_WIDTH = 64  # the narrowest GroupNorm (stem and layer1); every width is a m
 
 
 def module_units(stages: Sequence[int]) -> List[List[str]]:
-    """FedBug unit "M" (M = 4): {conv1, bn1, layer1}, {layer2}, {layer3}, {layer4, fc} (section 2.7)."""
+    """FedBug unit "M" (M = 4): {conv1, bn1, layer1}, {layer2}, {layer3}, {layer4, fc} (docs/algorithms.md,
+    FedBug units)."""
     del stages  # the same four units for every depth
     return [[*_STEM, "layer1"], ["layer2"], ["layer3"], ["layer4", "fc"]]
 
@@ -41,7 +43,7 @@ def module_units(stages: Sequence[int]) -> List[List[str]]:
 def block_units(stages: Sequence[int]) -> List[List[str]]:
     """FedBug unit "B": one unit per residual block, the stem glued to ``layer1.0`` and ``fc`` to the last block.
 
-    ResNet-18 gives M = 8 units, ResNet-34 M = 16 (section 2.7).
+    ResNet-18 gives M = 8 units, ResNet-34 M = 16 (docs/algorithms.md, FedBug units).
     """
     units = [[f"layer{s + 1}.{b}"] for s, n in enumerate(stages) for b in range(n)]
     units[0] = [*_STEM, *units[0]]
@@ -50,7 +52,8 @@ def block_units(stages: Sequence[int]) -> List[List[str]]:
 
 
 class ResNetGN(FLModel):
-    """torchvision ResNet-18/34 with ``GroupNorm(norm_groups, C)`` in place of every BatchNorm (section 2.6).
+    """torchvision ResNet-18/34 with ``GroupNorm(norm_groups, C)`` in place of every BatchNorm (docs/algorithms.md,
+    Model catalogue).
 
     Input ``[B, C_in, H, W]`` (3x32x32 CIFAR or 3x64x64 Tiny-ImageNet in the papers; any ``C_in`` -- a
     non-RGB input only changes the stem conv's input channels); output logits ``[B, C]``; features: the
@@ -59,7 +62,7 @@ class ResNetGN(FLModel):
     Parameter names are torchvision's (``conv1.weight``, ``bn1.weight`` -- a GroupNorm despite the name --,
     ``layer1.0.conv1.weight``, ``layer2.0.downsample.1.bias``, ``fc.weight``, ...).
 
-    FedBug units (``units``, section 2.7):
+    FedBug units (``units``; docs/algorithms.md, FedBug units):
 
     - ``module`` (= ``default``, M = 4): {conv1, bn1, layer1}, {layer2}, {layer3}, {layer4, fc}.
     - ``block`` (M = 8 for ResNet-18, 16 for ResNet-34): one unit per basic block (with its norms and

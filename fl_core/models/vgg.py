@@ -1,4 +1,4 @@
-"""VGG models: VGG-9 of FedNLR (ALGORITHMS.md 2.4) and VGG-11 / VGG-19 of FedBCGD (ALGORITHMS.md 2.5).
+"""VGG models: VGG-9 of FedNLR and VGG-11 / VGG-19 of FedBCGD (docs/algorithms.md, Model catalogue).
 
 VGG-9 (:class:`VGG9`)
 ---------------------
@@ -31,7 +31,7 @@ Every ReLU is functional and applied after the registered layer, so a forward ho
 
 VGG-11 / VGG-19 (:class:`VGG11`, :class:`VGG19`)
 -------------------------------------------------
-The CIFAR-style VGGs of the FedBCGD repository ([BC] ``models/VGG.py``, ALGORITHMS.md 2.5): Simonyan &
+The CIFAR-style VGGs of the FedBCGD repository ([BC] ``models/VGG.py``; docs/algorithms.md, Model catalogue): Simonyan &
 Zisserman's configurations A (VGG-11) and E (VGG-19) of 3x3 convolutions (padding 1, with bias, ReLU, no
 BatchNorm), a 2x2 max-pool after each of the five stages, flatten, and the repository's two-layer head::
 
@@ -48,14 +48,14 @@ Parameter counts (3x32x32 inputs, weights + biases):
     VGG-19 convs 20,024,384; C = 10: 20,076,694;  C = 100: 20,181,412
 
 The FedBCGD paper's block tables (Tables 8 and 10) list the same conv weight counts but other classifier sizes
-("FC-2048", "FC-100"), which do not fit a 512-d flatten; ALGORITHMS.md section 9 row 21 keeps the repository's
-head (the last two rows of Table 10, 131,072 = 512x256 and 25,600 = 256x100, are exactly the repository's
-CIFAR-100 head). No buffers, no dropout: the forward pass is deterministic.
+("FC-2048", "FC-100"), which do not fit a 512-d flatten; the repository's head is kept (docs/algorithms.md,
+Model catalogue; the last two rows of Table 10, 131,072 = 512x256 and 25,600 = 256x100, are exactly the
+repository's CIFAR-100 head). No buffers, no dropout: the forward pass is deterministic.
 
-Initialisation (``init``; neither ALGORITHMS.md nor the paper states one): ``kaiming`` (default) is torchvision's
-VGG initialisation -- conv weights ``kaiming_normal_(mode="fan_out", nonlinearity="relu")``, linear weights
-N(0, 0.01^2), all biases 0; ``torch`` keeps PyTorch's layer defaults. Without normalisation the PyTorch defaults
-(std 1/sqrt(3 fan_in), i.e. the second moment shrinks about 6x per conv+ReLU) wash the input out of a deep
+Initialisation (``init``; the paper states none, docs/algorithms.md, Model catalogue): ``kaiming`` (default) is
+torchvision's VGG initialisation -- conv weights ``kaiming_normal_(mode="fan_out", nonlinearity="relu")``, linear
+weights N(0, 0.01^2), all biases 0; ``torch`` keeps PyTorch's layer defaults. Without normalisation the PyTorch
+defaults (std 1/sqrt(3 fan_in), i.e. the second moment shrinks about 6x per conv+ReLU) wash the input out of a deep
 VGG: at init on N(0, 1) inputs, VGG-19's logits vary across inputs by ~2e-7 of their size (they are set
 by the biases) and the first conv's relative gradient is ~1e-8; with ``kaiming`` both are ~1e-1 / ~1e-3.
 """
@@ -77,7 +77,7 @@ _HIDDEN = 512
 
 
 class VGG9(NeuronLayersMixin, FLModel):
-    """VGG-9 / ``ModerateCNN`` (ALGORITHMS.md 2.4) for ``[B, C_in, H, W]`` inputs.
+    """VGG-9 / ``ModerateCNN`` (docs/algorithms.md, Model catalogue) for ``[B, C_in, H, W]`` inputs.
 
     The flatten size is ``256 * (H // 8) * (W // 8)``: 4096 for 32x32 inputs as in NIID-Bench; other input
     sizes work as long as ``H, W >= 8``. Features: the classifier's 512-d input (relu(fc2) after the second
@@ -149,7 +149,7 @@ def _layer_names(cfg: Sequence[Union[int, str]]) -> Tuple[str, ...]:
 
 
 def repo_head_width(num_classes: int) -> int:
-    """Hidden width h of the FedBCGD repository's VGG head ``512 -> h -> C`` (ALGORITHMS.md 2.5, section 9 row 21).
+    """Hidden width h of the FedBCGD repository's VGG head ``512 -> h -> C`` (docs/algorithms.md, Model catalogue).
 
     The repository has 100 for CIFAR-10 and 256 for CIFAR-100; other class counts follow the same split
     (h = 100 up to 10 classes, 256 above -- an extrapolation, e.g. 256 for Tiny-ImageNet's 200 classes).
@@ -158,7 +158,8 @@ def repo_head_width(num_classes: int) -> int:
 
 
 class FedBCGDVGG(NeuronLayersMixin, FLModel):
-    """CIFAR-style VGG without normalisation and with the FedBCGD repository's head (ALGORITHMS.md 2.5).
+    """CIFAR-style VGG without normalisation and with the FedBCGD repository's head (docs/algorithms.md, Model
+    catalogue).
 
     Layers: ``conv1 .. convK`` (``nn.Conv2d(in, out, 3, padding=1)``, ReLU, a 2x2 max-pool after the last conv
     of each of the five stages), ``fc1 = Linear(512 * (H // 32) * (W // 32), h)`` + ReLU, ``fc2 = Linear(h, C)``
