@@ -424,9 +424,9 @@ class _Experiment:
                                       {s: r["summary"] for s, r in ok.items()}, failures, self.model_d)
         summary.update(fingerprint=self.store.fingerprint, seeds_run=sorted(self.records))
         all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
-        write_text(staging / "runs.csv", _csv(all_rows, ["seed"] + _history_columns(all_rows)))
+        write_text(staging / "runs.csv", _csv(all_rows, _history_columns(all_rows)))
         mean_rows = mean_curve(histories)
-        write_text(staging / "rounds.csv", _csv(mean_rows, ["round"] + _history_columns(mean_rows)[1:]))
+        write_text(staging / "rounds.csv", _csv(mean_rows, _history_columns(mean_rows)))
         experiment_figure(histories, readable_title(self.name, self.algo_desc, self.pkey, failed=not histories),
                           staging / "curves.png")
         if not ok:  # keep the folder DVC expects, saying why it holds no model

@@ -1,7 +1,8 @@
 """Exactly one clean run per experiment and seed, whatever is killed: fault injection at every named point.
 
-Each case runs a two-seed SCAFFOLD grid experiment in a subprocess that ``FL_FAULT`` kills (SIGKILL)
-or interrupts (SIGINT) at a named point of :mod:`fl_core.faults`, then runs the same command again
+Each case runs a two-seed SCAFFOLD grid experiment in a process (a fork of this one, or a new
+interpreter) that ``FL_FAULT`` kills (SIGKILL) or interrupts (SIGINT) at a named point of
+:mod:`fl_core.faults`, then runs the same command again
 (in this process) and checks the end state against an uninterrupted run: the same final models,
 one MLflow parent with one child per seed, every (metric, step) once, every run FINISHED, no
 temporary or staging files, no attempt folder left.
@@ -54,6 +55,29 @@ def _env(tmp: Path, fault: str | None = None) -> dict:
 def _subprocess(tmp: Path, args, fault=None):
     return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=tmp, env=_env(tmp, fault),
                           capture_output=True, text=True, timeout=300)
+
+
+def _killed(tmp: Path, args, fault: str) -> int:
+    """The command in a forked copy of this process (no interpreter start-up) with ``FL_FAULT=fault``;
+    returns ``-signal`` when the fault killed it, else its exit status."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.chdir(tmp)
+            os.environ.update(_env(tmp, fault))
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            from pipeline.train import main
+
+            code = main(args)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 def _in_process(tmp: Path, args, monkeypatch) -> int:
@@ -135,8 +159,7 @@ def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, mo
     (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
     # the second hit of the checkpoint points, so that a previous checkpoint exists
     fault = f"{point}@2" if point in ("checkpoint_write", "checkpoint_swap") else point
-    killed = _subprocess(tmp, ["--grid", "exp"], fault)
-    assert killed.returncode == -signal.SIGKILL, (point, killed.returncode, killed.stderr)
+    assert _killed(tmp, ["--grid", "exp"], fault) == -signal.SIGKILL, point
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     _assert_clean(tmp, reference)
 
@@ -144,8 +167,8 @@ def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, mo
 @pytest.mark.slow
 def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys):
     tmp = _project(tmp_path)
-    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
-    assert _subprocess(tmp, ["--grid", "exp"], "after_child_finished").returncode == -signal.SIGKILL
+    assert _killed(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
+    assert _killed(tmp, ["--grid", "exp"], "after_child_finished") == -signal.SIGKILL
     (tmp / "results" / "exp").mkdir(parents=True)
     (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
@@ -174,7 +197,7 @@ def _garbage_both(attempt: Path) -> None:
 def test_unreadable_checkpoints_are_moved_aside(tmp_path, reference, monkeypatch, capsys, spoil, moved, resumed):
     tmp = _project(tmp_path)
     # killed inside the third checkpoint write of seed 1: seed_1.pt holds round 2, seed_1.pt.prev round 1
-    assert _subprocess(tmp, ["--grid", "exp"], "checkpoint_write@3").returncode == -signal.SIGKILL
+    assert _killed(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
     attempt = next((tmp / "checkpoints" / "exp").iterdir())
     assert (attempt / "seed_1.pt").exists() and (attempt / "seed_1.pt.prev").exists()
     assert list(attempt.glob("*.tmp"))  # what the kill left: removed by the next start
@@ -229,7 +252,7 @@ def test_orphaned_runs_are_ended_killed(tmp_path, monkeypatch):
     """Runs of a process that is gone (here: a kill before the first checkpoint of a config that is then
     changed) are ended KILLED with a reason when the experiment next starts."""
     tmp = _project(tmp_path)
-    assert _subprocess(tmp, ["--grid", "exp"], "before_first_checkpoint").returncode == -signal.SIGKILL
+    assert _killed(tmp, ["--grid", "exp"], "before_first_checkpoint") == -signal.SIGKILL
     changed = {**GRID, "train": {**GRID["train"], "lr": 0.02}}
     _project(tmp, changed)
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
