@@ -44,6 +44,7 @@ from fl_core.tracking import end_orphaned_runs as tracking_end_orphans
 from .spaces import TRIAL_FIXED, Space, load_space, make_override, merge_overrides
 
 OBJECTIVES = {"acc": "maximize", "uplink": "minimize"}  # uplink: cumulative floats per client, in units of d
+METRIC_NAMES = {"acc": "val_acc", "uplink": "uplink"}  # the objectives' names in Optuna (dashboard, plots)
 SAMPLERS = ("tpe", "cmaes", "gp", "random", "nsga2")
 EXIT_INTERRUPTED = 130
 STALE_REASON = "stale: left RUNNING by an earlier process"

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make t
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fl_core.paths import project_root
-from sweeps.runner import (EXIT_INTERRUPTED, OBJECTIVES, SAMPLERS, DataCache, Settings, TrialRunner,
+from sweeps.runner import (EXIT_INTERRUPTED, METRIC_NAMES, OBJECTIVES, SAMPLERS, DataCache, Settings, TrialRunner,
                            default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url, open_storage,
                            optimize, parse_pruner, quiet_optuna, run_workers, sampler_and_pruner, set_threads,
                            shown_storage)
@@ -154,6 +154,8 @@ def _main(argv: Optional[List[str]]) -> int:
     old = study.user_attrs.get("signature")
     if old is None:
         study.set_user_attr("signature", signature)
+        # the dashboard and plots name the objectives instead of "Objective 0"
+        study.set_metric_names([METRIC_NAMES[o] for o in settings.objectives])
     elif old != signature:
         diff = next(k for k in signature if old.get(k) != signature[k])
         fail(f"study {study_name!r} in {shown_storage(settings.storage)} was created with {diff}={old.get(diff)!r}; "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,9 +37,22 @@ GRID = {
 }
 
 
-def _project(tmp: Path, grid=GRID) -> Path:
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its schema built once (MLflow's migrations take seconds per store)."""
+    from fl_core.tracking import ensure_store
+
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    ensure_store(f"sqlite:///{db}")
+    return db
+
+
+def _project(tmp: Path, grid=GRID, store: Path | None = None) -> Path:
+    """A project folder with ``params.yaml`` and, from ``store``, a copy of an empty MLflow store."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "params.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    if store is not None:
+        shutil.copy(store, tmp / "mlflow.db")
     return tmp
 
 
@@ -57,24 +71,27 @@ def _subprocess(tmp: Path, args, fault=None):
                           capture_output=True, text=True, timeout=300)
 
 
-def _killed(tmp: Path, args, fault: str) -> int:
-    """The command in a forked copy of this process (no interpreter start-up) with ``FL_FAULT=fault``;
-    returns ``-signal`` when the fault killed it, else its exit status."""
+def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = None) -> int:
+    """The command in a forked copy of this process (no interpreter start-up), with ``FL_FAULT=fault``;
+    returns ``-signal`` when a signal ended it, else its exit status. Its stderr goes to ``stderr``."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 1
         try:
             os.chdir(tmp)
             os.environ.update(_env(tmp, fault))
+            torch.set_num_threads(1)  # as every run here: float sums depend on the thread count
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if stderr else devnull, 2)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture of this process
             from pipeline.train import main
 
             code = main(args)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
         finally:
+            sys.stderr.flush()
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -143,32 +160,32 @@ def _assert_clean(tmp: Path, reference: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, empty_store):
     """Final models of an uninterrupted run."""
-    tmp = _project(tmp_path_factory.mktemp("reference"))
-    proc = _subprocess(tmp, ["--grid", "exp"])
-    assert proc.returncode == 0, proc.stderr
+    tmp = _project(tmp_path_factory.mktemp("reference"), store=empty_store)
+    assert _forked(tmp, ["--grid", "exp"]) == 0
     return _models(tmp)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", list(faults.POINTS))
-def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, monkeypatch):
-    tmp = _project(tmp_path)
+def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, monkeypatch, empty_store):
+    tmp = _project(tmp_path, store=None if point == "store_init" else empty_store)
     (tmp / "results" / "exp").mkdir(parents=True)
     (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
     # the second hit of the checkpoint points, so that a previous checkpoint exists
     fault = f"{point}@2" if point in ("checkpoint_write", "checkpoint_swap") else point
-    assert _killed(tmp, ["--grid", "exp"], fault) == -signal.SIGKILL, point
+    assert _forked(tmp, ["--grid", "exp"], fault) == -signal.SIGKILL, point
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     _assert_clean(tmp, reference)
 
 
 @pytest.mark.slow
-def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys):
-    tmp = _project(tmp_path)
-    assert _killed(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
-    assert _killed(tmp, ["--grid", "exp"], "after_child_finished") == -signal.SIGKILL
+def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys,
+                                                               empty_store):
+    tmp = _project(tmp_path, store=empty_store)
+    assert _forked(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
+    assert _forked(tmp, ["--grid", "exp"], "after_child_finished") == -signal.SIGKILL
     (tmp / "results" / "exp").mkdir(parents=True)
     (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
@@ -194,10 +211,11 @@ def _garbage_both(attempt: Path) -> None:
     (_truncate_current, ["seed_1.pt"], "exp seed 1: resumed from round 1"),  # the previous checkpoint is used
     (_garbage_both, ["seed_1.pt", "seed_1.pt.prev"], None),  # nothing readable: from scratch
 ])
-def test_unreadable_checkpoints_are_moved_aside(tmp_path, reference, monkeypatch, capsys, spoil, moved, resumed):
-    tmp = _project(tmp_path)
+def test_unreadable_checkpoints_are_moved_aside(tmp_path, reference, monkeypatch, capsys, spoil, moved, resumed,
+                                               empty_store):
+    tmp = _project(tmp_path, store=empty_store)
     # killed inside the third checkpoint write of seed 1: seed_1.pt holds round 2, seed_1.pt.prev round 1
-    assert _killed(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
+    assert _forked(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
     attempt = next((tmp / "checkpoints" / "exp").iterdir())
     assert (attempt / "seed_1.pt").exists() and (attempt / "seed_1.pt.prev").exists()
     assert list(attempt.glob("*.tmp"))  # what the kill left: removed by the next start
@@ -217,13 +235,13 @@ def test_unreadable_checkpoints_are_moved_aside(tmp_path, reference, monkeypatch
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_and_the_rerun_resumes(tmp_path, reference, monkeypatch, capsys):
-    tmp = _project(tmp_path)
-    interrupted = _subprocess(tmp, ["--grid", "exp"], "before_first_checkpoint@2:INT")  # seed 2, round 1
-    assert interrupted.returncode == 130, interrupted.stderr
-    assert interrupted.stderr.strip().splitlines()[-1] == \
-        "interrupted at round 1; run the same command again to resume"
-    assert "Traceback" not in interrupted.stderr
+def test_ctrl_c_prints_one_line_and_the_rerun_resumes(tmp_path, reference, monkeypatch, capsys, empty_store):
+    tmp = _project(tmp_path, store=empty_store)
+    log = tmp_path.parent / f"{tmp_path.name}.stderr"
+    assert _forked(tmp, ["--grid", "exp"], "before_first_checkpoint@2:INT", stderr=log) == 130  # seed 2, round 1
+    err = log.read_text()
+    assert err.strip().splitlines()[-1] == "interrupted at round 1; run the same command again to resume"
+    assert "Traceback" not in err
     _client, runs = _mlflow_state(tmp)
     assert {r.info.status for r in runs if r.data.tags.get("fl.seed") == "2"} == {"KILLED"}
     assert {r.info.status for r in runs if r.data.tags.get("fl.role") == "parent"} == {"KILLED"}
@@ -248,11 +266,11 @@ def test_second_writer_of_the_same_experiment_exits_2_naming_the_holder(tmp_path
 
 
 @pytest.mark.slow
-def test_orphaned_runs_are_ended_killed(tmp_path, monkeypatch):
+def test_orphaned_runs_are_ended_forked(tmp_path, monkeypatch, empty_store):
     """Runs of a process that is gone (here: a kill before the first checkpoint of a config that is then
     changed) are ended KILLED with a reason when the experiment next starts."""
-    tmp = _project(tmp_path)
-    assert _killed(tmp, ["--grid", "exp"], "before_first_checkpoint") == -signal.SIGKILL
+    tmp = _project(tmp_path, store=empty_store)
+    assert _forked(tmp, ["--grid", "exp"], "before_first_checkpoint") == -signal.SIGKILL
     changed = {**GRID, "train": {**GRID["train"], "lr": 0.02}}
     _project(tmp, changed)
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
@@ -264,12 +282,13 @@ def test_orphaned_runs_are_ended_killed(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_path, monkeypatch, capsys):
+def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_path, monkeypatch, capsys,
+                                                                          empty_store):
     """A grid entry that diverges (lr 100) ends its `--grid` stage with exit 0 and `status: failed`; the
     other experiments and the report still run; a single CLI run of it exits 1."""
     grid = {**GRID, "seeds": [1], "engine": {"checkpoint_every": 2, "progress": False},
             "experiments": {"good": {"algorithm": "fedavg"}, "bad": {"algorithm": "fedavg", "train.lr": 100}}}
-    tmp = _project(tmp_path, grid)
+    tmp = _project(tmp_path, grid, store=empty_store)
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "bad"], monkeypatch) == 0
     err = capsys.readouterr().err
@@ -294,8 +313,8 @@ def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_pa
     assert "## Failed" in report and "- `bad`: FAILED: seed 1: non-finite" in report
     assert json.loads((tmp / "results" / "good" / "metrics.json").read_text())["status"] == "ok"
 
-    single = _subprocess(tmp, ["train.lr=100", "seed=1", "name=single", "engine.progress=false",
-                               "partition.num_clients=4", "train.rounds=4", "train.participation=1.0",
-                               "train.local_epochs=1", "train.batch_size=64"])
-    assert single.returncode == 1
-    assert single.stderr.strip().splitlines()[-1].startswith("single: FAILED (seed 1: non-finite")
+    capsys.readouterr()
+    assert _in_process(tmp, ["train.lr=100", "seed=1", "name=single", "engine.progress=false",
+                             "partition.num_clients=4", "train.rounds=4", "train.participation=1.0",
+                             "train.local_epochs=1", "train.batch_size=64"], monkeypatch) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("single: FAILED (seed 1: non-finite")

@@ -228,7 +228,9 @@ def test_every_shipped_space_runs_a_tiny_study(sandbox, name):
             "--no-test", "--no-mlflow", "--sampler-seed", "0", "train.rounds=2", "partition.num_clients=3",
             "train.local_steps=2", "train.batch_size=16"]
     assert tune.main(args) == 0
-    trials = _study(sandbox / "s.log", name).trials
+    study = _study(sandbox / "s.log", name)
+    assert study.metric_names == ["val_acc"]
+    trials = study.trials
     assert len(trials) == 3 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
     for t in trials:
         if t.state.name == "PRUNED":  # default pruner: no pruning before 5 trials; only infeasible settings
@@ -465,6 +467,7 @@ def test_multi_objective_study_has_a_pareto_front_and_no_pruning(sandbox):
     assert tune.main(args) == 0
     study = _study(sandbox / "mo.log", "mo")
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    assert study.metric_names == ["val_acc", "uplink"]
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
     assert complete and all(not t.intermediate_values for t in study.trials)
     summary = json.loads((out / "summary.json").read_text())
