@@ -37,7 +37,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from .files import atomic_write
-from .report import _parse_partition, algorithm_label, partition_label
+from .report import _num, _parse_partition, algorithm_label, partition_label
 
 # tab10: a qualitative palette whose colours stay apart in print and for the common colour-vision deficiencies
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -331,19 +331,8 @@ def comparison_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[s
 EXPERIMENT_PANELS = (("test_acc", ACC_LABEL, 100.0), ("test_loss", "test loss", 1.0), ("train_loss", "training loss", 1.0))
 
 
-def _value(row: Mapping, key: str) -> Optional[float]:
-    v = row.get(key)
-    if v is None or isinstance(v, bool) or v == "":
-        return None
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
 def _series(hist: Sequence[Mapping], key: str) -> Tuple[List[float], List[float]]:
-    pts = sorted((int(r["round"]), v) for r in hist if "round" in r for v in [_value(r, key)] if v is not None)
+    pts = sorted((int(r["round"]), v) for r in hist if "round" in r for v in [_num(r.get(key))] if v is not None)
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
