@@ -185,21 +185,18 @@ class Tracking:
         for k, v in procs.identity().items():
             self.client.set_tag(run_id, k, v)
 
-    def parent_run(self, name: str, fingerprint: str, tags: Dict[str, str]) -> str:
-        """The parent run of experiment (``name``, ``fingerprint``): the newest one an interrupted
-        command left (:data:`RESUMABLE`), reopened; else a new one. FINISHED and FAILED parents are
-        complete attempts and are never reused."""
+    def parent_run(self, name: str, fingerprint: str, tags: Dict[str, str], continuing: bool = False) -> str:
+        """The parent run of experiment (``name``, ``fingerprint``), reopened, or a new one.
+
+        With ``continuing`` (an unfinished attempt exists on disk) the newest parent is reused whatever
+        its status (a kill may have come after it ended); otherwise only one an interrupted command left
+        (:data:`RESUMABLE`): FINISHED and FAILED parents are complete attempts."""
         for run in self.find_runs({TAG_ROLE: "parent", TAG_EXPERIMENT: name, TAG_FINGERPRINT: fingerprint}):
-            if run.info.status in RESUMABLE:
+            if continuing or run.info.status in RESUMABLE:
                 self.reopen(run.info.run_id)
                 return run.info.run_id
         return self.start_parent(name, {**tags, TAG_ROLE: "parent", TAG_EXPERIMENT: name,
                                         TAG_FINGERPRINT: fingerprint})
-
-    def latest_parent(self, name: str, fingerprint: str) -> Optional[Any]:
-        """The newest parent run of (``name``, ``fingerprint``) whatever its status, or None."""
-        runs = self.find_runs({TAG_ROLE: "parent", TAG_EXPERIMENT: name, TAG_FINGERPRINT: fingerprint})
-        return runs[0] if runs else None
 
     def child_run(self, parent_id: str, seed: int) -> Optional[Any]:
         """The newest child run of ``seed`` under ``parent_id``, or None."""

@@ -267,12 +267,7 @@ class _Experiment:
                 return done
             continuing = store.begin()
             if self.tracking is not None:
-                latest = self.tracking.latest_parent(self.name, store.fingerprint) if continuing else None
-                if latest is not None:
-                    self.parent_id = latest.info.run_id
-                    self.tracking.reopen(self.parent_id)
-                else:
-                    self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags)
+                self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags, continuing)
                 self.tracking.log_inputs(self.parent_id, self.inputs())
             try:
                 return self._run_locked()
