@@ -135,9 +135,9 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM during training; ``round`` is the round that was in progress."""
 
-    def __init__(self, round_: int, signal_name: str = "SIGINT"):
+    def __init__(self, round_: int):
         super().__init__(f"interrupted at round {round_}")
-        self.round, self.signal_name = round_, signal_name
+        self.round = round_
 
 
 class _Progress:
