@@ -27,9 +27,12 @@ class ExperimentResult:
     Attributes:
         history: pandas DataFrame, one row per (seed, round): ``seed``, ``round`` and every metric the
             run logged (``test_acc`` as a fraction in [0, 1], ``test_loss``, ``train_loss``, ``lr``,
-            ``comm_up_floats`` / ``comm_down_floats`` in floats per client, cumulative, ...).
+            ``client_acc_mean`` / ``_std`` / ``_worst10``: the global model's accuracy on each client's
+            label distribution, fractions; ``comm_up_floats`` / ``comm_down_floats`` in floats per
+            client, cumulative, ...).
         summary: mean and std over the seeds that finished (``final_acc_mean``, ``final_acc_std``,
-            ``best_acc_*``, ``rounds_to_target_*``, ``up_floats_to_target_*``), ``failures`` {seed: reason}
+            ``best_acc_*``, ``rounds_to_target_*``, ``up_floats_to_target_*``, ``final_client_acc_mean_*``,
+            ``final_client_acc_worst10_*``), ``failures`` {seed: reason}
             and ``per_seed`` (each seed's own summary).
         models: {seed: final ``state_dict``} of the seeds that finished.
         config: the resolved config of the first seed (a plain dict; ``seed`` differs per seed).

@@ -14,20 +14,32 @@ def rounds_to_target(history: Sequence[Dict[str, float]], target: float) -> Opti
     return None
 
 
+CLIENT_ACC_KEYS = ("client_acc_mean", "client_acc_std", "client_acc_worst10")  # per-client accuracy row keys
+
+
 def summarize_run(history: Sequence[Dict[str, float]], target: float, final_window: int = 1) -> Dict[str, Optional[float]]:
     """final/best test accuracy (fractions), final test and train loss, rounds to ``target``, cumulative comm.
 
     ``final_acc`` is the mean test accuracy of the last ``final_window`` evaluations (FedNLR reports the
     last 5 or 30 rounds). With a post-training step (CCVR) the final accuracy and test loss are those
     of the calibrated model.
+
+    ``final_client_acc_mean`` / ``_std`` / ``_worst10`` are the per-client accuracy summary (fractions;
+    the test set reweighted by each client's label histogram, as FLGo / PFLlib report;
+    :func:`fl_core.engine.simulator.evaluate`) of the last evaluation that has it, or None. With a
+    post-training step they are those of the calibrated model (``post_client_acc_*``) when it has them.
     """
     evals = [r for r in history if "test_acc" in r]
     last = history[-1]
     if "post_test_acc" in last:
-        return {**summarize_run([{k: v for k, v in r.items() if not k.startswith("post_")} for r in history], target,
-                                final_window),
-                "final_acc": last["post_test_acc"], "final_test_loss": last["post_test_loss"],
-                "final_acc_before_post": evals[-1]["test_acc"] if evals else None}
+        out = {**summarize_run([{k: v for k, v in r.items() if not k.startswith("post_")} for r in history], target,
+                               final_window),
+               "final_acc": last["post_test_acc"], "final_test_loss": last["post_test_loss"],
+               "final_acc_before_post": evals[-1]["test_acc"] if evals else None}
+        if "post_client_acc_mean" in last:
+            out.update({f"final_{k}": last[f"post_{k}"] for k in CLIENT_ACC_KEYS})
+        return out
+    client_eval = next((r for r in reversed(evals) if "client_acc_mean" in r), None)
     return {
         "final_acc": (sum(r["test_acc"] for r in evals[-final_window:]) / len(evals[-final_window:])
                       if evals else None),
@@ -39,6 +51,7 @@ def summarize_run(history: Sequence[Dict[str, float]], target: float, final_wind
         "comm_up_floats": last["comm_up_floats"],
         "comm_down_floats": last["comm_down_floats"],
         "rounds": int(last["round"]),
+        **{f"final_{k}": client_eval[k] if client_eval else None for k in CLIENT_ACC_KEYS},
     }
 
 
@@ -59,7 +72,7 @@ def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
 
 
 SUMMARY_KEYS = ("final_acc", "best_acc", "final_test_loss", "final_train_loss", "rounds_to_target",
-                "up_floats_to_target")
+                "up_floats_to_target", "final_client_acc_mean", "final_client_acc_worst10")
 
 
 def summarize_seeds(summaries: Dict[int, Dict[str, Optional[float]]],
@@ -74,7 +87,7 @@ def summarize_seeds(summaries: Dict[int, Dict[str, Optional[float]]],
         "seeds": sorted(summaries), "failed_seeds": sorted(failures),
         "failures": {str(s): r for s, r in sorted(failures.items())}}
     for key in SUMMARY_KEYS:
-        ms = mean_std([s[key] for s in summaries.values()])
+        ms = mean_std([s.get(key) for s in summaries.values()])  # .get: records written before a key existed
         out[f"{key}_mean"], out[f"{key}_std"] = ms["mean"], ms["std"]
     out["target_reached"] = sum(1 for s in summaries.values() if s["rounds_to_target"] is not None)
     out["per_seed"] = {str(s): v for s, v in summaries.items()}

@@ -66,6 +66,10 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
         device: where data, model and states live.
         data: pre-built :class:`ClientData` to share across seeds (else built here).
         logger, checkpoint_path, callbacks: passed to the simulator.
+
+    The simulator gets the clients' training label counts [N, C] (``data.label_counts``, the partition's
+    histogram over the tensors the clients train on), so every evaluation also reports the per-client
+    accuracy summary ``client_acc_mean`` / ``_std`` / ``_worst10``.
     """
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
@@ -88,4 +92,5 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      checkpoint_path=checkpoint_path, checkpoint_every=cfg.engine.checkpoint_every,
                      logger=logger, callbacks=callbacks,
                      neuron_drift_samples=cfg.tracking.neuron_drift_samples,
-                     layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace)
+                     layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace,
+                     client_label_counts=torch.stack(data.label_counts).cpu())

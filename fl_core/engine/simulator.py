@@ -83,20 +83,82 @@ def config_fingerprint(sections: Dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def client_accuracy(correct_per_class, count_per_class, client_label_counts) -> torch.Tensor:
+    """Accuracy of the model on each client's own label distribution: the test set reweighted by the
+    client's label histogram (as FLGo and PFLlib report per-client accuracy of the global model).
+
+    ``a_k = sum_c h_k(c) acc_c`` with ``acc_c = correct_c / count_c`` the per-class test accuracy and
+    ``h_k`` client k's training label counts normalised to sum 1 over the classes present in the test
+    set (a class absent from the test set contributes nothing; its weight is dropped and the rest
+    renormalised). A client whose training labels are all absent from the test set (or that holds no
+    sample) gets NaN.
+
+    Args:
+        correct_per_class: [C] correctly classified test samples per class.
+        count_per_class: [C] test samples per class.
+        client_label_counts: [N, C] training samples of class c held by client k (counts, not fractions).
+
+    Returns:
+        float64 [N] on the CPU: a_k as fractions in [0, 1] (NaN as above).
+    """
+    correct = torch.as_tensor(correct_per_class).detach().to("cpu", torch.float64)
+    count = torch.as_tensor(count_per_class).detach().to("cpu", torch.float64)
+    hist = torch.as_tensor(client_label_counts).detach().to("cpu", torch.float64)
+    present = count > 0
+    acc = torch.where(present, correct / count.clamp(min=1.0), torch.zeros_like(count))
+    w = hist * present  # [N, C]: weights of the classes the test set has
+    return (w * acc).sum(1) / w.sum(1)
+
+
+def client_acc_summary(acc: torch.Tensor) -> Dict[str, float]:
+    """``client_acc_mean`` / ``client_acc_std`` / ``client_acc_worst10`` of the per-client accuracies
+    ``acc`` [N] (fractions, :func:`client_accuracy`).
+
+    mean: unweighted mean over the clients; std: sample standard deviation (ddof = 1; 0.0 for a single
+    client); worst10: mean of the ceil(0.1 N) lowest. NaN entries (clients without a weight on the test
+    classes) are left out; {} if none is left.
+    """
+    a = acc[~torch.isnan(acc)].to(torch.float64)
+    n = int(a.numel())
+    if n == 0:
+        return {}
+    k = -(-n // 10)  # ceil(0.1 n) in integers (0.1 * 30 is 3.0000000000000004 in floats)
+    return {"client_acc_mean": float(a.mean()),
+            "client_acc_std": float(a.std(correction=1)) if n > 1 else 0.0,
+            "client_acc_worst10": float(torch.sort(a).values[:k].mean())}
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> Dict[str, float]:
-    """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on ``x`` [M, C, H, W], ``y`` [M]."""
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+             client_label_counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on ``x`` [M, C, H, W], ``y`` [M].
+
+    With ``client_label_counts`` [N, num_classes] (training label counts per client) the same pass also
+    counts correct predictions per class and adds ``client_acc_mean``, ``client_acc_std`` and
+    ``client_acc_worst10`` (fractions; :func:`client_accuracy`, :func:`client_acc_summary`).
+    """
     model.eval()
     loss = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.long, device=x.device)
+    per_class = client_label_counts is not None
+    if per_class:
+        nc = int(client_label_counts.shape[1])
+        tally = torch.zeros(2 * nc, dtype=torch.long, device=x.device)  # [2c]: misses of c, [2c + 1]: hits
     for s in range(0, x.shape[0], batch_size):
         logits = model(x[s:s + batch_size])
         t = y[s:s + batch_size]
         loss += F.cross_entropy(logits, t, reduction="sum").double()
-        correct += (logits.argmax(1) == t).sum()
+        hit = logits.argmax(1) == t
+        correct += hit.sum()
+        if per_class:  # integer index_add: exact, no host sync
+            tally.index_add_(0, 2 * t + hit.long(), torch.ones_like(t))
     model.train()
     n = max(1, x.shape[0])
-    return {"test_acc": float(correct) / n, "test_loss": float(loss) / n}
+    out = {"test_acc": float(correct) / n, "test_loss": float(loss) / n}
+    if per_class:
+        tally = tally.view(nc, 2).cpu()
+        out.update(client_acc_summary(client_accuracy(tally[:, 1], tally.sum(1), client_label_counts)))
+    return out
 
 
 class Simulator:
@@ -119,6 +181,12 @@ class Simulator:
         client_loss_trace: ``tracking.client_loss_trace`` = n > 0: log ``client_loss/<i>`` of the clients
             i < n that trained, and ``train_loss_clients_min`` / ``_max``
             (:func:`~fl_core.engine.diagnostics.client_loss_trace`).
+        client_label_counts: [num_clients, num_classes] training label counts of each client (the
+            partition's label histogram), or None. Given, every evaluation also logs ``client_acc_mean``,
+            ``client_acc_std`` and ``client_acc_worst10``: the global model's accuracy on each client's
+            label distribution (test set reweighted by the client's label histogram, as FLGo / PFLlib
+            report), summarised over clients (:func:`evaluate`); the post-training step logs them as
+            ``post_client_acc_*``.
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -127,7 +195,8 @@ class Simulator:
                  checkpoint_path: Optional[Path] = None, checkpoint_every: int = 0,
                  logger: Optional[RunLogger] = None,
                  callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
-                 neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0):
+                 neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0,
+                 client_label_counts=None):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -143,6 +212,13 @@ class Simulator:
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
         self.client_loss_trace = int(client_loss_trace)
+        self.client_label_counts: Optional[torch.Tensor] = None  # float64 [N, C] on the CPU
+        if client_label_counts is not None:
+            counts = torch.as_tensor(client_label_counts).detach().to("cpu", torch.float64)
+            if counts.dim() != 2 or counts.shape[0] != num_clients:
+                raise ValueError(f"client_label_counts must be [num_clients={num_clients}, num_classes], "
+                                 f"got {tuple(counts.shape)}")
+            self.client_label_counts = counts
         self.spec = ParamSpec.from_model(model)
         self.device = next(model.parameters()).device
         data = getattr(executor, "data", None)
@@ -257,7 +333,8 @@ class Simulator:
                                             self.x_test[:n], self.y_test[:n], data.num_classes))
                 if r % self.eval_every == 0 or r == self.rounds:
                     load_flat(self.model, self.algo.eval_flat(st["server"], st["global"]))
-                    row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size))
+                    row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size,
+                                        self.client_label_counts))
                     if not math.isfinite(row["test_loss"]):
                         raise NonFiniteLossError(f"non-finite test loss in round {r}")
                 row["round_time_s"] = time.perf_counter() - t0
@@ -281,12 +358,12 @@ class Simulator:
         if post is not None:  # e.g. CCVR's calibrated classifier: evaluate and keep it
             final = post
             load_flat(self.model, final)
-            ev = evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size)
+            ev = evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size, self.client_label_counts)
+            ev = {f"post_{k}": v for k, v in ev.items()}  # post_test_acc, post_test_loss, post_client_acc_*
             last = st["history"][-1]
             if "post_test_acc" not in last:
-                last.update({"post_test_acc": ev["test_acc"], "post_test_loss": ev["test_loss"]})
-                self.logger.log_round(int(last["round"]), {"post_test_acc": ev["test_acc"],
-                                                           "post_test_loss": ev["test_loss"]})
+                last.update(ev)
+                self.logger.log_round(int(last["round"]), ev)
         self.logger.flush()
         load_flat(self.model, final)
         result = RunResult(st["history"], final.detach().cpu().clone(),
