@@ -13,6 +13,13 @@ a kill at any point continues in the same runs, and a reopened run skips every (
 already holds: each metric keeps exactly one value per round. Every run also records the process
 that runs it (:func:`fl_core.procs.identity`), so a later start can end the runs of a process that
 is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``).
+
+What the UI shows: a run's params are :func:`run_params` (the config without the sections of the rules
+that are not in its stack); per-round metrics get MLflow names of the form ``<section>/<key>``
+(:func:`mlflow_metric_name`) so that the chart view shows accuracy, loss, communication, per-round
+bookkeeping and diagnostics in that order (the CSV files and histories keep the plain keys); every
+experiment carries the tag ``mlflow.experimentKind`` = ``custom_model_development`` (a model-training
+experiment, not a GenAI one).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import logging
 import os
 import subprocess
 import time
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 
 from . import procs
 from .paths import store_root
@@ -37,6 +45,20 @@ TAG_END_REASON = "fl.end_reason"
 #: statuses of a run that an interrupted command left behind (a new attempt continues in it)
 RESUMABLE = ("RUNNING", "KILLED", "SCHEDULED")
 ORPHAN_REASON = "orphaned: the process that ran it is gone"
+
+#: MLflow's experiment tag for the kind of work an experiment holds; ``custom_model_development`` is a
+#: model-training experiment (the UI's "Machine learning" / "Model training" kind, vs ``genai_development``)
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+#: sections of the per-round metrics in MLflow, in the order the chart view shows them. The chart view
+#: puts a metric ``a/b/c`` in section ``a/b`` and orders the sections by name (keys without ``/`` go to
+#: "Model metrics", shown after every named section), hence the leading digits.
+GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS = (
+    "1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
+METRIC_GROUPS = (GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS)
+#: per-round bookkeeping of the round loop
+ROUND_KEYS = ("lr", "num_clients", "round_time_s")
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
@@ -70,6 +92,97 @@ def flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
             else:
                 out[key] = v
     return out
+
+
+def mlflow_metric_name(key: str) -> str:
+    """The MLflow name of the per-round metric ``key``: ``<section>/<key>``, the section (one of
+    :data:`METRIC_GROUPS`) telling where the chart view shows it. Tokens are the ``_``-separated parts
+    of ``key``; the first rule that applies wins:
+
+    - a ``/`` in the key (``client_loss/3``): ``5_diagnostics/<key>`` (section ``5_diagnostics/client_loss``);
+    - a token ``acc``: ``1_accuracy/<key>`` (``test_acc``, ``val_acc``, ``post_test_acc``), or
+      ``1_accuracy/clients/<key>`` when the first token is ``client`` (``client_acc_mean`` / ``_std`` /
+      ``_worst10``: their own section, right after the accuracies);
+    - a token ``loss``: ``2_loss/<key>`` (``test_loss``, ``train_loss``, ``train_loss_clients_max``);
+    - first token ``comm``: ``3_communication/<key>`` (``comm_up_floats``, ``comm_down_floats``);
+    - one of :data:`ROUND_KEYS`: ``4_round/<key>`` (``lr``, ``num_clients``, ``round_time_s``);
+    - anything else: ``5_diagnostics/<key>`` (``cos_*``, ``neuron_drift*``, the rules' diagnostics).
+
+    A name already in a section (its first part one of :data:`METRIC_GROUPS`) and MLflow's ``system/``
+    metrics are returned unchanged.
+    """
+    head = key.split("/", 1)[0]
+    if head in METRIC_GROUPS or head == "system":
+        return key
+    if "/" in key:
+        return f"{GROUP_DIAGNOSTICS}/{key}"
+    tokens = key.split("_")
+    if "acc" in tokens:
+        return f"{GROUP_ACCURACY}/clients/{key}" if tokens[0] == "client" else f"{GROUP_ACCURACY}/{key}"
+    if "loss" in tokens:
+        return f"{GROUP_LOSS}/{key}"
+    if tokens[0] == "comm":
+        return f"{GROUP_COMM}/{key}"
+    if key in ROUND_KEYS:
+        return f"{GROUP_ROUND}/{key}"
+    return f"{GROUP_DIAGNOSTICS}/{key}"
+
+
+def _code_names(code) -> set:
+    """The global and attribute names a code object (and the code nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+@lru_cache(maxsize=None)
+def rule_sections() -> Dict[str, FrozenSet[str]]:
+    """Rule name -> the ``algorithm.<section>`` config sections its builder reads.
+
+    Read from the builders of the registries of :mod:`fl_core.algorithms` (``BASES``, ``STRUCTURED``,
+    ``WRAPPERS``): a section is read by a rule when the rule's builder refers to it (``cfg.fedprox.mu``),
+    e.g. ``fedbcgd_plus`` -> {fedbcgd}, ``topk`` / ``qsgd`` -> {compression}, ``fedadam`` -> {server_opt},
+    ``fedavg`` -> {}; a section named as the rule always counts. Sections are the dataclass fields of
+    :class:`fl_core.config.AlgorithmConfig`. A builder that reads the config only through a helper
+    function would hide that helper's sections (tests/test_mlflow_view.py checks that every section is
+    read by some rule).
+    """
+    import dataclasses
+
+    from .algorithms import BASES, STRUCTURED, WRAPPERS
+    from .config import AlgorithmConfig
+
+    sections = {f.name for f in dataclasses.fields(AlgorithmConfig)
+                if f.default_factory is not dataclasses.MISSING
+                and dataclasses.is_dataclass(f.default_factory)}
+    out: Dict[str, FrozenSet[str]] = {}
+    for registry in (BASES, STRUCTURED, WRAPPERS):
+        for rule, build in registry.items():
+            code = getattr(build, "__code__", None)
+            names = _code_names(code) if code is not None else set()
+            out[rule] = frozenset(sections & (names | {rule}))  # a section named as the rule is its own
+    return out
+
+
+def run_params(container: Dict[str, Any]) -> Dict[str, Any]:
+    """MLflow params of a run: :func:`flatten` of the config ``container`` (e.g.
+    :func:`fl_core.config.to_container`), where ``algorithm.*`` keeps its own values (``name``,
+    ``wrappers``, ``aggregation``, ``eta_g``, ... everything that is not a section) and only the sections
+    of the rules in the stack: ``algorithm.name`` and every ``algorithm.wrappers`` entry
+    (:func:`rule_sections`; a rule the registries do not know keeps the section of its own name).
+    Everything outside ``algorithm`` is kept."""
+    algo = container.get("algorithm")
+    if not isinstance(algo, dict):
+        return flatten(container)
+    known = rule_sections()
+    stack = [algo.get("name")] + list(algo.get("wrappers") or [])
+    keep = set()
+    for rule in stack:
+        keep |= known.get(rule, {rule})
+    trimmed = {k: v for k, v in algo.items() if not isinstance(v, dict) or k in keep}
+    return flatten({**container, "algorithm": trimmed})
 
 
 def git_commit(root: Path) -> str:
@@ -168,9 +281,12 @@ class Tracking:
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             self.experiment_id = self.client.create_experiment(experiment,
-                                                               artifact_location=artifact_root(self.uri))
+                                                               artifact_location=artifact_root(self.uri),
+                                                               tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
         else:
             self.experiment_id = exp.experiment_id
+            if TAG_EXPERIMENT_KIND not in exp.tags:  # an older experiment; a kind set in the UI stays
+                self.client.set_experiment_tag(self.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
 
     def find_runs(self, tags: Dict[str, str], status: Optional[str] = None) -> List[Any]:
         """Runs of this experiment whose tags have the given values (newest first)."""
@@ -235,7 +351,11 @@ class Tracking:
             self.client.log_batch(run_id, params=[Param(k, v) for k, v in items[s:s + _MAX_PARAMS_PER_BATCH]])
 
     def log_metrics_once(self, run_id: str, metrics: Dict[str, float], step: int = 0) -> None:
-        """Log step-``step`` values of the keys the run does not hold yet (summaries: once per run)."""
+        """Log step-``step`` values of the keys the run does not hold yet (summaries: once per run).
+
+        Summary names are kept as given (no :func:`mlflow_metric_name` section): they are the runs
+        table's sort columns (``final_acc_mean``, ``summary_best_acc``) and the chart view shows them
+        under "Model metrics", after the per-round sections."""
         from mlflow.entities import Metric
 
         have = self.client.get_run(run_id).data.metrics
@@ -273,6 +393,10 @@ class MlflowRunLogger:
     (:meth:`Tracking.child_run`): an existing child of that seed is reopened and keeps its
     (metric, step) pairs; else, or without them, the run id saved in a checkpoint is reopened, or a
     new child is created.
+
+    Per-round metrics go to MLflow under :func:`mlflow_metric_name`; a metric that a reopened run
+    already holds under its plain name (a run begun before the names had sections) keeps that name,
+    so that each series stays whole.
     """
 
     def __init__(self, tracking: Tracking, parent_id: Optional[str], name: str, tags: Dict[str, str],
@@ -285,12 +409,14 @@ class MlflowRunLogger:
         self.log_every = max(1, int(log_every))
         self.run_id: Optional[str] = None
         self._buffer: List[Any] = []
-        self._logged: Dict[str, set] = {}  # key -> steps the (reopened) run already holds
+        self._logged: Dict[str, set] = {}  # MLflow name -> steps the (reopened) run already holds
+        self._names: Dict[str, str] = {}  # per-round key -> its MLflow name in this run
         self._pending_steps = 0
 
     # -------------------------------------------------------------- RunLogger protocol
     def open(self, saved: Optional[dict]) -> None:
         client = self.tracking.client
+        self._names.clear()
         run_id = None
         if self.parent_id and TAG_SEED in self.tags:
             found = self.tracking.child_run(self.parent_id, int(self.tags[TAG_SEED]))
@@ -315,13 +441,25 @@ class MlflowRunLogger:
     def state(self) -> dict:
         return {"run_id": self.run_id, "parent_id": self.parent_id}
 
+    def metric_name(self, key: str) -> str:
+        """The MLflow name of the per-round metric ``key`` in this run: :func:`mlflow_metric_name`, or
+        ``key`` itself where the reopened run holds ``key`` and not the sectioned name."""
+        name = self._names.get(key)
+        if name is None:
+            name = mlflow_metric_name(key)
+            if name != key and key in self._logged and name not in self._logged:
+                name = key
+            self._names[key] = name
+        return name
+
     def log_round(self, step: int, metrics: Dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
         step = int(step)
-        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items()
-                            if step not in self._logged.get(k, ()))
+        named = ((self.metric_name(k), v) for k, v in metrics.items())
+        self._buffer.extend(Metric(n, float(v), ts, step) for n, v in named
+                            if step not in self._logged.get(n, ()))
         self._pending_steps += 1
         if self._pending_steps >= self.log_every:
             self.flush()

@@ -448,7 +448,7 @@ class TrialRunner:
         import optuna
 
         from fl_core.engine.simulator import RunFailed
-        from fl_core.tracking import flatten
+        from fl_core.tracking import run_params
 
         s = self.settings
         t0 = time.perf_counter()
@@ -464,7 +464,7 @@ class TrialRunner:
             rounds["R"] = int(cfg["train"]["rounds"])
             trial.set_user_attr("algorithm", algo)
             if logger is not None:
-                self.tracking.log_params(logger.run_id, {k: v for k, v in flatten(cfg).items() if k != "seed"})
+                self.tracking.log_params(logger.run_id, {k: v for k, v in run_params(cfg).items() if k != "seed"})
                 self.tracking.client.set_tag(logger.run_id, "algorithm", algo)
 
         def on_round(i: int, r: int, row: Dict[str, float]) -> None:

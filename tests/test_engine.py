@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fl_core.engine.simulator import RunFailed
-from fl_core.tracking import Tracking
+from fl_core.tracking import Tracking, mlflow_metric_name
 
 from conftest import run_sim
 
@@ -41,7 +41,8 @@ def test_interrupted_then_resumed_run_ends_identical(digits, tmp_path):
 
 
 def _metric_steps(tracking, run_id, key):
-    return [m.step for m in tracking.client.get_metric_history(run_id, key)]
+    """Steps of the per-round metric ``key`` (MLflow name: :func:`fl_core.tracking.mlflow_metric_name`)."""
+    return [m.step for m in tracking.client.get_metric_history(run_id, mlflow_metric_name(key))]
 
 
 def test_mlflow_run_has_one_test_acc_per_round_also_after_resume(digits, tmp_path, monkeypatch):
@@ -67,7 +68,7 @@ def test_mlflow_run_has_one_test_acc_per_round_also_after_resume(digits, tmp_pat
         assert sorted(_metric_steps(tracking, lg.run_id, key)) == list(range(1, R + 1)), key
     run = tracking.client.get_run(lg.run_id)
     assert run.info.status == "FINISHED"
-    d = run.data.metrics["comm_up_floats"] / R  # cumulative: R rounds of d floats
+    d = run.data.metrics["3_communication/comm_up_floats"] / R  # cumulative: R rounds of d floats
     assert d == 71754  # small_cnn on 1x8x8 digits
 
 

@@ -1,0 +1,239 @@
+"""What the MLflow UI shows: params of the rules in the stack only, per-round metric names grouped in
+sections (accuracy first), and experiments marked as model training (fl_core/tracking.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fl_core.config import BASE_ALGORITHMS, WRAPPERS, AlgorithmConfig, to_container
+from fl_core.tracking import (EXPERIMENT_KIND, METRIC_GROUPS, TAG_EXPERIMENT_KIND, Tracking, ensure_store, flatten,
+                              mlflow_metric_name, rule_sections, run_params)
+
+from conftest import run_sim, tiny_cfg
+
+SECTIONS = {f.name for f in dataclasses.fields(AlgorithmConfig) if dataclasses.is_dataclass(f.default_factory)}
+
+
+def _sections_in(params) -> set:
+    """The algorithm.<section> names that ``params`` carries."""
+    return {k.split(".")[1] for k in params if k.startswith("algorithm.") and k.count(".") >= 2}
+
+
+# ------------------------------------------------------------------------------------------ run_params
+
+
+def test_every_rule_of_the_config_is_in_the_registries_and_every_section_is_read_by_a_rule():
+    known = rule_sections()
+    assert set(BASE_ALGORITHMS) | set(WRAPPERS) == set(known)
+    assert set().union(*known.values()) == SECTIONS  # no section that run_params would always drop
+    for rule, sections in known.items():
+        assert sections <= SECTIONS
+        if rule in SECTIONS:
+            assert rule in sections, rule
+
+
+def test_rule_sections_follow_the_builders():
+    known = rule_sections()
+    assert known["fedavg"] == frozenset()
+    assert known["fedprox"] == {"fedprox"}
+    assert known["fedbcgd_plus"] == {"fedbcgd"}
+    assert known["topk"] == known["qsgd"] == {"compression"}
+    assert known["fedadam"] == known["fedyogi"] == known["fedadagrad"] == {"server_opt"}
+
+
+@pytest.mark.parametrize("overrides, sections", [
+    ([], set()),  # fedavg
+    (["algorithm=fedprox"], {"fedprox"}),
+    (["algorithm=fedbug", "algorithm.name=fedprox"], {"fedbug", "fedprox"}),
+    (["algorithm=fedbug", "algorithm.name=scaffold"], {"fedbug", "scaffold"}),
+    (["algorithm=fedpaq"], {"compression"}),  # FedAvg(uniform) wrapped in QSGD
+    (["algorithm=topk"], {"compression"}),
+    (["algorithm=fedbcgd_plus"], {"fedbcgd"}),
+    (["algorithm=fedadam"], {"server_opt"}),
+    (["algorithm=ccvr", "algorithm.wrappers=[fednlr,ccvr]"], {"ccvr", "fednlr"}),
+])
+def test_run_params_keep_the_sections_of_the_stack_only(overrides, sections):
+    container = to_container(tiny_cfg(*overrides))
+    full, params = flatten(container), run_params(container)
+    assert _sections_in(params) == sections
+    assert _sections_in(full) == SECTIONS
+    # nothing changed, and nothing lost but the foreign sections
+    assert all(full[k] == v for k, v in params.items())
+    lost = {k for k in full if k not in params}
+    assert {k.split(".")[1] for k in lost} == SECTIONS - sections
+    assert all(k.startswith("algorithm.") and k.count(".") >= 2 for k in lost)
+    # the generic algorithm keys and everything outside algorithm stay
+    algo = container["algorithm"]
+    for key in ("name", "wrappers", "aggregation", "eta_g"):
+        assert params[f"algorithm.{key}"] == algo[key]
+    for key, value in algo.items():
+        if not isinstance(value, dict):
+            assert params[f"algorithm.{key}"] == value
+    assert {k: v for k, v in full.items() if not k.startswith("algorithm.")} == \
+        {k: v for k, v in params.items() if not k.startswith("algorithm.")}
+
+
+def test_run_params_keep_every_key_of_the_base_and_wrapper_sections():
+    container = to_container(tiny_cfg("algorithm=fedbug", "algorithm.name=fedprox", "algorithm.wrappers=[fedbug,topk]"))
+    params = run_params(container)
+    for section in ("fedbug", "fedprox", "compression"):
+        sub = flatten(container["algorithm"][section], f"algorithm.{section}")
+        assert sub and all(params[k] == v for k, v in sub.items()), section
+
+
+def test_run_params_without_an_algorithm_is_flatten():
+    assert run_params({"train": {"rounds": 3}, "seed": 1}) == {"train.rounds": 3, "seed": 1}
+
+
+# ------------------------------------------------------------------------------------------ metric names
+
+
+@pytest.mark.parametrize("key, name", [
+    ("test_acc", "1_accuracy/test_acc"),
+    ("post_test_acc", "1_accuracy/post_test_acc"),
+    ("val_acc", "1_accuracy/val_acc"),
+    ("client_acc_mean", "1_accuracy/clients/client_acc_mean"),
+    ("client_acc_std", "1_accuracy/clients/client_acc_std"),
+    ("client_acc_worst10", "1_accuracy/clients/client_acc_worst10"),
+    ("test_loss", "2_loss/test_loss"),
+    ("train_loss", "2_loss/train_loss"),
+    ("post_test_loss", "2_loss/post_test_loss"),
+    ("val_loss", "2_loss/val_loss"),
+    ("train_loss_clients_max", "2_loss/train_loss_clients_max"),
+    ("comm_up_floats", "3_communication/comm_up_floats"),
+    ("comm_down_floats", "3_communication/comm_down_floats"),
+    ("lr", "4_round/lr"),
+    ("num_clients", "4_round/num_clients"),
+    ("round_time_s", "4_round/round_time_s"),
+    ("cos_mean", "5_diagnostics/cos_mean"),
+    ("cos_conv1.weight", "5_diagnostics/cos_conv1.weight"),
+    ("neuron_drift_l2", "5_diagnostics/neuron_drift_l2"),
+    ("fedbug_trainable_share", "5_diagnostics/fedbug_trainable_share"),
+    ("topk_residual_norm", "5_diagnostics/topk_residual_norm"),
+    ("server_update_norm", "5_diagnostics/server_update_norm"),
+    ("client_loss/3", "5_diagnostics/client_loss/3"),
+    ("accuracy_like", "5_diagnostics/accuracy_like"),  # "acc" must be a whole token
+    ("system/cpu_utilization_percentage", "system/cpu_utilization_percentage"),  # MLflow's own
+])
+def test_mlflow_metric_name(key, name):
+    assert mlflow_metric_name(key) == name
+    assert mlflow_metric_name(name) == name  # idempotent
+
+
+def test_sections_sort_accuracy_first_then_loss_communication_round_diagnostics():
+    """The chart view orders named sections by name (code units at first, localeCompare later): the
+    leading digits make both orders the intended one."""
+    keys = ["round_time_s", "cos_mean", "client_loss/0", "comm_up_floats", "lr", "train_loss", "test_loss",
+            "client_acc_mean", "test_acc"]
+    sections = sorted({mlflow_metric_name(k).rsplit("/", 1)[0] for k in keys})
+    assert sections == ["1_accuracy", "1_accuracy/clients", "2_loss", "3_communication", "4_round",
+                        "5_diagnostics", "5_diagnostics/client_loss"]
+    assert sorted(METRIC_GROUPS) == list(METRIC_GROUPS)
+    assert sorted(METRIC_GROUPS, key=str.lower) == list(METRIC_GROUPS)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its schema built once (MLflow's migrations take seconds per store)."""
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    ensure_store(f"sqlite:///{db}")
+    return db
+
+
+@pytest.fixture
+def tracking(tmp_path, monkeypatch, empty_store):
+    shutil.copy(empty_store, tmp_path / "mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return Tracking("fl-view", root=tmp_path)
+
+
+def _history_names(tracking, run_id):
+    run = tracking.client.get_run(run_id)
+    return set(run.data.metrics), run
+
+
+def test_tiny_run_has_grouped_metrics_stack_params_and_the_experiment_kind(digits, tracking):
+    overrides = ["algorithm=fedbug", "algorithm.name=fedprox", "tracking.client_loss_trace=2"]
+    cfg = tiny_cfg(*overrides)
+    params = run_params(to_container(cfg))
+    lg = tracking.child_logger(None, "view/seed0", {"fl.seed": "0"}, params, log_every=1)
+    sim, res = run_sim(digits, *overrides, logger=lg)
+    lg.log_summary({"summary_final_acc": res.history[-1]["test_acc"]})
+    lg.close("FINISHED")
+
+    exp = tracking.client.get_experiment(tracking.experiment_id)
+    assert exp.tags[TAG_EXPERIMENT_KIND] == EXPERIMENT_KIND == "custom_model_development"
+
+    names, run = _history_names(tracking, lg.run_id)
+    row_keys = {k for row in res.history for k in row if k != "round"}
+    assert {"test_acc", "train_loss", "comm_up_floats", "lr", "fedbug_trainable_share"} <= row_keys
+    assert any(k.startswith("client_loss/") for k in row_keys)
+    assert names == {mlflow_metric_name(k) for k in row_keys} | {"summary_final_acc"}
+    assert {"1_accuracy/test_acc", "2_loss/train_loss", "3_communication/comm_up_floats", "4_round/lr",
+            "5_diagnostics/fedbug_trainable_share"} <= names
+    assert not names & row_keys  # no plain per-round name
+    R = cfg.train.rounds
+    assert [m.step for m in tracking.client.get_metric_history(lg.run_id, "1_accuracy/test_acc")] == \
+        list(range(1, R + 1))
+    assert res.history[0]["test_acc"] == pytest.approx(
+        tracking.client.get_metric_history(lg.run_id, "1_accuracy/test_acc")[0].value)
+    # params: the stack's sections only
+    assert _sections_in(run.data.params) == {"fedbug", "fedprox"}
+    assert run.data.params["algorithm.name"] == "fedprox"
+    assert run.data.params["algorithm.fedprox.mu"] == str(cfg.algorithm.fedprox.mu)
+    assert not any(k.startswith(("algorithm.ccvr.", "algorithm.compression.", "algorithm.scaffold."))
+                   for k in run.data.params)
+
+
+def test_experiment_created_before_gets_the_kind_and_a_kind_chosen_in_the_ui_stays(tracking, tmp_path):
+    client = tracking.client
+    old = client.create_experiment("older")
+    assert TAG_EXPERIMENT_KIND not in client.get_experiment(old).tags
+    Tracking("older", root=tmp_path)
+    assert client.get_experiment(old).tags[TAG_EXPERIMENT_KIND] == EXPERIMENT_KIND
+    client.set_experiment_tag(old, TAG_EXPERIMENT_KIND, "genai_development")
+    Tracking("older", root=tmp_path)
+    assert client.get_experiment(old).tags[TAG_EXPERIMENT_KIND] == "genai_development"
+
+
+def test_reopened_run_skips_the_steps_it_holds_under_the_grouped_names(tracking):
+    lg = tracking.child_logger(None, "resume", {}, {}, log_every=1)
+    lg.open(None)
+    for r in (1, 2):
+        lg.log_round(r, {"test_acc": 0.1 * r, "comm_up_floats": 10.0 * r})
+    lg.close("KILLED")
+    lg2 = tracking.child_logger(None, "resume", {}, {}, log_every=1)
+    lg2.open(lg.state())
+    assert lg2.run_id == lg.run_id
+    for r in (1, 2, 3):  # a resume replays rounds 1-2: each (metric, step) stays once
+        lg2.log_round(r, {"test_acc": 0.1 * r, "comm_up_floats": 10.0 * r})
+    lg2.close("FINISHED")
+    for name in ("1_accuracy/test_acc", "3_communication/comm_up_floats"):
+        assert [m.step for m in tracking.client.get_metric_history(lg.run_id, name)] == [1, 2, 3], name
+    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"1_accuracy/test_acc",
+                                                                     "3_communication/comm_up_floats"}
+
+
+def test_run_begun_with_plain_names_keeps_them_on_resume(tracking):
+    """A run logged before the names had sections continues its plain series instead of splitting it."""
+    from mlflow.entities import Metric
+
+    lg = tracking.child_logger(None, "legacy", {}, {}, log_every=1)
+    lg.open(None)
+    tracking.client.log_batch(lg.run_id, metrics=[Metric("test_acc", 0.1, 0, 1), Metric("test_acc", 0.2, 0, 2)])
+    lg.close("KILLED")
+    lg2 = tracking.child_logger(None, "legacy", {}, {}, log_every=1)
+    lg2.open(lg.state())
+    for r in (2, 3):
+        lg2.log_round(r, {"test_acc": 0.1 * r, "train_loss": 1.0 / r})
+    lg2.close("FINISHED")
+    hist = tracking.client.get_metric_history(lg.run_id, "test_acc")
+    assert sorted(m.step for m in hist) == [1, 2, 3]
+    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"test_acc", "2_loss/train_loss"}
