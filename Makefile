@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 repro: $(STAMP)
 	test -d .dvc || $(VENV)/bin/dvc init -q
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
-	@echo "Report: $(CURDIR)/results/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db)"
+	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -57,7 +57,7 @@ class PartitionConfig:
     """How the training set is split across clients (docs/algorithms.md, Data)."""
 
     name: str = "iid"
-    num_clients: int = 20  # N
+    num_clients: int = 10  # N
     alpha: float = 0.3  # Dirichlet concentration
     # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | fixed_size_reuse (B, FedBCGD: each client
     # draws samples_per_client labels from its prior; a class list is reshuffled and reused when exhausted)
@@ -213,12 +213,12 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainConfig:
-    rounds: int = 50  # R communication rounds
+    rounds: int = 30  # R communication rounds
     participation: float = 0.5  # client participation rate p
     sampler: str = "bernoulli"  # bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients
-    local_epochs: int = 2  # E
+    local_epochs: int = 3  # E
     local_steps: int = 0  # > 0: exactly this many local steps K per client per round (LocalSGD), instead of E epochs
-    batch_size: int = 32  # B
+    batch_size: int = 16  # B
     lr: float = 0.05  # eta_l
     lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
     weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters

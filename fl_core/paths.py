@@ -1,8 +1,11 @@
 """Where the project lives on disk.
 
-Relative paths of the config (``data_dir``, ``results_dir``, ``engine.checkpoint_dir``,
-``dataset.root``) resolve against the working directory, which is the project root for
-``make``, ``dvc repro`` and the README commands. The MLflow store is shared: see :func:`store_root`.
+Every relative output path resolves against the working directory: the config's ``data_dir``,
+``results_dir``, ``engine.checkpoint_dir`` and ``dataset.root``, and the default MLflow store
+``mlflow.db`` (:func:`store_root`). ``make``, ``dvc repro`` and the README commands run in the project
+root; a paper study (``studies/<name>/``, a DVC project of its own) runs in its folder. The one exception
+is an experiment DVC runs from its queue in a temporary copy of the project: its results come back
+through git, while its MLflow runs go straight to the store of the project that queued it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ def project_root() -> Path:
 
 
 def store_root() -> Path:
-    """Folder of the default MLflow store: ``DVC_ROOT`` (set by DVC, also for queued experiments that
-    run in a temporary clone) so every run lands in one store, else :func:`project_root`."""
+    """Folder of the default MLflow store ``mlflow.db``: ``DVC_ROOT`` when DVC runs the stage (the folder
+    of its ``dvc.yaml`` project; for a queued experiment the project that queued it, not the temporary
+    copy it runs in), else the working directory, like every other relative output path."""
     if os.environ.get("DVC_ROOT"):
         return Path(os.environ["DVC_ROOT"]).resolve()
-    return project_root()
+    return Path.cwd().resolve()
 
 
 def conf_dir() -> Path:

@@ -33,6 +33,39 @@ from . import durable, faults, procs
 
 RECORD_VERSION = 1
 
+METRICS_FILE = "metrics.json"        # numbers a researcher compares (git-tracked, small)
+EXPERIMENT_FILE = "experiment.json"  # what ran: names, fingerprint, seeds, failures, per-seed summaries
+
+_INFO_KEYS = ("experiment", "algorithm", "dataset", "partition", "model", "fingerprint", "seeds_run",
+              "failures", "per_seed")
+
+
+def split_summary(summary: Dict[str, Any]) -> "tuple[Dict[str, Any], Dict[str, Any]]":
+    """An experiment summary as (``metrics.json``, ``experiment.json``) contents.
+
+    ``metrics.json`` keeps the numbers (``*_mean`` / ``*_std``, counts, floats of communication), the
+    ``status`` (``ok`` | ``partial`` | ``failed``) and the ``seeds`` / ``failed_seeds`` lists;
+    ``experiment.json`` the descriptive fields (:data:`_INFO_KEYS`). :func:`read_results` merges them back.
+    """
+    info = {k: summary[k] for k in _INFO_KEYS if k in summary}
+    metrics = {k: v for k, v in summary.items() if k not in info}
+    return metrics, info
+
+
+def read_results(out: Path) -> Optional[Dict[str, Any]]:
+    """The merged ``metrics.json`` + ``experiment.json`` of a published ``results/<name>`` folder, or None
+    if either is missing or unreadable."""
+    merged: Dict[str, Any] = {}
+    for name in (EXPERIMENT_FILE, METRICS_FILE):
+        try:
+            part = json.loads((Path(out) / name).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(part, dict):
+            return None
+        merged.update(part)
+    return merged
+
 
 class ExperimentBusy(RuntimeError):
     """Another live process writes this experiment; the message names it (one line)."""
@@ -143,15 +176,12 @@ class ExperimentStore:
         return durable.load(self.record_path(seed), problem)
 
     def completed(self, seeds: List[int]) -> Optional[Dict[str, Any]]:
-        """The published ``metrics.json`` if ``results/<name>`` holds a finished attempt of this
-        fingerprint and these seeds and no attempt is in progress; else None."""
+        """The published summary (:func:`read_results`) if ``results/<name>`` holds a finished attempt of
+        this fingerprint and these seeds and no attempt is in progress; else None."""
         if self.in_progress():
             return None
-        try:
-            m = json.loads((self.out / "metrics.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if (isinstance(m, dict) and m.get("fingerprint") == self.fingerprint
+        m = read_results(self.out)
+        if (m is not None and m.get("fingerprint") == self.fingerprint
                 and sorted(m.get("seeds_run") or []) == sorted(int(s) for s in seeds)):
             return m
         return None

@@ -10,15 +10,17 @@
       fedavg_iid: {algorithm: fedavg, partition: iid}   # Hydra overrides of this experiment
       fedbug20_dir: {algorithm: fedbug, algorithm.fedbug.gu_percentage: 0.2, partition: dirichlet}
 
-Shared sections become dotted value overrides (``train.rounds=40``); experiment entries may also
-choose config groups (``partition: dirichlet``). Experiment entries win over shared values.
+Shared sections become dotted value overrides (``train.rounds=40``); a ``name`` in the shared
+``dataset``, ``partition`` or ``model`` section chooses that config group (``partition: {name: shards}``
+-> ``partition=shards``). Experiment entries may also choose config groups (``partition: dirichlet``);
+experiment entries win over shared values and shared group choices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -41,6 +43,9 @@ def _value(v: Any) -> str:
 format_value = _value  # public name: a Python value as Hydra override text (``True`` -> ``true``, lists ``[a,b]``)
 
 
+GROUP_SECTIONS = ("dataset", "partition", "model")  # a shared ``name`` key of these chooses the config group
+
+
 def _dotted(section: str, d: Any) -> List[str]:
     if not isinstance(d, dict):
         return [f"{section}={_value(d)}"]
@@ -50,6 +55,18 @@ def _dotted(section: str, d: Any) -> List[str]:
     return out
 
 
+def _shared(section: str, d: Any) -> List[str]:
+    """Overrides of a shared section: ``partition: {name: shards, num_clients: 10}`` chooses the group
+    (``partition=shards``, with that file's defaults, conf/partition/shards.yaml) and sets the values."""
+    if section in GROUP_SECTIONS and isinstance(d, dict) and isinstance(d.get("name"), str):
+        from fl_core.paths import conf_dir
+
+        if (conf_dir() / section / f"{d['name']}.yaml").exists():
+            rest = {k: v for k, v in d.items() if k != "name"}
+            return [f"{section}={d['name']}"] + _dotted(section, rest)
+    return _dotted(section, d)
+
+
 @dataclass
 class Grid:
     seeds: List[int]
@@ -57,11 +74,15 @@ class Grid:
     experiments: Dict[str, List[str]]  # name -> its own overrides
 
     def overrides(self, name: str, seed: int) -> List[str]:
-        """All overrides of experiment ``name`` for ``seed`` (shared first, the experiment's after)."""
+        """All overrides of experiment ``name`` for ``seed`` (shared first, the experiment's after; a config
+        group the experiment chooses, e.g. ``partition=iid``, replaces the shared choice of that group)."""
         if name not in self.experiments:
             raise ConfigError(f"experiments: no experiment named {name!r} in params.yaml "
                               f"(known: {', '.join(self.experiments)})")
-        return self.shared + self.experiments[name] + [f"seed={seed}", f"name={name}"]
+        own = self.experiments[name]
+        chosen = {o.split("=", 1)[0] for o in own if "." not in o.split("=", 1)[0]}
+        shared = [o for o in self.shared if o.split("=", 1)[0] not in chosen]
+        return shared + own + [f"seed={seed}", f"name={name}"]
 
     def compose_all(self, name: str) -> list:
         """Composed and validated configs of every seed of ``name``.
@@ -160,7 +181,7 @@ def load_grid(path: Path = Path("params.yaml")) -> Grid:
     shared: List[str] = []
     for section in SHARED_SECTIONS:
         if section in raw and raw[section] is not None:
-            shared.extend(_dotted(section, raw[section]))
+            shared.extend(_shared(section, raw[section]))
     return Grid([int(s) for s in seeds], shared, experiments)
 
 
@@ -168,30 +189,52 @@ def load_grid(path: Path = Path("params.yaml")) -> Grid:
 
 BEGIN_MARK = "# BEGIN grid deps"
 END_MARK = "# END grid deps"
+PLOTS_BEGIN = "# BEGIN grid plots"
+PLOTS_END = "# END grid plots"
 
 
 def report_deps(grid: Grid, results_dir: str = "results") -> List[str]:
-    """The report stage's dependencies: every experiment's metrics.json and runs.csv."""
-    return [f"{results_dir}/{n}/{f}" for n in grid.experiments for f in ("metrics.json", "runs.csv")]
+    """The report stage's dependencies in a study's dvc.yaml: every experiment's metrics.json,
+    experiment.json and runs.csv."""
+    return [f"{results_dir}/{n}/{f}" for n in grid.experiments
+            for f in ("metrics.json", "experiment.json", "runs.csv")]
+
+
+def _replace_block(lines: List[str], begin: str, end: str, items: List[str]) -> Optional[List[str]]:
+    """``lines`` with the list items between the ``begin`` and ``end`` marker lines replaced by ``items``
+    (indented as the begin marker); None when the markers are absent."""
+    try:
+        b = next(i for i, l in enumerate(lines) if l.strip().startswith(begin))
+        e = next(i for i, l in enumerate(lines) if l.strip().startswith(end))
+    except StopIteration:
+        return None
+    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
+    return lines[: b + 1] + [f"{indent}- {x}\n" for x in items] + lines[e:]
 
 
 def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
-    """Rewrite the generated block of the report stage's deps in ``dvc_yaml``; True if it changed.
+    """Rewrite the generated blocks of ``dvc_yaml`` from ``grid``; True if the file changed.
+
+    Two blocks exist: the report stage's deps (``# BEGIN grid deps``: every experiment's result files,
+    in the studies' pipelines) and the fields of the overlay chart (``# BEGIN grid plots``: one line
+    per experiment, in the project's pipeline).
 
     Raises:
-        ConfigError: ``dvc_yaml`` is missing, unreadable or cannot be written, or lacks the markers
+        ConfigError: ``dvc_yaml`` is missing, unreadable or cannot be written, or has neither block
             (one line naming the file).
     """
     text = _read_text(dvc_yaml, "the DVC pipeline")
     lines = text.splitlines(keepends=True)
-    try:
-        b = next(i for i, l in enumerate(lines) if l.strip().startswith(BEGIN_MARK))
-        e = next(i for i, l in enumerate(lines) if l.strip().startswith(END_MARK))
-    except StopIteration:
-        raise ConfigError(f"{dvc_yaml}: the report stage lacks the '{BEGIN_MARK}' / '{END_MARK}' markers") from None
-    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
-    block = [f"{indent}- {d}\n" for d in report_deps(grid)]
-    new = "".join(lines[: b + 1] + block + lines[e:])
+    found = False
+    for begin, end, items in ((BEGIN_MARK, END_MARK, report_deps(grid)),
+                              (PLOTS_BEGIN, PLOTS_END, list(grid.experiments))):
+        replaced = _replace_block(lines, begin, end, items)
+        if replaced is not None:
+            lines, found = replaced, True
+    if not found:
+        raise ConfigError(f"{dvc_yaml}: no generated block (the '{BEGIN_MARK}' / '{END_MARK}' markers of the "
+                          f"report deps or the '{PLOTS_BEGIN}' / '{PLOTS_END}' markers of the plots)")
+    new = "".join(lines)
     if new != text:
         try:
             Path(dvc_yaml).write_text(new, encoding="utf-8")
@@ -207,7 +250,7 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("sync-dvc", "list"):
-        print("usage: python -m pipeline.grid sync-dvc   update the report deps of dvc.yaml from params.yaml\n"
+        print("usage: python -m pipeline.grid sync-dvc   update the generated blocks of dvc.yaml from params.yaml\n"
               "       python -m pipeline.grid list       print the experiments and their overrides")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:

@@ -1,17 +1,22 @@
 """Summarize every experiment of the grid: ``python -m pipeline.report [--params F] [--results D] [--out F]``.
 
 Reads the experiment names of ``params.yaml`` (in its order) and, for each name, ``<results>/<name>/
-metrics.json`` and ``runs.csv`` written by the train stage. Writes, each atomically (a temporary file
-renamed over the target), next to ``--out``:
+metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage. Writes, each atomically
+(a temporary file renamed over the target), next to ``--out``:
 
 * ``report.md``: an "All experiments" table, a "Comparison" table (algorithm x partition, final
-  accuracy, best cell per column in bold), the curves figure, a "How to read" note, and the
-  experiments that have no results yet ("Missing") or lost seeds ("Notes").
+  accuracy, best cell per column in bold), each method's difference to FedAvg on the same partition
+  with its paired-seed spread, the curves figure, a "How to read" note, and the experiments that
+  have no results yet ("Missing") or lost seeds ("Notes").
 * ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
   accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
   loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
 * ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
   fractions.
+* ``test_acc.csv``: test accuracy in % per round (mean over seeds), one column per experiment: the
+  data of the overlay chart of ``dvc plots show``.
+* ``metrics.json``: per experiment the final accuracy (%, mean and std over seeds) and the difference
+  to FedAvg (percentage points): what ``dvc metrics show`` and ``dvc exp show`` list.
 
 Exit status: 0 when at least one experiment has results; 2 (one-line ``error:`` on stderr, nothing
 written) for an unreadable ``params.yaml`` or when no experiment has results.
@@ -34,6 +39,7 @@ import numpy as np
 import yaml
 
 from fl_core.config import ConfigError
+from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .files import atomic_write, write_text
 from .grid import Grid, load_grid
@@ -53,7 +59,10 @@ SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "p
                    "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std",
                    "rounds_to_target_mean", "rounds_to_target_std", "target_reached",
                    "final_train_loss_mean", "final_train_loss_std",
-                   "final_test_loss_mean", "final_test_loss_std", "comm_up_floats", "comm_down_floats"]
+                   "final_test_loss_mean", "final_test_loss_std",
+                   "final_client_acc_mean_mean", "final_client_acc_mean_std",
+                   "final_client_acc_worst10_mean", "final_client_acc_worst10_std",
+                   "comm_up_floats", "comm_down_floats"]
 
 
 # --------------------------------------------------------------------------- labels
@@ -242,14 +251,18 @@ def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
     for name, overrides in grid.experiments.items():
         exp = Experiment(name, list(overrides))
         d = Path(results_dir) / name
-        mpath = d / "metrics.json"
+        mpath = d / METRICS_FILE
         if not mpath.exists():
             exp.problem = f"no {mpath.as_posix()}"
         else:
             try:
-                m = json.loads(mpath.read_text())
-                if not isinstance(m, dict):
-                    raise ValueError("not a JSON object")
+                m = {}
+                for part in (mpath, d / EXPERIMENT_FILE):  # the numbers, then what ran (names, per-seed values)
+                    if part == mpath or part.exists():
+                        loaded = json.loads(part.read_text())
+                        if not isinstance(loaded, dict):
+                            raise ValueError(f"{part.name} is not a JSON object")
+                        m.update(loaded)
                 exp.metrics = m
             except (OSError, ValueError) as err:
                 exp.problem = f"unreadable {mpath.as_posix()} ({err})"
@@ -421,6 +434,110 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
+def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
+    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
+    per_seed = (e.metrics or {}).get("per_seed") or {}
+    out = {}
+    for seed, summ in per_seed.items():
+        v = _num((summ or {}).get("final_acc")) if isinstance(summ, dict) else None
+        if v is not None:
+            out[str(seed)] = v
+    return out
+
+
+def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, float]]:
+    """Final test accuracy of ``e`` minus that of ``ref`` on the same seeds, in percentage points:
+    ``mean``, ``std`` (sample std over seeds, ddof = 1; 0 for one seed) and ``n`` (seeds both finished).
+    Pairing by seed removes what the seeds share (model initialisation, client sampling, the partition
+    draw), so the spread is that of the difference itself. None without a common seed."""
+    a, b = final_acc_per_seed(e), final_acc_per_seed(ref)
+    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
+    if not common:
+        return None
+    d = [100.0 * (a[s] - b[s]) for s in common]
+    m = sum(d) / len(d)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else 0.0
+    return {"mean": m, "std": sd, "n": len(d)}
+
+
+def fedavg_references(exps: List[Experiment]) -> Dict[str, Experiment]:
+    """{partition column: the plain FedAvg experiment of that column}, where exactly one exists."""
+    found: Dict[str, List[Experiment]] = {}
+    for e in exps:
+        if not e.failed and e.row_label == "FedAvg":
+            found.setdefault(e.col_label, []).append(e)
+    return {c: es[0] for c, es in found.items() if len(es) == 1}
+
+
+def differences(exps: List[Experiment]) -> Dict[str, Dict[str, float]]:
+    """{experiment name: :func:`paired_difference` to the FedAvg experiment of its partition column}."""
+    refs = fedavg_references(exps)
+    out: Dict[str, Dict[str, float]] = {}
+    for e in exps:
+        ref = refs.get(e.col_label)
+        if ref is None or ref is e or e.failed:
+            continue
+        d = paired_difference(e, ref)
+        if d is not None:
+            out[e.name] = d
+    return out
+
+
+def differences_section(exps: List[Experiment]) -> List[str]:
+    """Report lines: per method, its final-accuracy difference to FedAvg on the same partition and seeds."""
+    diffs = differences(exps)
+    if not diffs:
+        return []
+    rows = []
+    for e in exps:
+        d = diffs.get(e.name)
+        if d is None:
+            continue
+        beyond = abs(d["mean"]) > d["std"] and d["n"] > 1
+        rows.append([e.row_label, e.col_label, f"{d['mean']:+.2f} {PM} {d['std']:.2f}", str(d["n"]),
+                     "yes" if beyond else "no"])
+    out = ["## Difference to FedAvg", "",
+           "Final test accuracy minus FedAvg's on the same partition and the same seeds, in percentage points: "
+           f"mean {PM} std over the paired seeds. *Beyond seed spread*: |mean| > std.", ""]
+    out.append(_table(["algorithm", "partition", "vs FedAvg (pp)", "seeds", "beyond seed spread"], rows, "llrrl"))
+    out.append("")
+    return out
+
+
+def root_metrics(exps: List[Experiment]) -> Dict[str, Dict[str, float]]:
+    """The numbers ``dvc metrics show`` / ``dvc exp show`` list per experiment: ``acc`` and ``std`` (final
+    test accuracy in %, mean and std over seeds) and ``vs_fedavg`` (:func:`differences`, pp), rounded
+    to 2 decimals."""
+    diffs = differences(exps)
+    out: Dict[str, Dict[str, float]] = {}
+    for e in exps:
+        m = e.metrics or {}
+        acc, sd = _num(m.get("final_acc_mean")), _num(m.get("final_acc_std"))
+        row: Dict[str, float] = {}
+        if acc is not None:
+            row["acc"] = round(100 * acc, 2)
+        if sd is not None:
+            row["std"] = round(100 * sd, 2)
+        if e.name in diffs:
+            row["vs_fedavg"] = round(diffs[e.name]["mean"], 2)
+        out[e.name] = row
+    return out
+
+
+def accuracy_table_csv(exps: List[Experiment]) -> str:
+    """``test_acc.csv``: ``round`` and one column per experiment with its test accuracy in % (mean over
+    seeds) per round, for ``dvc plots show`` to overlay; empty where an experiment has no value."""
+    curves = {e.name: e.curves for e in exps if e.curves is not None and len(e.curves["acc_round"])}
+    rounds = sorted({int(r) for c in curves.values() for r in c["acc_round"]})
+    values = {n: {int(r): 100.0 * float(a) for r, a in zip(c["acc_round"], c["acc_mean"])} for n, c in curves.items()}
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["round"] + list(curves))
+    for r in rounds:
+        w.writerow([r] + [f"{values[n][r]:.4g}" if r in values[n] else "" for n in curves])
+    return buf.getvalue()
+
+
 INF = "\u221e"
 
 
@@ -549,13 +666,16 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
         rows.append([f"`{e.name}`", e.row_label, e.col_label,
                      "FAILED" if e.failed else fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
                      fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
+                     fmt_pct(m.get("final_client_acc_mean_mean"), m.get("final_client_acc_mean_std")),
+                     fmt_pct(m.get("final_client_acc_worst10_mean"), m.get("final_client_acc_worst10_std")),
                      fmt_rounds(m),
                      fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
                      fmt_floats_d(m)])
     tgt = f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else ""
     out.append(_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
+                       "client acc (%)", "worst 10% clients (%)",
                        f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
-                      rows, "lllrrrrr"))
+                      rows, "lllrrrrrrr"))
     out.append("")
 
     out += ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
@@ -565,6 +685,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out.append(_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)))
     out.append("")
 
+    out += differences_section(exps)
     out += fedbug_layout(exps)
     out += communication_layout(exps)
 
@@ -580,6 +701,9 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
                + (f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else "")
                + "; mean \u00b1 std over the seeds that reached it, with how many did "
                f"(k/n seeds); {DASH} if none did.")
+    out.append("- *client acc*: accuracy of the final global model on each client's own label distribution "
+               "(the test set reweighted by the client's label histogram), mean over all clients; *worst 10% "
+               "clients*: the mean over the tenth of clients where it is lowest. Both mean \u00b1 std over seeds.")
     out.append("- *final train loss*: mean training loss of the participating clients in the last round.")
     out.append("- *uplink to target*: floats each participating client has uploaded (cumulative, mean over the "
                "seeds that reached the target) when the target is first reached, in units of the model size d "
@@ -635,8 +759,10 @@ def plot_curves(exps: List[Experiment], path: Path) -> List[Path]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.report",
-        description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf and summary.csv "
-                    "(in the folder of --out) from <results>/<name>/metrics.json and runs.csv.",
+        description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf, summary.csv, "
+                    "test_acc.csv (accuracy per round, one column per experiment) and metrics.json (final "
+                    "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
+                    "<results>/<name>/metrics.json, experiment.json and runs.csv.",
         epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid "
                "cannot be read). Experiments without results are listed under 'Missing'.")
     p.add_argument("--params", type=Path, default=Path("params.yaml"), metavar="FILE",
@@ -644,7 +770,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
                    help="folder with one sub-folder per experiment (default: results)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="the markdown report; curves.png, curves.pdf and summary.csv go beside it "
+                   help="the markdown report; curves.png, curves.pdf, summary.csv, test_acc.csv and metrics.json "
+                        "go beside it "
                         "(default: <results>/report.md)")
     return p
 
@@ -667,6 +794,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
     write_text(out.parent / "summary.csv", summary_csv(done))
+    write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
+    write_text(out.parent / "metrics.json", json.dumps(root_metrics(done), indent=2) + "\n")
     write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
                                   curves_name=curves.name))
     missing = len(exps) - len(done)

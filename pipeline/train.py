@@ -10,7 +10,8 @@ DVC train stage (every seed of one experiment of ``params.yaml``)::
 
     python -m pipeline.train --grid fedbug20_dir
 
-Outputs in ``results/<name>/``: ``metrics.json`` (mean +- std over seeds), ``rounds.csv`` (per-round
+Outputs in ``results/<name>/``: ``metrics.json`` (the numbers: mean +- std over seeds, ``status``, the
+seeds), ``experiment.json`` (what ran: algorithm, partition, fingerprint, failures, per-seed summaries), ``rounds.csv`` (per-round
 mean over seeds), ``runs.csv`` (every seed and round), ``curves.png`` / ``.pdf``, ``config.yaml``,
 ``partition/`` (stats and labels-per-client plot), ``models/seed_<s>.pt``, ``details/`` (per-seed
 curves and CSV, the algorithm's local-step schedule such as FedBug's units per step). MLflow: one parent run
@@ -47,8 +48,8 @@ from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.models import resolve_model_name
 from fl_core.paths import project_root
-from fl_core.runstore import ExperimentBusy, ExperimentStore
-from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, flatten, git_commit
+from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, split_summary
+from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, git_commit, run_params
 
 from .figures import experiment_figure, readable_title, schedule_figure
 from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
@@ -121,7 +122,8 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
     for r in sorted(by_round):
         group = by_round[r]
         out: Dict = {"round": r}
-        for k in ("test_acc", "test_loss", "train_loss", "comm_up_floats", "comm_down_floats", "round_time_s"):
+        for k in ("test_acc", "test_loss", "train_loss", "client_acc_mean", "client_acc_std", "client_acc_worst10",
+                  "comm_up_floats", "comm_down_floats", "round_time_s"):
             vals = [g[k] for g in group if k in g]
             if vals:
                 ms = mean_std(vals)
@@ -344,7 +346,7 @@ class _Experiment:
         return rec
 
     def _child_logger(self, cfg, seed: int):
-        params = {**flatten(to_container(cfg)), "model.resolved": self.model_name, "model.d": self.model_d,
+        params = {**run_params(to_container(cfg)), "model.resolved": self.model_name, "model.d": self.model_d,
                   "algorithm.describe": self.algo_desc, "effective_update_u": self.u}
         tags = {**self.tags, "seed": str(seed), TAG_SEED: str(seed), TAG_EXPERIMENT: self.name,
                 TAG_FINGERPRINT: self.store.fingerprint}
@@ -411,7 +413,7 @@ class _Experiment:
         logger.close("FINISHED" if rec["status"] == "ok" else "FAILED", rec.get("reason"))
 
     def _write_outputs(self, staging: Path) -> Dict:
-        """runs.csv, rounds.csv, curves.png and metrics.json of the finished seeds."""
+        """runs.csv, rounds.csv, curves.png, metrics.json and experiment.json of the finished seeds."""
         ok = {s: r for s, r in self.records.items() if r["status"] == "ok"}
         failures = {s: r["reason"] for s, r in self.records.items() if r["status"] == "failed"}
         histories = {s: r["history"] for s, r in ok.items()}
@@ -425,8 +427,10 @@ class _Experiment:
         experiment_figure(histories, readable_title(self.name, self.algo_desc, self.pkey, failed=not histories),
                           staging / "curves.png")
         if not ok:  # keep the folder DVC expects, saying why it holds no model
-            write_text(staging / "models" / "README.txt", "No model: every seed failed (see ../metrics.json).\n")
-        write_json(staging / "metrics.json", summary)
+            write_text(staging / "models" / "README.txt", "No model: every seed failed (see ../experiment.json).\n")
+        metrics, info = split_summary(summary)
+        write_json(staging / METRICS_FILE, metrics)
+        write_json(staging / EXPERIMENT_FILE, info)
         return summary
 
     def _end_parent(self, summary: Dict) -> None:
@@ -435,10 +439,10 @@ class _Experiment:
         container = to_container(self.cfg0)
         container.pop("seed")
         tr, out = self.tracking, self.store.out
-        tr.log_params(self.parent_id, {**flatten(container), "seeds": self.seeds, "effective_update_u": self.u})
+        tr.log_params(self.parent_id, {**run_params(container), "seeds": self.seeds, "effective_update_u": self.u})
         tr.log_metrics_once(self.parent_id, {k: v for k, v in summary.items()
                                              if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))})
-        tr.log_artifacts(self.parent_id, [out / "metrics.json", out / "rounds.csv", out / "curves.png", out / "curves.pdf",
+        tr.log_artifacts(self.parent_id, [out / METRICS_FILE, out / EXPERIMENT_FILE, out / "rounds.csv", out / "curves.png", out / "curves.pdf",
                                           out / "config.yaml"])
         failures = summary.get("failures") or {}
         tr.end_parent(self.parent_id, "FAILED" if failures else "FINISHED",
@@ -456,14 +460,14 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     seeds are read back from their completion records, a seed in training resumes from its checkpoint,
     and MLflow parent and child runs are found by tags and continued (:mod:`fl_core.runstore`,
     :mod:`fl_core.tracking`). A seed whose loss becomes non-finite ends as FAILED; the experiment
-    still completes, with ``status`` and ``failures`` in ``metrics.json``.
+    still completes, with ``status`` in ``metrics.json`` and ``failures`` in ``experiment.json``.
 
     Args:
         cfgs: composed configs, one per seed, identical except for ``seed``.
         callbacks: extra ``cb(round, row)`` hooks passed to every simulator (tests).
 
     Returns:
-        The experiment summary written to ``metrics.json``.
+        The experiment summary (``metrics.json`` and ``experiment.json`` merged).
 
     Raises:
         ConfigError, DataSourceError, PartitionError: bad inputs (nothing written).
@@ -571,7 +575,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(cfgs[0].results_dir) / summary["experiment"]
     if summary.get("status") == "failed":
         reasons = "; ".join(f"seed {s}: {r}" for s, r in (summary.get("failures") or {}).items())
-        print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/metrics.json", file=sys.stderr)
+        print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/{EXPERIMENT_FILE}", file=sys.stderr)
         return 0 if grid else 1  # a grid stage completes so that the other experiments and the report run
     fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
     print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "

@@ -60,7 +60,9 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["seeds"] == [1] and metrics["rounds"] == 3
     assert 0.1 < metrics["final_acc_mean"] <= 1.0
-    assert metrics["algorithm"] == "fedbug[P=0.2](fedavg)"
+    assert all(isinstance(v, (int, float, list, type(None))) for k, v in metrics.items() if k != "status"), metrics
+    info = json.loads((out / "experiment.json").read_text())
+    assert info["algorithm"] == "fedbug[P=0.2](fedavg)" and set(info["per_seed"]) == {"1"}
     for f in ("rounds.csv", "runs.csv", "curves.png", "config.yaml", "models/seed_1.pt", "partition/stats.json",
               "partition/labels_per_client.png", "details/schedule.csv", "details/schedule.png",
               "details/seed_1.csv", "details/seed_1.png"):
@@ -79,10 +81,10 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
     assert child.data.tags["algorithm"] == "fedbug[P=0.2](fedavg)"
     assert child.data.params["partition.alpha"] == "0.3"
-    assert [m.step for m in client.get_metric_history(child.info.run_id, "test_acc")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "1_accuracy/test_acc")] == [1, 2, 3]
     arts = {a.path for a in client.list_artifacts(child.info.run_id)}
     assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition", "schedule.csv", "schedule.png"} <= arts
-    assert [m.step for m in client.get_metric_history(child.info.run_id, "fedbug_trainable_share")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "5_diagnostics/fedbug_trainable_share")] == [1, 2, 3]
     assert child.data.tags["mlflow.source.git.commit"] == child.data.tags["git_commit"]
     for run in (child, parents[0]):
         inputs = {d.dataset.name: d for d in client.get_run(run.info.run_id).inputs.dataset_inputs}

@@ -150,7 +150,7 @@ def _assert_clean(tmp: Path, reference: dict) -> None:
             assert len(steps) == len(set(steps)), (key, steps)  # each (key, step) once
             if key.startswith("summary_"):
                 assert steps == [0]
-        assert sorted(m.step for m in client.get_metric_history(c.info.run_id, "test_acc")) == list(range(1, ROUNDS + 1))
+        assert sorted(m.step for m in client.get_metric_history(c.info.run_id, "1_accuracy/test_acc")) == list(range(1, ROUNDS + 1))
     assert parents[0].data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
 
     leftovers = [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".corrupt", ".staging", ".old",
@@ -296,7 +296,7 @@ def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_pa
     assert _in_process(tmp, ["--grid", "good"], monkeypatch) == 0
     m = json.loads((tmp / "results" / "bad" / "metrics.json").read_text())
     assert m["status"] == "failed" and m["failed_seeds"] == [1] and m["seeds"] == []
-    assert m["failures"]["1"].startswith("non-finite")
+    assert json.loads((tmp / "results" / "bad" / "experiment.json").read_text())["failures"]["1"].startswith("non-finite")
     for out in ("runs.csv", "rounds.csv", "curves.png", "config.yaml", "models", "details/seed_1.csv"):
         assert (tmp / "results" / "bad" / out).exists(), out  # every output DVC expects
     _client, runs = _mlflow_state(tmp)

@@ -118,7 +118,7 @@ def test_report(tree, capsys):
     assert main(["--params", str(params), "--results", str(results)]) == 0
     after = sorted(p.relative_to(root) for p in root.rglob("*"))
     added = {Path("results/report.md"), Path("results/curves.png"), Path("results/curves.pdf"),
-             Path("results/summary.csv")}
+             Path("results/summary.csv"), Path("results/test_acc.csv"), Path("results/metrics.json")}
     assert set(after) - set(before) == added  # nothing else written, no temp files left
     md = (results / "report.md").read_text()
 
@@ -134,15 +134,30 @@ def test_report(tree, capsys):
     r = by_name["fedavg_iid"]
     assert r[1] == "FedAvg" and r[2] == "IID"
     assert r[3] == "85.00 ± 7.07"  # 0.80, 0.90
-    assert r[5] == "4.0 ± 0.0 (1/2 seeds)"  # only seed 2 reaches 0.85 (at round 4)
-    assert r[6] == "0.1500 ± 0.0707"
-    assert r[7] == "4.0d" and by_name["fedavg_dir"][7] == "—"  # 400 floats at round 4 / d = 100
+    assert r[5] == r[6] == "—"  # no per-client accuracy in these results
+    assert r[7] == "4.0 ± 0.0 (1/2 seeds)"  # only seed 2 reaches 0.85 (at round 4)
+    assert r[8] == "0.1500 ± 0.0707"
+    assert r[9] == "4.0d" and by_name["fedavg_dir"][9] == "—"  # 400 floats at round 4 / d = 100
     assert by_name["fedbug_iid"][3] == "87.00 ± 1.41"  # 0.86, 0.88
-    assert by_name["fedbug_iid"][5] == "4.0 ± 0.0 (2/2 seeds)"
+    assert by_name["fedbug_iid"][7] == "4.0 ± 0.0 (2/2 seeds)"
     assert by_name["fedbug_dir"][1] == "FedBug P=0.2 (FedAvg)"
     assert by_name["fedbug_dir"][2] == "Dirichlet α=0.3"
     assert by_name["fedbug_dir"][3] == "72.00 ± 2.83"  # 0.70, 0.74
-    assert by_name["fedavg_dir"][5] == "—"
+    assert by_name["fedavg_dir"][7] == "—"
+
+    # each method against FedAvg on the same partition and seeds (pp): iid 0.86-0.80, 0.88-0.90 -> +6, -2
+    header, rows = _table(md, "## Difference to FedAvg")
+    assert header == ["algorithm", "partition", "vs FedAvg (pp)", "seeds", "beyond seed spread"]
+    assert rows == [["FedBug P=0.2 (FedAvg)", "IID", "+2.00 ± 5.66", "2", "no"],
+                    ["FedBug P=0.2 (FedAvg)", "Dirichlet α=0.3", "+7.00 ± 4.24", "2", "yes"]]
+    root_metrics = json.loads((results / "metrics.json").read_text())
+    assert root_metrics["fedavg_iid"] == {"acc": 85.0, "std": 7.07}
+    assert root_metrics["fedbug_dir"] == {"acc": 72.0, "std": 2.83, "vs_fedavg": 7.0}
+    with open(results / "test_acc.csv", newline="") as f:
+        acc = list(csv.DictReader(f))
+    assert list(acc[0]) == ["round", "fedavg_iid", "fedbug_iid", "fedavg_dir", "fedbug_dir"]
+    assert [a["round"] for a in acc] == ["1", "3", "4"]  # round 2 was not evaluated
+    assert float(acc[-1]["fedavg_iid"]) == pytest.approx(85.0)  # % at the last round, mean over seeds
 
     # Table 2
     header, rows = _table(md, "## Comparison")
