@@ -64,6 +64,7 @@ def usage() -> str:
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
        python -m pipeline.train --cfg [KEY=VALUE ...]    print the composed config and exit
+       python -m pipeline.train -m [KEY=A,B ...]         Hydra multirun: one experiment per combination
 
 (fl-train is the same command, installed as a console script.)
 Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking; presets: +experiment=NAME.
@@ -77,6 +78,11 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
   train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor=sequential|vectorized|auto
   engine.device  seed  name
+Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
+Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) gives one job, each job one
+  experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
+  pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
+  outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db).
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
@@ -505,7 +511,7 @@ def _history_columns(rows: List[Dict]) -> List[str]:
 def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
     out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
                  "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds),
-                 "target_acc": float(cfg.train.target_acc)}
+                 "target_acc": float(cfg.train.target_acc), "final_window": int(cfg.train.final_window)}
     seeds = summarize_seeds(summaries, failures)
     per_seed = seeds.pop("per_seed")
     out.update(seeds)
@@ -521,11 +527,31 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001  (signal handler signa
     raise KeyboardInterrupt
 
 
+def train_one(overrides: List[str], seeds: Optional[List[int]] = None) -> int:
+    """Train one experiment from Hydra ``overrides`` (no sweeps) for every seed of ``seeds`` (None or empty:
+    the config's seed), under one MLflow parent, as ``fl-train OVERRIDES seed=S1,S2,...`` does; used by the
+    jobs of ``fl-train -m`` (:mod:`pipeline.multirun`).
+
+    Returns:
+        The exit status: 0 ok, 1 a seed failed, 2 bad input (after its one ``error:`` line), 130 interrupted.
+    """
+    from .multirun import seed_override
+
+    try:
+        return main(list(overrides) + seed_override(seeds))
+    except SystemExit as err:
+        return err.code if isinstance(err.code, int) else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
+    if "-m" in argv or "--multirun" in argv:
+        from .multirun import multirun
+
+        return multirun([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
     grid = bool(argv) and argv[0] == "--grid"
@@ -550,7 +576,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             bad = [a for a in argv if a.startswith("-")]
             if bad:
                 fail(f"unknown option {bad[0]} (see --help)")
-            cfgs = [compose(argv)]
+            from .multirun import split_seeds
+
+            overrides, seeds = split_seeds(argv)  # seed=1,2,3 / seed=range(1,4): one experiment, these seeds
+            cfgs = [compose(overrides + [f"seed={s}"]) for s in seeds] if seeds else [compose(overrides)]
         if show_cfg:
             from omegaconf import OmegaConf
 

@@ -1,0 +1,338 @@
+"""Seed lists and Hydra multirun for ``fl-train`` (``python -m pipeline.train``); see ``docs/cli.md``.
+
+``seed=1,2,3`` (or ``seed=range(1,4)``) is not a sweep here: it is the seed list of an experiment, trained
+seed after seed under one MLflow parent, as ``--grid`` does. :func:`split_seeds` takes it out of the
+overrides before Hydra sees them.
+
+``fl-train -m KEY=A,B ...`` hands the remaining overrides to Hydra's sweeper and launcher: one job per
+combination of the swept values, each job one experiment with the whole seed list, trained by
+:func:`pipeline.train.train_one` exactly as ``fl-train KEY=A ... seed=1,2,3`` would (same validation, same
+``results/<name>/``, same MLflow runs). The launcher is Hydra's (``hydra/launcher=basic``: one job after
+another; ``joblib``: parallel, ``pip install hydra-joblib-launcher``; ``submitit_slurm``: a Slurm array).
+
+Before any job starts, every job's config is composed and validated with :func:`fl_core.config.compose`
+(a bad value in a swept list gives the usual one-line ``error:``, exit 2), and jobs that would write the same
+``results/<name>/`` are refused. Hydra's own files (``multirun.yaml``, each job's ``.hydra/``) go to
+``outputs/multirun/<date>/<time>/``; Hydra's logging configuration is left off, so the jobs print what a
+single run prints. Exit status: the worst job's (0 all ok, 1 a seed failed, 2 bad input, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple
+
+from fl_core.config import ConfigError
+
+SEED = "seed"
+SWEEP_ROOT = "outputs/multirun"
+TASK_NAME = "fl-train"
+PROG = "fl-train -m"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _parse(args: Sequence[str], config_loader: Any = None) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create(config_loader=config_loader).parse_overrides(list(args))
+
+
+def _seed_list(override) -> List[int]:
+    """The integers of a ``seed=1,2,3`` / ``seed=range(1,4)`` sweep (ConfigError otherwise)."""
+    text = override.input_line
+    if not override.is_discrete_sweep():
+        raise ConfigError(f"{text}: a seed list must be integers, e.g. seed=1,2,3 or seed=range(1,4)")
+    try:
+        values = list(override.sweep_iterator())
+    except Exception as err:  # noqa: BLE001  (glob() without configs, ...): one line
+        raise ConfigError(f"{text}: {_first_line(err)}") from None
+    seeds: List[int] = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{text}: seeds must be integers, got {v!r}")
+        if v in seeds:
+            raise ConfigError(f"{text}: seed {v} is listed twice")
+        seeds.append(v)
+    if not seeds:
+        raise ConfigError(f"{text}: the seed list is empty")
+    return seeds
+
+
+def split_seeds(args: Sequence[str], *, sweep_ok: bool = False,
+                config_loader: Any = None) -> Tuple[List[str], Optional[List[int]]]:
+    """Take the seed list out of Hydra overrides.
+
+    ``seed=1,2,3`` and ``seed=range(1,4)`` become the seed list ``[1, 2, 3]`` of one experiment; the other
+    overrides are returned unchanged (as typed). A single ``seed=5`` stays an override (seed list None).
+
+    Args:
+        args: Hydra override strings (no options).
+        sweep_ok: whether other keys may sweep (``-m``); without it ``algorithm=fedavg,fedprox`` is refused
+            with a hint to add ``-m``.
+        config_loader: Hydra's config loader, for ``glob()`` sweeps of config groups (``-m`` only).
+
+    Returns:
+        (the overrides without the seed list, the seeds or None).
+
+    Raises:
+        ConfigError: one line: a seed list that is not distinct integers, a seed list given twice, a sweep
+            without ``-m``.
+    """
+    from hydra.errors import HydraException
+
+    args = list(args)
+    try:
+        parsed = _parse(args, config_loader)
+    except HydraException:
+        return args, None  # compose() reports the syntax error, word for word as before
+    seeds: Optional[List[int]] = None
+    rest: List[str] = []
+    for arg, o in zip(args, parsed):
+        if o.key_or_group == SEED and o.package is None and o.is_sweep_override():
+            if seeds is not None or any(p.key_or_group == SEED for p in parsed if p is not o):
+                raise ConfigError(f"{arg}: seed is given more than once")
+            seeds = _seed_list(o)
+            continue
+        if o.is_sweep_override() and not sweep_ok:
+            raise ConfigError(f"{arg} sweeps over several values: add -m to run one experiment per value "
+                              "(seed lists need no -m; see --help)")
+        rest.append(arg)
+    return rest, seeds
+
+
+def seed_override(seeds: Optional[Sequence[int]]) -> List[str]:
+    """``[1, 2]`` -> ``["seed=1,2"]``; None or empty -> ``[]`` (the config's seed)."""
+    return [f"{SEED}={','.join(str(s) for s in seeds)}"] if seeds else []
+
+
+# --------------------------------------------------------------------------- the job (runs in the launcher)
+
+
+def _keep_task_name() -> None:
+    """compose() names Hydra's job "app"; give the sweep's jobs (hydra.job.name, Slurm job names) ours back."""
+    from hydra.core.utils import JobRuntime
+
+    JobRuntime.instance().set("name", TASK_NAME)
+
+
+def _job(cfg, seeds: Optional[List[int]]) -> int:  # noqa: ARG001  (Hydra's task_function signature)
+    """One job of the sweep: its overrides (as Hydra expanded them) trained for every seed, via
+    :func:`pipeline.train.train_one`, so that it validates, writes and tracks exactly like a single run.
+
+    Returns the job's exit status; an interrupted job stops the sweep (KeyboardInterrupt)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from .train import train_one
+
+    hc = HydraConfig.get()
+    overrides = [str(o) for o in hc.overrides.task]
+    label = " ".join(overrides) or "(defaults)"
+    print(f"{PROG}: job #{hc.job.num}: {label}" + (f" (seeds {','.join(map(str, seeds))})" if seeds else ""),
+          file=sys.stderr, flush=True)
+    try:
+        status = train_one(overrides, list(seeds or []))
+    except Exception:  # noqa: BLE001  a bug: report it, let the other jobs run, fail the sweep
+        traceback.print_exc()
+        status = 1
+    finally:
+        _keep_task_name()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status == 130:
+        raise KeyboardInterrupt  # stop the launcher; the same command again resumes
+    return status
+
+
+# --------------------------------------------------------------------------- the sweep (runs here)
+
+
+def _hydra_defaults(user_keys: set, sweep_dir: str) -> List[str]:
+    """Hydra settings of ours, each unless the command line sets it."""
+    defaults = {
+        "hydra.sweep.dir": f"hydra.sweep.dir={sweep_dir}",
+        "hydra.job.chdir": "hydra.job.chdir=False",  # results/, data/, checkpoints/ stay relative to the cwd
+        # no logging configuration: jobs print what a single run prints (Hydra's defaults would send every
+        # library's INFO records to stdout and keep .log files per job)
+        "hydra/hydra_logging": "hydra/hydra_logging=none",
+        "hydra/job_logging": "hydra/job_logging=none",
+        "hydra.mode": "hydra.mode=MULTIRUN",
+    }
+    return [v for k, v in defaults.items() if k not in user_keys]
+
+
+def _missing_plugin(text: str) -> str:
+    import re
+
+    m = re.search(r"Could not find 'hydra/(launcher|sweeper)/([^']+)'", text)
+    if not m:
+        return text
+    kind, name = m.groups()
+    hint = {"joblib": "pip install hydra-joblib-launcher, or pip install -e '.[parallel]'",
+            "submitit_slurm": "pip install hydra-submitit-launcher",
+            "submitit_local": "pip install hydra-submitit-launcher"}.get(name, f"install the Hydra {kind} plugin")
+    return f"hydra/{kind}={name} is not installed: {hint}"
+
+
+GROUPS = ("dataset", "partition", "model", "algorithm", "train", "engine", "tracking")
+
+
+def _name_hint(name: str, a: List[str], b: List[str]) -> str:
+    """``e.g. name='fedavg_iid_digits-lr${train.lr}'``: the first key in which two jobs differ, interpolated."""
+    for x, y in zip(a, b):
+        if x != y:
+            key = x.split("=", 1)[0].lstrip("+~")
+            if "/" in key or "@" in key or (key not in GROUPS and "." not in key and key != "seed"):
+                break
+            ref = f"{key}.name" if key in GROUPS else key
+            return f"e.g. name='{name}-{key.rsplit('.', 1)[-1]}${{{ref}}}'"
+    return "e.g. name='...${KEY}' with the swept KEY"
+
+
+def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]]) -> None:
+    """Compose and validate every job before any runs; refuse jobs that would share ``results/<name>/``.
+
+    Raises:
+        ConfigError: the first bad job's one-line message.
+    """
+    from fl_core.config import compose
+
+    from .common import resolve_device
+    from .train import derive_name
+
+    owners: dict = {}
+    devices = set()
+    for num, job in enumerate(jobs):
+        cfg = compose(job + seed_override(seeds[:1] if seeds else None))
+        devices.add(str(cfg.engine.device))
+        name = cfg.name or derive_name(cfg)
+        out = Path(cfg.results_dir) / name
+        key = out.resolve()
+        if key in owners:
+            first_num, first = owners[key]
+            a = " ".join(x for x, y in zip(first, job) if x != y)
+            b = " ".join(y for x, y in zip(first, job) if x != y)
+            raise ConfigError(f"jobs #{first_num} ({a}) and #{num} ({b}) would both write {out}/: give each job "
+                              f"its own name, {_name_hint(name, first, job)}")
+        owners[key] = (num, job)
+    for device in sorted(devices):
+        resolve_device(device)
+
+
+def _statuses(returns: Any) -> List[Tuple[int, List[str], int]]:
+    """(job number, overrides, exit status) of every job Hydra's sweeper returned."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    out: List[Tuple[int, List[str], int]] = []
+
+    def visit(r: Any) -> None:
+        if isinstance(r, JobReturn):
+            num = len(out)
+            if r.status == JobStatus.COMPLETED and isinstance(r._return_value, int):
+                status = r._return_value
+            else:  # the task function raised (not ours: it reports and returns); say so
+                print(f"error: {PROG}: job #{num} failed: {r._return_value!r}", file=sys.stderr)
+                status = 1
+            out.append((num, list(r.overrides or []), status))
+        elif isinstance(r, (list, tuple)):
+            for x in r:
+                visit(x)
+
+    visit(returns)
+    return out
+
+
+def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001  (signal handler signature)
+    raise KeyboardInterrupt
+
+
+def multirun(args: Sequence[str]) -> int:
+    """``fl-train -m OVERRIDES``: one experiment per combination of the swept values, launched by Hydra.
+
+    Args:
+        args: the command line without ``-m`` / ``--multirun``: Hydra overrides, app keys and ``hydra.*`` /
+            ``hydra/...`` alike; ``seed=...`` lists become every job's seed list.
+
+    Returns:
+        The exit status: 0 when every job succeeded, else the worst job's (1 a seed failed, 2 bad input,
+        130 interrupted).
+
+    Raises:
+        SystemExit(2): bad input, with one ``error:`` line, before any job runs.
+    """
+    from hydra import version
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fl_core.paths import conf_dir
+
+    from .common import fail
+
+    args = list(args)
+    bad = [a for a in args if a.startswith("-")]
+    if bad:
+        fail(f"unknown option {bad[0]} with -m (see --help)")
+    version.setbase("1.3")
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        hydra = Hydra.create_main_hydra2(task_name=TASK_NAME,
+                                         config_search_path=create_config_search_path(str(conf_dir())))
+        # the sweep needs only this object; compose() (our validation, in here and in the jobs) initializes
+        # Hydra's global state itself and refuses to when it is already set
+        GlobalHydra.instance().clear()
+        try:
+            overrides, seeds = split_seeds(args, sweep_ok=True, config_loader=hydra.config_loader)
+            parsed = _parse(overrides, hydra.config_loader)
+            user_keys = {o.key_or_group for o in parsed}
+            if "hydra/sweeper" not in user_keys:  # the basic sweeper: its jobs are the product of the lists
+                task = [o for o in parsed if not o.is_hydra_override()]
+                jobs = [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+                _check_jobs(jobs, seeds)
+                _keep_task_name()
+                count = f"{len(jobs)} job(s)"
+            else:  # another sweeper decides the jobs; they validate when they run
+                from fl_core.config import compose
+
+                compose([])  # registers the config schema that conf/config.yaml builds on
+                _keep_task_name()
+                count = "the sweeper's jobs"
+            hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
+            # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
+            sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
+            _keep_task_name()
+            seeds_text = f"seeds {','.join(map(str, seeds))}" if seeds else "the config's seed"
+            launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
+            print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
+                  f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
+            returns = hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds),
+                                     overrides=hydra_args)
+        except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as err:
+            fail(_missing_plugin(_first_line(err)))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; run the same command again to resume (finished experiments are not "
+              "rerun)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        GlobalHydra.instance().clear()
+    results = _statuses(returns)
+    failed = [(n, o, s) for n, o, s in results if s != 0]
+    for num, ovr, status in failed:
+        print(f"{PROG}: job #{num} ({' '.join(ovr) or 'defaults'}) exited with status {status}", file=sys.stderr)
+    print(f"{PROG}: {len(results) - len(failed)} of {len(results)} job(s) succeeded", file=sys.stderr)
+    return max((s for _, _, s in failed), default=0)

@@ -1,0 +1,140 @@
+"""Seed lists and ``fl-train -m`` (Hydra multirun, pipeline/multirun.py) as a user runs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fl_core.config import ConfigError
+from pipeline.multirun import seed_override, split_seeds
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["partition=iid", "train.rounds=1", "partition.num_clients=4", "tracking.enabled=false", "engine.progress=false",
+        "engine.checkpoint_every=0"]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the hydra_plugins namespace itself is missing
+        return False
+
+
+def _run(args, cwd):
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
+    return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _metrics(tmp_path):
+    return {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*/metrics.json")}
+
+
+# --------------------------------------------------------------------------- seed lists (no training)
+
+
+@pytest.mark.parametrize("args,rest,seeds", [
+    (["seed=1,2,3", "train.rounds=1"], ["train.rounds=1"], [1, 2, 3]),
+    (["seed=range(1,4)"], [], [1, 2, 3]),
+    (["seed=5", "algorithm=fedprox"], ["seed=5", "algorithm=fedprox"], None),
+    (["algorithm=fedavg"], ["algorithm=fedavg"], None),
+])
+def test_split_seeds(args, rest, seeds):
+    assert split_seeds(args) == (rest, seeds)
+    assert seed_override(seeds) == ([f"seed={','.join(map(str, seeds))}"] if seeds else [])
+
+
+def test_split_seeds_keeps_other_sweeps_only_with_m():
+    assert split_seeds(["algorithm=fedavg,fedprox", "seed=1,2"], sweep_ok=True) == (["algorithm=fedavg,fedprox"], [1, 2])
+    with pytest.raises(ConfigError, match=r"^algorithm=fedavg,fedprox sweeps over several values: add -m"):
+        split_seeds(["algorithm=fedavg,fedprox"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["seed=a,b"], "seed=a,b: seeds must be integers, got 'a'"),
+    (["seed=1,1"], "seed=1,1: seed 1 is listed twice"),
+    (["seed=1,2", "seed=3"], "seed=1,2: seed is given more than once"),
+])
+def test_split_seeds_refuses_bad_lists(args, message):
+    with pytest.raises(ConfigError) as err:
+        split_seeds(args)
+    assert str(err.value) == message
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_seed_list_without_m_is_one_experiment(tmp_path):
+    proc = _run(["seed=1,2", "name=pair"] + TINY, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    metrics = _metrics(tmp_path)
+    assert list(metrics) == ["pair"] and metrics["pair"]["seeds"] == [1, 2]
+    assert not (tmp_path / "outputs").exists()  # no Hydra run folder for a single run
+
+
+def test_multirun_runs_one_experiment_per_combination_with_all_seeds(tmp_path):
+    proc = _run(["-m", "algorithm=fedavg,fedprox", "seed=1,2"] + TINY, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    metrics = _metrics(tmp_path)
+    assert sorted(metrics) == ["fedavg_iid_digits", "fedprox_iid_digits"]  # results/<derived name>/ as one run
+    for m in metrics.values():
+        assert m["seeds"] == [1, 2] and m["rounds"] == 1
+    sweeps = list((tmp_path / "outputs" / "multirun").glob("*/*"))
+    assert len(sweeps) == 1 and (sweeps[0] / "multirun.yaml").is_file()
+    assert sorted(p.name for p in sweeps[0].iterdir() if p.is_dir()) == ["0", "1"]
+    assert "job #1: algorithm=fedprox" in proc.stderr and "2 of 2 job(s) succeeded" in proc.stderr
+
+
+def test_bad_value_in_a_swept_list_fails_before_any_job(tmp_path):
+    proc = _run(["-m", "algorithm=fedavg,nope", "seed=1,2"] + TINY, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: algorithm must be one of ") and "got 'nope'" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_jobs_that_would_share_a_results_folder_are_refused(tmp_path):
+    proc = _run(["-m", "train.lr=0.01,0.1"] + TINY, tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: jobs #0 (train.lr=0.01) and #1 (train.lr=0.1) would both write results/fedavg_iid_digits/: "
+        "give each job its own name, e.g. name='fedavg_iid_digits-lr${train.lr}'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exit_status_is_the_worst_jobs(tmp_path):
+    """tiny_cnn does not fit digits: that job ends with its one-line error (2); the other still trains."""
+    proc = _run(["-m", "model=mlp,tiny_cnn", "name=w-${model.name}"] + TINY, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: model=tiny_cnn (tiny_cnn) does not fit dataset=digits" in proc.stderr
+    assert "job #1 (model=tiny_cnn " in proc.stderr and "exited with status 2" in proc.stderr
+    assert list(_metrics(tmp_path)) == ["w-mlp"]
+
+
+@pytest.mark.skipif(not _installed("hydra_plugins.hydra_joblib_launcher"),
+                    reason="hydra-joblib-launcher is not installed (pip install -e '.[parallel]')")
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
+    args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "algorithm=fedavg,fedprox", "seed=1,2"]
+    proc = _run(args + [a for a in TINY if a != "tracking.enabled=false"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "on JoblibLauncher" in proc.stderr
+    metrics = _metrics(tmp_path)
+    assert sorted(metrics) == ["fedavg_iid_digits", "fedprox_iid_digits"]
+    assert all(m["seeds"] == [1, 2] for m in metrics.values())
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fl-pipeline").experiment_id])
+    parents = {r.info.run_id: r.info.run_name for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    assert sorted(parents.values()) == ["fedavg_iid_digits", "fedprox_iid_digits"]
+    children = [r.data.tags["mlflow.parentRunId"] for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert sorted(children) == sorted(list(parents) * 2)  # each parent: its 2 seeds
+    assert all(r.info.status == "FINISHED" for r in runs)
