@@ -227,7 +227,7 @@ class TrainConfig:
     crop_padding: int = 4  # zero padding of the random crop, pixels
     eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
     target_acc: float = 0.9  # report: rounds to reach this test accuracy
-    final_window: int = 1  # report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)
+    final_window: int = 5  # report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)
 
 
 @dataclass

@@ -694,7 +694,14 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
             f"The same figure as PDF, for a draft: [{pdf_name}]({pdf_name}).", ""]
 
     out += ["## How to read", ""]
-    out.append("- *final acc*: test accuracy of the global model after the last round; *best acc*: the "
+    windows = {int(w) for w in (_num(m.get("final_window")) for m in ms) if w is not None}
+    if len(windows) > 1:
+        window = "the mean over each experiment's last `train.final_window` evaluations"
+    elif windows and windows != {1}:
+        window = f"the mean over the last {next(iter(windows))} evaluations"
+    else:
+        window = "after the last round"
+    out.append(f"- *final acc*: test accuracy of the global model, {window}; *best acc*: the "
                "highest test accuracy over all rounds. Both in %, as mean \u00b1 std over seeds "
                "(std is the sample standard deviation, ddof = 1; 0 for a single seed).")
     out.append("- *rounds to target*: the first round whose test accuracy is >= the target accuracy"
