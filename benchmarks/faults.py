@@ -108,7 +108,8 @@ def diverging_grid() -> Dict:
     return {"seeds": [1], "partition": {"num_clients": 4},
             "train": {"rounds": 4, "participation": 1.0, "local_epochs": 1, "batch_size": 64, "lr": 0.05},
             "engine": {"checkpoint_every": 2, "progress": False}, "tracking": {"log_every": 1},
-            "experiments": {"good": {"algorithm": "fedavg"}, "bad": {"algorithm": "fedavg", "train.lr": 100}}}
+            "experiments": {"good": {"algorithm": "fedavg", "partition": "iid"},
+                            "bad": {"algorithm": "fedavg", "partition": "iid", "train.lr": 100}}}
 
 
 # --------------------------------------------------------------------------- processes

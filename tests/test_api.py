@@ -25,8 +25,9 @@ def test_in_memory_run_writes_nothing_and_equals_the_cli_run(tmp_path, monkeypat
     assert list(mem.history[mem.history.seed == 1]["round"]) == [1, 2, 3]
     assert {"test_acc", "test_loss", "train_loss", "comm_up_floats"} <= set(mem.history.columns)
     assert mem.summary["seeds"] == [1, 2] and mem.summary["status"] == "ok"
-    final = mem.history[mem.history["round"] == 3]["test_acc"]
-    assert mem.summary["final_acc_mean"] == pytest.approx(final.mean())
+    k = mem.config["train"]["final_window"]  # final accuracy: mean of each seed's last k evaluations
+    final = mem.history.groupby("seed")["test_acc"].apply(lambda acc: acc.tail(k).mean())
+    assert k == 5 and mem.summary["final_acc_mean"] == pytest.approx(final.mean())
     assert mem.config["algorithm"]["name"] == "scaffold"
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -84,7 +84,7 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     for exp in ("fedavg", "fedbug"):
         m = json.loads((res / exp / "metrics.json").read_text())
         assert m["seeds"] == [1, 2] and m["rounds"] == 2
-        assert all(isinstance(v, (int, float, list)) or k == "status" for k, v in m.items()), m  # numbers only
+        assert all(isinstance(v, (int, float, list, type(None))) or k == "status" for k, v in m.items()), m  # numbers
         info = json.loads((res / exp / "experiment.json").read_text())
         assert set(info["per_seed"]) == {"1", "2"} and info["partition"].startswith("digits-shards")
     report = (work / "report" / "report.md").read_text()

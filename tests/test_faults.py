@@ -287,7 +287,8 @@ def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_pa
     """A grid entry that diverges (lr 100) ends its `--grid` stage with exit 0 and `status: failed`; the
     other experiments and the report still run; a single CLI run of it exits 1."""
     grid = {**GRID, "seeds": [1], "engine": {"checkpoint_every": 2, "progress": False},
-            "experiments": {"good": {"algorithm": "fedavg"}, "bad": {"algorithm": "fedavg", "train.lr": 100}}}
+            "experiments": {"good": {"algorithm": "fedavg", "partition": "iid"},
+                            "bad": {"algorithm": "fedavg", "partition": "iid", "train.lr": 100}}}
     tmp = _project(tmp_path, grid, store=empty_store)
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "bad"], monkeypatch) == 0
@@ -314,7 +315,7 @@ def test_diverging_experiment_completes_its_stage_and_the_report_names_it(tmp_pa
     assert json.loads((tmp / "results" / "good" / "metrics.json").read_text())["status"] == "ok"
 
     capsys.readouterr()
-    assert _in_process(tmp, ["train.lr=100", "seed=1", "name=single", "engine.progress=false",
+    assert _in_process(tmp, ["train.lr=100", "partition=iid", "seed=1", "name=single", "engine.progress=false",
                              "partition.num_clients=4", "train.rounds=4", "train.participation=1.0",
                              "train.local_epochs=1", "train.batch_size=64"], monkeypatch) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("single: FAILED (seed 1: non-finite")

@@ -143,7 +143,7 @@ def _sgd_step(model, x, y, lr):
             p.add_(p.grad, alpha=-lr)
 
 
-CENTRAL = ["partition.num_clients=1", "train.participation=1", "train.sampler=fixed", "algorithm=fedavg",
+CENTRAL = ["partition=iid", "partition.num_clients=1", "train.participation=1", "train.sampler=fixed", "algorithm=fedavg",
            "algorithm.eta_g=1.0", "train.rounds=3", "train.local_epochs=2", "train.batch_size=64"]
 
 

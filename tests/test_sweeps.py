@@ -28,7 +28,7 @@ TINY = ["model=mlp", "partition.num_clients=4", "train.rounds=3", "train.local_e
         "train.participation=1.0"]
 LR_SPACE = """\
 description: local learning rate on a tiny digits run (tests)
-base: [model=mlp, partition.num_clients=4, train.rounds=3, train.local_epochs=1, train.batch_size=16,
+base: [model=mlp, partition=iid, partition.num_clients=4, train.rounds=3, train.local_epochs=1, train.batch_size=16,
        train.participation=1.0]
 params:
   train.lr: {type: float, low: 1.0e-6, high: 1.0e+6, log: true}
