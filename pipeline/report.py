@@ -460,6 +460,18 @@ def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, floa
     return {"mean": m, "std": sd, "n": len(d)}
 
 
+def confidence_interval(d: Dict[str, float], level: float = 0.95) -> Tuple[Optional[float], Optional[float]]:
+    """The ``level`` confidence interval of a :func:`paired_difference`'s mean: mean +- t_{(1+level)/2, n-1}
+    std / sqrt(n) (Student t; scipy), in its units; (None, None) for fewer than 2 seeds."""
+    n = int(d["n"])
+    if n < 2:
+        return None, None
+    from scipy.stats import t
+
+    half = float(t.ppf((1 + level) / 2, n - 1)) * d["std"] / math.sqrt(n)
+    return d["mean"] - half, d["mean"] + half
+
+
 def fedavg_references(exps: List[Experiment]) -> Dict[str, Experiment]:
     """{partition column: the plain FedAvg experiment of that column}, where exactly one exists."""
     found: Dict[str, List[Experiment]] = {}
@@ -493,13 +505,14 @@ def differences_section(exps: List[Experiment]) -> List[str]:
         d = diffs.get(e.name)
         if d is None:
             continue
-        beyond = abs(d["mean"]) > d["std"] and d["n"] > 1
-        rows.append([e.row_label, e.col_label, f"{d['mean']:+.2f} {PM} {d['std']:.2f}", str(d["n"]),
-                     "yes" if beyond else "no"])
+        lo, hi = confidence_interval(d)
+        ci = DASH if lo is None else f"[{lo:+.2f}, {hi:+.2f}]" + (" *" if lo > 0 or hi < 0 else "")
+        rows.append([e.row_label, e.col_label, f"{d['mean']:+.2f} {PM} {d['std']:.2f}", str(d["n"]), ci])
     out = ["## Difference to FedAvg", "",
            "Final test accuracy minus FedAvg's on the same partition and the same seeds, in percentage points: "
-           f"mean {PM} std over the paired seeds. *Beyond seed spread*: |mean| > std.", ""]
-    out.append(_table(["algorithm", "partition", "vs FedAvg (pp)", "seeds", "beyond seed spread"], rows, "llrrl"))
+           f"mean {PM} std over the paired seeds, and the 95% confidence interval of the mean difference "
+           "(Student t over the seeds); * marks an interval that excludes 0.", ""]
+    out.append(_table(["algorithm", "partition", "vs FedAvg (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
     out.append("")
     return out
 

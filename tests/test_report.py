@@ -147,9 +147,10 @@ def test_report(tree, capsys):
 
     # each method against FedAvg on the same partition and seeds (pp): iid 0.86-0.80, 0.88-0.90 -> +6, -2
     header, rows = _table(md, "## Difference to FedAvg")
-    assert header == ["algorithm", "partition", "vs FedAvg (pp)", "seeds", "beyond seed spread"]
-    assert rows == [["FedBug P=0.2 (FedAvg)", "IID", "+2.00 ± 5.66", "2", "no"],
-                    ["FedBug P=0.2 (FedAvg)", "Dirichlet α=0.3", "+7.00 ± 4.24", "2", "yes"]]
+    assert header == ["algorithm", "partition", "vs FedAvg (pp)", "seeds", "95% CI (pp)"]
+    # 95% CI: mean +- t(0.975, 1) * std / sqrt(2) = mean +- 12.7062 * std / 1.4142
+    assert rows == [["FedBug P=0.2 (FedAvg)", "IID", "+2.00 ± 5.66", "2", "[-48.82, +52.82]"],
+                    ["FedBug P=0.2 (FedAvg)", "Dirichlet α=0.3", "+7.00 ± 4.24", "2", "[-31.12, +45.12]"]]
     root_metrics = json.loads((results / "metrics.json").read_text())
     assert root_metrics["fedavg_iid"] == {"acc": 85.0, "std": 7.07}
     assert root_metrics["fedbug_dir"] == {"acc": 72.0, "std": 2.83, "vs_fedavg": 7.0}
