@@ -118,6 +118,9 @@ def _csv(rows: List[Dict], columns: List[str]) -> str:
     return buf.getvalue()
 
 
+TIMING_KEYS = ("round_time_s",)  # wall-clock measurements: differ between identical runs
+
+
 def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
     """Per-round mean (and std of test_acc) over seeds; rounds without evaluation keep train columns."""
     rows = []
@@ -129,7 +132,7 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
         group = by_round[r]
         out: Dict = {"round": r}
         for k in ("test_acc", "test_loss", "train_loss", "client_acc_mean", "client_acc_std", "client_acc_worst10",
-                  "comm_up_floats", "comm_down_floats", "round_time_s"):
+                  "comm_up_floats", "comm_down_floats"):
             vals = [g[k] for g in group if k in g]
             if vals:
                 ms = mean_std(vals)
@@ -426,7 +429,10 @@ class _Experiment:
         summary = _experiment_summary(self.name, self.cfg0, self.algo_desc, self.pkey, self.model_name,
                                       {s: r["summary"] for s, r in ok.items()}, failures, self.model_d)
         summary.update(fingerprint=self.store.fingerprint, seeds_run=sorted(self.records))
-        all_rows = [{"seed": s, **row} for s, h in histories.items() for row in h]
+        # git keeps runs.csv and rounds.csv: no wall-clock columns there, so that a rerun gives the same
+        # bytes (round_time_s stays in MLflow and in details/seed_<s>.csv)
+        all_rows = [{"seed": s, **{k: v for k, v in row.items() if k not in TIMING_KEYS}}
+                    for s, h in histories.items() for row in h]
         write_text(staging / "runs.csv", _csv(all_rows, _history_columns(all_rows)))
         mean_rows = mean_curve(histories)
         write_text(staging / "rounds.csv", _csv(mean_rows, _history_columns(mean_rows)))
