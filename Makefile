@@ -23,7 +23,7 @@ repro: $(STAMP)
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean-venv:
 	rm -rf $(VENV)

@@ -107,7 +107,8 @@ def test_model_that_does_not_fit_the_data_fails_before_anything_is_written(tmp_p
 
 def test_bad_inputs_leave_an_earlier_good_run_untouched(tmp_path):
     """Bad configs, a model that does not fit, and a second writer change no file of a finished run."""
-    good = ["train.rounds=2", "partition.num_clients=4", "seed=1", "name=smoke", "engine.progress=false"]
+    good = ["train.rounds=2", "partition.num_clients=4", "train.local_epochs=1", "train.batch_size=64", "seed=1",
+            "name=smoke", "engine.progress=false"]
     assert _run(good, tmp_path).returncode == 0
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for bad in (["model=tiny_cnn"], ["partition.alpha=-1"], ["dataset=cifar10", "dataset.root=nowhere"]):
