@@ -157,6 +157,9 @@ def _pinned_for_dvc(overrides: Sequence[str], params_yaml: Path) -> List[str]:
     for ov in shared:
         key = override_key(ov)
         if key not in have:
+            if "." not in key:  # a config group the grid chooses (partition: {name: shards}): pin the choice
+                pins.append(make_override(key, OmegaConf.select(cfg, f"{key}.name", default=None)))
+                continue
             value = OmegaConf.select(cfg, key, default=None)
             pins.append(make_override(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
     return list(overrides) + pins

@@ -31,3 +31,16 @@ def test_a_shared_name_chooses_the_config_group(tmp_path):
     a, b = (compose(grid.overrides(n, 0)) for n in ("a", "b"))
     assert a.partition.name == "dirichlet" and a.partition.alpha == 0.5
     assert b.partition.name == "iid"  # the experiment's own group choice replaces the shared one
+
+
+def test_a_sweeps_dvc_entry_pins_the_grids_group_choices_as_choices(tmp_path):
+    """sweeps/outputs.py pins every shared key of params.yaml the tuned overrides do not set; a shared group
+    choice (partition: {name: shards}) is pinned as a choice, not as the whole section."""
+    from sweeps.outputs import _pinned_for_dvc
+
+    (tmp_path / "params.yaml").write_text(
+        "partition: {name: shards, num_clients: 10}\ntrain: {rounds: 30}\nexperiments:\n  a: {algorithm: fedavg}\n")
+    pins = _pinned_for_dvc(["algorithm=fedprox"], tmp_path / "params.yaml")
+    assert pins == ["algorithm=fedprox", "partition=shards", "partition.num_clients=10", "train.rounds=30"]
+    pins = _pinned_for_dvc(["partition=dirichlet", "train.rounds=5"], tmp_path / "params.yaml")
+    assert pins == ["partition=dirichlet", "train.rounds=5", "partition.num_clients=10"]
