@@ -22,7 +22,10 @@ repro: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
 
+# lint (ruff) and the import contract (import-linter, pyproject.toml) first: seconds, before the suite
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=25
 
 clean-venv:

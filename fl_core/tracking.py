@@ -28,7 +28,6 @@ import logging
 import os
 import subprocess
 import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 
@@ -128,42 +127,13 @@ def mlflow_metric_name(key: str) -> str:
     return f"{GROUP_DIAGNOSTICS}/{key}"
 
 
-def _code_names(code) -> set:
-    """The global and attribute names a code object (and the code nested in it) refers to."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _code_names(const)
-    return names
-
-
-@lru_cache(maxsize=None)
 def rule_sections() -> Dict[str, FrozenSet[str]]:
-    """Rule name -> the ``algorithm.<section>`` config sections its builder reads.
+    """Rule name -> the ``algorithm.<section>`` config sections it reads, from the rule registry
+    (:mod:`fl_core.algorithms.registry`): ``fedbcgd_plus`` -> {fedbcgd}, ``topk`` / ``qsgd`` -> {compression},
+    ``fedadam`` -> {server_opt}, ``fedavg`` -> {}."""
+    from .algorithms import registry
 
-    Read from the builders of the registries of :mod:`fl_core.algorithms` (``BASES``, ``STRUCTURED``,
-    ``WRAPPERS``): a section is read by a rule when the rule's builder refers to it (``cfg.fedprox.mu``),
-    e.g. ``fedbcgd_plus`` -> {fedbcgd}, ``topk`` / ``qsgd`` -> {compression}, ``fedadam`` -> {server_opt},
-    ``fedavg`` -> {}; a section named as the rule always counts. Sections are the dataclass fields of
-    :class:`fl_core.config.AlgorithmConfig`. A builder that reads the config only through a helper
-    function would hide that helper's sections (tests/test_mlflow_view.py checks that every section is
-    read by some rule).
-    """
-    import dataclasses
-
-    from .algorithms import BASES, STRUCTURED, WRAPPERS
-    from .config import AlgorithmConfig
-
-    sections = {f.name for f in dataclasses.fields(AlgorithmConfig)
-                if f.default_factory is not dataclasses.MISSING
-                and dataclasses.is_dataclass(f.default_factory)}
-    out: Dict[str, FrozenSet[str]] = {}
-    for registry in (BASES, STRUCTURED, WRAPPERS):
-        for rule, build in registry.items():
-            code = getattr(build, "__code__", None)
-            names = _code_names(code) if code is not None else set()
-            out[rule] = frozenset(sections & (names | {rule}))  # a section named as the rule is its own
-    return out
+    return {r.name: frozenset(registry.stack_sections([r.name])) for r in registry.rules()}
 
 
 def run_params(container: Dict[str, Any]) -> Dict[str, Any]:

@@ -38,21 +38,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import yaml
 
+from fl_core.algorithms import registry
 from fl_core.config import ConfigError
 from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
-from .files import atomic_write, write_text
+from .files import write_text
 from .grid import Grid, load_grid
 
 DASH = "\u2014"
 PM = "\u00b1"
-
-ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedbug": "FedBug", "scaffold": "SCAFFOLD",
-                   "fednova": "FedNova", "fedadam": "FedAdam", "moon": "MOON", "feddyn": "FedDyn",
-                   "fedexp": "FedExP", "feddecorr": "FedDecorr", "fednlr": "FedNLR", "fedrs": "FedRS",
-                   "fedlc": "FedLC", "ccvr": "CCVR", "feddc": "FedDC", "fedbcgd": "FedBCGD", "fedbcgd_plus": "FedBCGD+",
-                   "fedavgm": "FedAvgM",
-                   "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "topk": "Top-k", "qsgd": "QSGD"}
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
                    "model", "rounds", "target_acc", "n_seeds", "failed_seeds",
@@ -68,7 +62,8 @@ SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "p
 # --------------------------------------------------------------------------- labels
 
 def _algo_name(name: str) -> str:
-    return ALGORITHM_NAMES.get(name.lower(), name)
+    """The paper name of a rule (the registry's label: ``fedbcgd_plus`` -> ``FedBCGD+``), else ``name``."""
+    return registry.label(name)
 
 
 def _parse_algorithm(s: str) -> Optional[str]:

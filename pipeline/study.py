@@ -118,7 +118,7 @@ def stats_of(cv: Curves, window: int = 3) -> Stats:
     st = Stats()
     acc = cv.band("test_acc")
     if acc is not None:
-        rounds, mean = acc[0], acc[1]
+        mean = acc[1]
         st.final_acc = float(mean[-window:].mean())
         st.early_acc = float(mean[: max(1, len(mean) // 3)].mean())
         diffs = [np.abs(np.diff(v[len(v) // 2:])).mean() for _, v in cv.metric("test_acc").values() if len(v) > 3]

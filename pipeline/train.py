@@ -55,11 +55,15 @@ from .figures import experiment_figure, readable_title, schedule_figure
 from .common import atomic_write, dataset_for, fail, partition_for, resolve_device, write_json, write_text
 
 def usage() -> str:
-    """The --help text; the choices are read from conf/ so it stays true to the code."""
+    """The --help text; the choices are read from conf/ and the rule registry so it stays true to the code."""
     from fl_core.paths import conf_dir
+
+    from fl_core.algorithms import registry
 
     def opts(group):
         return "|".join(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
+
+    rules = "\n".join("  " + line for line in registry.help_lines())
 
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
@@ -71,9 +75,10 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   dataset={opts("dataset")}
   partition={opts("partition")}   partition.num_clients  partition.alpha  partition.variant
   model={opts("model")}
-  algorithm={opts("algorithm")}
-    algorithm.name (a wrapper's base)  algorithm.wrappers  algorithm.aggregation=weighted|uniform  algorithm.eta_g
-    algorithm.fedbug.gu_percentage (P)  algorithm.fedprox.mu  algorithm.fednlr.mu0|a1|a2  algorithm.fedbcgd.lam
+  algorithm={opts("algorithm")}   (presets of the rules below)
+    algorithm.name (a wrapper's base)  algorithm.wrappers  algorithm.eta_g (server learning rate)
+    algorithm.aggregation=weighted|uniform|null (null: the base rule's own; a rule refuses one it would ignore)
+{rules}
   +experiment={opts("experiment")}
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
   train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor=sequential|vectorized|auto

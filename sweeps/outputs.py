@@ -249,7 +249,7 @@ def write_plots(study, settings: Settings, out: Path) -> Tuple[List[Path], List[
             fig.set_size_inches(8, 5)
             fig.tight_layout()
             path = out / f"{name}.png"
-            atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+            atomic_write(path, lambda p, fig=fig: fig.savefig(p, dpi=100, format="png"))
             files.append(path)
         except Exception as err:  # a plot is a convenience: report and go on
             notes.append(f"{name}: skipped ({str(err).splitlines()[0] if str(err) else type(err).__name__})")

@@ -196,7 +196,7 @@ class Space:
             params = {**self.params, **(branch.params if branch else {})}
             extra = branch.base if branch else []
 
-            def at(end: int, fixed: Optional[Dict[str, Any]] = None) -> List[str]:
+            def at(end: int, fixed: Optional[Dict[str, Any]] = None, params=params, forced=forced) -> List[str]:
                 values = {k: p.corners()[end] for k, p in params.items()}
                 values.update(forced)
                 values.update(fixed or {})

@@ -119,7 +119,7 @@ def test_frozen_units_are_bit_identical_while_frozen(digits):
                    "algorithm.fedprox.mu=0.1", "algorithm.fedbug.gu_percentage=0.6"])
     part = make_partition(cfg.partition, digits.y_train.numpy(), digits.num_classes)
     sim = build_simulator(cfg, digits, part)
-    ex, algo, spec = sim.executor, sim.algo, sim.spec
+    ex, spec = sim.executor, sim.spec
     from fl_core.engine import executors
 
     seen = []  # (k, m(k), K_i, params after step k)
@@ -136,7 +136,6 @@ def test_frozen_units_are_bit_identical_while_frozen(digits):
 
     executors.sgd_step = spy_step
     try:
-        start = None
         sim_global = []
         orig_train = ex._train_client
 
@@ -183,7 +182,7 @@ def test_sgd_step_is_torch_sgd_bit_for_bit():
     b = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
     b.load_state_dict(a.state_dict())
     opt = torch.optim.SGD(b.parameters(), lr=0.07, weight_decay=0.003)
-    for step in range(5):
+    for _ in range(5):
         x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
         for m in (a, b):
             for p in m.parameters():

@@ -87,7 +87,9 @@ def test_qsgd_wrapper_keys_draws_by_run_round_and_client():
     algo = QSGD(FedAvg("uniform"), levels=4)
     assert algo.describe() == "qsgd[s=4](fedavg)" and algo.vectorizable
     delta = torch.randn(200, generator=torch_generator("d"), dtype=torch.float64)
-    out = lambda rnd, cid, seed=0: algo.finish_client(_ctx(rnd, cid, seed=seed), _update(cid, delta.clone())).delta
+    def out(rnd, cid, seed=0):
+        return algo.finish_client(_ctx(rnd, cid, seed=seed), _update(cid, delta.clone())).delta
+
     a = out(2, 5)
     out(2, 1)  # another client in between changes nothing
     assert torch.equal(out(2, 5), a)
@@ -186,9 +188,9 @@ def test_comm_floats_of_a_partial_upload_base():
 # ----------------------------------------------------------------------------- end to end
 
 def _registered(name):
-    from fl_core.algorithms import WRAPPERS
+    from fl_core.algorithms import registry
 
-    assert name in WRAPPERS, f"wrapper {name!r} is not registered in fl_core.algorithms.WRAPPERS"
+    assert name in registry.names("wrapper"), f"wrapper {name!r} is not in the rule registry"
 
 
 @pytest.mark.parametrize("algorithm,wrapper", [("topk", "topk"), ("fedpaq", "qsgd")])

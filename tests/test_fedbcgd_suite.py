@@ -14,6 +14,7 @@ from fl_core.algorithms.compression import qsgd_floats
 from fl_core.engine.state import ParamSpec
 from fl_core.models import build_model
 from fl_core.config import compose
+from fl_core.data.sampling import sample_clients
 
 from conftest import run_sim
 
@@ -93,12 +94,21 @@ def test_fedbcgd_with_one_block_is_fedavgm_heavy_ball(digits):
     assert torch.allclose(bc0.final_flat, avg.final_flat, atol=1e-6)
 
 
-def test_fedbcgd_uploads_about_d_over_n(digits):
-    sim, res = run_sim(digits, *MLP, "algorithm=fedbcgd", "algorithm.fedbcgd.blocks=2", "train.rounds=2")
+def test_fedbcgd_uplink_is_counted_from_the_blocks_sent(digits):
+    """|S| = 3 clients over N = 2 blocks: the measured uplink is the mean of what each client sends (its block
+    and the shared block), not the closed form (d - #shared) / N + #shared, which assumes equal owner counts."""
+    sim, res = run_sim(digits, *MLP, "algorithm=fedbcgd", "algorithm.fedbcgd.blocks=2", "train.rounds=2",
+                       "train.sampler=fixed")
     d = sim.spec.d
     shared = sim.algo.shared_floats  # the MLP's classifier fc3: 200 * 10 + 10
-    assert shared == 2010
-    assert res.history[0]["comm_up_floats"] == (d - shared) / 2 + shared
+    assert shared == 2010 and d == 13000 + 40200 + shared  # blocks: fc1 64 * 200 + 200, fc2 200 * 200 + 200
+    for r in (1, 2):  # both rounds: two clients own fc1, one owns fc2 (seed 0, fixed sampler, 3 of 6 clients)
+        owners = assign_blocks([int(c) for c in sample_clients(6, 0.5, "fixed", 0, r)], 2, 0, r)
+        assert [len(o) for o in owners] == [2, 1]
+    per_round = (2 * (13000 + 2010) + (40200 + 2010)) / 3
+    assert res.history[0]["comm_up_floats"] == pytest.approx(per_round, rel=1e-12)
+    assert res.history[1]["comm_up_floats"] == pytest.approx(2 * per_round, rel=1e-12)
+    assert per_round != pytest.approx((d - shared) / 2 + shared)  # the closed form is 9.1% off here
     assert res.history[1]["comm_down_floats"] == 2 * d
 
 

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-import fl_core.algorithms as algorithms
 from fl_core.algorithms import ClientUpdate, FedAvg, RoundContext
 from fl_core.algorithms.serveropt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 

@@ -247,7 +247,8 @@ def test_every_shipped_space_runs_a_tiny_study(sandbox, name):
 def test_study_prunes_survives_divergence_resumes_and_its_best_yaml_reproduces(sandbox, capsys, request):
     from pipeline import train
 
-    request.addfinalizer(lambda n=torch.get_num_threads(): torch.set_num_threads(n))
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
 
     space, storage, out = sandbox / "lr.yaml", sandbox / "studies" / "t.log", sandbox / "out"
     space.write_text(LR_SPACE)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..engine.state import ParamSpec
+from ..params import ParamSpec
 
 
 class InfeasibleSetting(ValueError):
@@ -72,7 +72,13 @@ class ClientContext:
 
 @dataclass
 class ClientUpdate:
-    """What one client hands back to the server."""
+    """What one client hands back to the server.
+
+    ``sent`` counts the message: floats uploaded per part (docs/algorithms.md, Communication accounting). It
+    starts as ``{"delta": d}`` (the model update, dense); a rule that uploads more adds its parts
+    (``sent["delta_c"] = d``), one that uploads less or compresses rewrites ``sent["delta"]`` (a parameter block,
+    2k for Top-k). The round's uplink is the mean of :meth:`up_floats` over its clients.
+    """
 
     client_id: int
     num_samples: int
@@ -80,6 +86,14 @@ class ClientUpdate:
     delta: torch.Tensor  # [d] theta_i - theta (after - received)
     train_loss: float  # mean task loss (CE) over the client's local steps
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+    sent: Dict[str, float] = field(default_factory=dict)  # floats uploaded per message part
+
+    def __post_init__(self):
+        self.sent.setdefault("delta", float(self.delta.numel()))
+
+    def up_floats(self) -> float:
+        """Floats this client uploads this round: the sum over the parts of its message."""
+        return float(sum(self.sent.values()))
 
 
 class Algorithm:
@@ -152,7 +166,9 @@ class Algorithm:
         raise NotImplementedError
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
-        """Floats sent (up, down) per participating client per round (docs/algorithms.md, Communication accounting)."""
+        """The closed form of the floats sent (up, down) per participating client per round (docs/algorithms.md,
+        Communication accounting); the engine counts what is actually sent (``ClientUpdate.sent`` and the
+        broadcast), tests compare the two where the closed form is exact."""
         return float(d), float(d)
 
     def eval_flat(self, server_state: Dict[str, torch.Tensor], global_flat: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,20 @@ import torch
 import torch.nn.functional as F
 
 from ..seeding import torch_generator
+from dataclasses import dataclass
+
+from ..schema import param
 from .base import Algorithm, Wrapper
+from .registry import Rule, neuron_layers, register
+
+
+@dataclass
+class CCVRParams:
+    virtual_per_class: int = param(200, "M_c virtual features sampled per class (not in the papers: our default)",
+                                   ge=1)
+    epochs: int = param(20, "classifier retraining epochs over the virtual features (our default)", ge=0)
+    lr: float = param(0.01, "classifier retraining learning rate (our default)", gt=0)
+    batch_size: int = param(64, "classifier retraining batch size", ge=1)
 
 
 @torch.no_grad()
@@ -73,7 +86,7 @@ class CCVR(Wrapper):
         inner = self.base.post_training(post)
         flat = inner if inner is not None else post.global_flat
         model, data = post.model, post.data
-        from ..engine.state import flatten_params, load_flat
+        from ..params import flatten_params, load_flat
 
         load_flat(model, flat)
         model.eval()
@@ -99,7 +112,7 @@ class CCVR(Wrapper):
         vy = torch.cat(vy)
         head = dict(model.named_modules())[self.classifier]
         model.train()
-        for epoch in range(self.epochs):
+        for _ in range(self.epochs):
             perm = torch.randperm(vx.shape[0], generator=g).to(vx.device)
             for s in range(0, vx.shape[0], self.batch_size):
                 b = perm[s:s + self.batch_size]
@@ -114,3 +127,11 @@ class CCVR(Wrapper):
     def one_off_upload_floats(self, num_classes: int, f: int) -> int:
         """C (f + f^2 + 1): the statistics each client uploads once (docs/algorithms.md, Communication accounting)."""
         return num_classes * (f + f * f + 1)
+
+
+register(Rule(
+    name="ccvr", kind="wrapper", label="CCVR", citation="Luo et al., NeurIPS 2021, Sec. 4 (Eq. 4-5)",
+    summary="after training, retrain the classifier on virtual features from the clients' class Gaussians",
+    params=CCVRParams, neutral=("algorithm.ccvr.epochs=0",),
+    build=lambda base, p, ctx: CCVR(base, (neuron_layers(ctx.model) or [("fc", "linear", 0)])[-1][0],
+                                    p.virtual_per_class, p.epochs, p.lr, p.batch_size)))

@@ -61,8 +61,19 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..schema import param
 from ..seeding import torch_generator
 from .base import Algorithm, ClientContext, ClientUpdate, Wrapper
+from .registry import Rule, register
+
+
+@dataclasses.dataclass
+class CompressionParams:
+    """``algorithm.compression``: shared by Top-k and QSGD."""
+
+    topk_ratio: float = param(0.1, "Top-k: share of the entries sent (values + indices)", gt=0, le=1)
+    qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1)
+    error_feedback: bool = param(True, "Top-k: keep the residual on the client")
 
 
 # ----------------------------------------------------------------------------- QSGD
@@ -190,7 +201,8 @@ class TopK(Wrapper):
         return f"topk[{self.ratio:g},{'ef' if self.error_feedback else 'no_ef'}]({self.base.describe()})"
 
     def k(self, d: int) -> int:
-        """k for a model of d entries: ratio times the base's delta payload (d, or its block for FedBCGD)."""
+        """The closed form's k for a model of d entries: ratio times the base's mean delta payload (d, or the mean
+        block for FedBCGD). Each client uses ratio times its own payload (``finish_client``)."""
         m, _ = _payload(self.base, d)
         return topk_k(max(1, int(round(m))), self.ratio)
 
@@ -208,9 +220,11 @@ class TopK(Wrapper):
     def finish_client(self, ctx: ClientContext, update: ClientUpdate) -> ClientUpdate:
         update = self.base.finish_client(ctx, update)
         delta = update.delta
-        k = self.k(delta.numel())
+        # k = ratio x this client's model-update payload as its base sends it (d, or its block for FedBCGD)
+        k = topk_k(max(1, int(round(update.sent["delta"]))), self.ratio)
         if not self.error_feedback:
-            return dataclasses.replace(update, delta=topk_dense(delta, k))
+            return dataclasses.replace(update, delta=topk_dense(delta, k),
+                                       sent={**update.sent, "delta": topk_floats(k)})
         if ctx.state is None:
             ctx.state = {}
         e = ctx.state.get(self.STATE_KEY)
@@ -219,7 +233,7 @@ class TopK(Wrapper):
         residual = u - sent
         ctx.state[self.STATE_KEY] = residual
         self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(residual)))
-        return dataclasses.replace(update, delta=sent)
+        return dataclasses.replace(update, delta=sent, sent={**update.sent, "delta": topk_floats(k)})
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
         _, extra = _payload(self.base, d)
@@ -263,11 +277,14 @@ class QSGD(Wrapper):
         if norm > 0:
             self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(q - delta)) / norm)
         extra = dict(update.extra)
-        for t, key in enumerate(self.base.compressed_extras, start=1):  # FedBCGD+'s Delta c: a message of its own
+        for key in self.base.compressed_extras:  # FedBCGD+'s Delta c: a message of its own
             extra[key], _ = qsgd(update.extra[key], self.levels,
                                  torch_generator("qsgd", int(getattr(ctx.round, "seed", 0)), self.seed,
                                                  int(ctx.round.round), int(ctx.client_id), key))
-        return dataclasses.replace(update, delta=q, extra=extra)
+        sent = dict(update.sent)  # each quantised message costs qsgd_floats of its payload (a block: its size)
+        for key in ("delta", *self.base.compressed_extras):
+            sent[key] = qsgd_floats(sent.get(key, float(update.delta.numel())), self.levels)
+        return dataclasses.replace(update, delta=q, extra=extra, sent=sent)
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
         """Each quantised message (the delta and every ``compressed_extras`` vector) costs qsgd_floats(m);
@@ -282,6 +299,20 @@ class QSGD(Wrapper):
         if m is not None:
             out["qsgd_rel_error"] = m
         return out
+
+
+register(Rule(
+    name="topk", kind="wrapper", label="Top-k", citation="Aji & Heafield, EMNLP 2017; error feedback: Stich et al., "
+                                                         "NeurIPS 2018",
+    summary="upload only the k largest entries of the update (values + indices), keep the rest as a residual",
+    params=CompressionParams, section="compression", neutral=("algorithm.compression.topk_ratio=1",),
+    build=lambda base, p, ctx: TopK(base, p.topk_ratio, p.error_feedback)))
+
+register(Rule(
+    name="qsgd", kind="wrapper", label="QSGD", citation="Alistarh et al., NeurIPS 2017, Sec. 3.1",
+    summary="unbiased stochastic quantisation of the update to s levels (FedPAQ = FedAvg(uniform) + QSGD)",
+    params=CompressionParams, section="compression",
+    build=lambda base, p, ctx: QSGD(base, p.qsgd_levels)))
 
 
 __all__ = ["qsgd", "qsgd_bits", "qsgd_floats", "topk", "topk_k", "topk_dense", "topk_floats", "TopK", "QSGD"]

@@ -15,6 +15,7 @@ from typing import List
 import torch
 
 from .base import Algorithm, ClientUpdate
+from .registry import Rule, register
 
 
 class FedAvg(Algorithm):
@@ -40,3 +41,10 @@ class FedAvg(Algorithm):
         deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
         mean_delta = p @ deltas
         return rctx.global_flat + self.eta_g * mean_delta, server_state
+
+
+register(Rule(
+    name="fedavg", kind="base", label="FedAvg",
+    citation="McMahan et al., AISTATS 2017, Alg. 1 (FederatedAveraging)",
+    summary="local SGD, then the server adds eta_g times the (weighted) mean client update",
+    build=lambda p, ctx: FedAvg(ctx.aggregation, ctx.eta_g)))

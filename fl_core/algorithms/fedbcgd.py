@@ -20,14 +20,33 @@ Ablations: ``shared=False`` (the classifier joins the last block), ``momentum=Fa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..schema import ConfigError, param
 from ..seeding import torch_generator
 from .base import Algorithm
+from .registry import Rule, register
 from .scaffold import add_drift_correction
+
+
+@dataclass
+class FedBCGDParams:
+    """``algorithm.fedbcgd``: shared by FedBCGD and FedBCGD+."""
+
+    blocks: int = param(0, "N parameter blocks besides the shared block; 0: as many as the model has (its paper "
+                        "table's N, else one per unit besides the classifier)", ge=0)
+    lam: float = param(0.8, "lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)", ge=0, lt=1)
+    block_partition: str = param("auto", "auto (the model's paper table if it has N blocks, else units) | paper | "
+                                 "code | units", choices=("auto", "paper", "code", "units"))
+    shared: bool = param(True, "false: ablation 'nonshare', the classifier joins the last block")
+    momentum: bool = param(True, "false: ablation lambda = 0")
+    freezing: bool = param(False, "ablation: clients update only their block and the shared block")
+    plus_variant: str = param("paper", "FedBCGD+ only: paper (SVRG + full-batch control variates) | code "
+                              "(SCAFFOLD II + momentum)", choices=("paper", "code"))
 
 # parameter-name prefixes: (blocks, shared), by model class
 BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
@@ -61,11 +80,24 @@ def block_partition(model: torch.nn.Module, names: Sequence[str], num_blocks: in
                     shared: bool = True) -> Tuple[List[List[int]], List[int]]:
     """Parameter indices (ParamSpec order) of each of the N blocks and of the shared block.
 
+    ``num_blocks`` = 0 takes as many blocks as the model has: the N of its table (``paper`` for ``auto``), else one
+    block per unit besides the classifier.
+
     Raises:
         ValueError: a table that does not exist for the model, a table of another size than
             ``algorithm.fedbcgd.blocks``, or a partition that does not cover every parameter once.
+        ConfigError: ``units`` (or ``auto`` without a matching table) with more blocks than the model has units
+            besides the classifier, which would leave blocks empty.
     """
     table = BLOCK_TABLES.get(type(model).__name__, {})
+    units = model.units() if hasattr(model, "units") else [list(names)]
+    requested = num_blocks
+    if num_blocks == 0:  # as many as the model has: its paper table's N, else one block per unit but the classifier
+        table_kind = "paper" if kind == "auto" else kind
+        if kind != "units" and table_kind in table:
+            num_blocks = len(table[table_kind][0])
+        else:
+            num_blocks = max(1, len(units) - 1)
     if kind == "auto":
         kind = "paper" if "paper" in table and len(table["paper"][0]) == num_blocks else "units"
     if kind in ("paper", "code"):
@@ -79,7 +111,6 @@ def block_partition(model: torch.nn.Module, names: Sequence[str], num_blocks: in
         blocks = [[i for i, n in enumerate(names) if _match(n, pre)] for pre in prefixes]
         shared_idx = [i for i, n in enumerate(names) if _match(n, shared_prefixes)]
     else:
-        units = model.units() if hasattr(model, "units") else [list(names)]
         index = {n: i for i, n in enumerate(names)}
         body, head = units[:-1], units[-1]
         groups = np.array_split(np.arange(len(body)), num_blocks)
@@ -88,6 +119,13 @@ def block_partition(model: torch.nn.Module, names: Sequence[str], num_blocks: in
     if not shared:
         blocks[-1] = sorted(blocks[-1] + shared_idx)
         shared_idx = []
+    empty = [j + 1 for j, b in enumerate(blocks) if not b]
+    if empty and kind != "code":  # the code table's empty blocks are the repository's layout (5 blocks, 3 filled)
+        have = len(units) - 1
+        fix = (f"use algorithm.fedbcgd.blocks <= {have}" if have > 0 else
+               "use a model with several units or algorithm.fedbcgd.shared=false")
+        raise ConfigError(f"algorithm.fedbcgd.blocks={requested} leaves block(s) {', '.join(map(str, empty))} empty: "
+                          f"{type(model).__name__} has {have} units besides the classifier; {fix}")
     seen = sorted(i for b in blocks for i in b) + sorted(shared_idx)
     if sorted(seen) != list(range(len(names))) or len(seen) != len(set(seen)):
         raise ValueError("algorithm.fedbcgd.block_partition must cover every parameter exactly once")
@@ -150,7 +188,8 @@ class FedBCGD(Algorithm):
         j = self._block_of(ctx.round, ctx.client_id)
         keep = (self.block_masks[j] | self.shared_mask).to(update.delta.device)
         update.delta = torch.where(keep, update.delta, torch.zeros_like(update.delta))
-        update.extra["block"] = torch.tensor(j)
+        update.extra["block"] = torch.tensor(j)  # bookkeeping: the server deals the blocks itself, nothing is sent
+        update.sent["delta"] = float(keep.sum())  # y_(j) and y_s
         return update
 
     def aggregate(self, rctx, server_state, updates):
@@ -250,6 +289,7 @@ class FedBCGDPlus(FedBCGD):
         j = int(update.extra["block"])
         keep = (self.block_masks[j] | self.shared_mask).to(sent.device)
         update.extra["delta_c"] = torch.where(keep, sent, torch.zeros_like(sent))
+        update.sent["delta_c"] = float(keep.sum())
         if self.variant == "paper":
             ctx.state["c_up"] = torch.where(keep, c_new, ctx.state["c_up"])
         return update
@@ -276,3 +316,24 @@ class FedBCGDPlus(FedBCGD):
     def comm_floats(self, d):
         up, _ = super().comm_floats(d)
         return 2.0 * up, 2.0 * float(d)
+
+
+def _blocks(p, ctx):
+    return block_partition(ctx.model, ctx.spec.names, p.blocks, p.block_partition, p.shared)
+
+
+register(Rule(
+    name="fedbcgd", kind="base", label="FedBCGD", citation="Liu et al., ACM MM 2024, Alg. 1",
+    summary="block-coordinate upload: each client sends one parameter block (plus a shared block); "
+            "per-block server momentum lambda",
+    params=FedBCGDParams, aggregation=("uniform",), eta_g=False,
+    neutral=("algorithm.fedbcgd.blocks=1", "algorithm.fedbcgd.lam=0", "algorithm.fedbcgd.shared=true"),
+    reference=("algorithm.name=fedavg", "algorithm.aggregation=uniform"),
+    build=lambda p, ctx: FedBCGD(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing)))
+
+register(Rule(
+    name="fedbcgd_plus", kind="base", label="FedBCGD+", citation="Liu et al., ACM MM 2024, Alg. 3 and Eq. (4)",
+    summary="FedBCGD with control variates (paper: SVRG with full-batch gradients; code: SCAFFOLD option II)",
+    params=FedBCGDParams, section="fedbcgd", aggregation=("uniform",), eta_g=False,
+    build=lambda p, ctx: FedBCGDPlus(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum,
+                                     freezing=p.freezing, variant=p.plus_variant)))

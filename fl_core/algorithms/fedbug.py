@@ -24,8 +24,22 @@ import math
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence
 
-from ..config import ConfigError
+from dataclasses import dataclass
+
+from ..schema import ConfigError, param
 from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
+from .registry import Rule, register
+
+STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
+
+
+@dataclass
+class FedBugParams:
+    gu_percentage: float = param(0.2, "P: share of the local steps spent on gradual unfreezing", ge=0, le=1)
+    schedule: str = param("paper", "paper: m(k) = min(M, ceil(kM / (PK))) | code: period floor(PK / M)",
+                          choices=("paper", "code"))
+    strategy: str = param("bottom_up", "bottom_up (FedBug) | ablations: top_down, fixed_last (FedBABU), "
+                          "fixed_last_two", choices=STRATEGIES)
 
 
 def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float, schedule: str = "paper") -> int:
@@ -56,7 +70,7 @@ def unfrozen_units(k: int, num_steps: int, num_units: int, gu_percentage: float,
 class FedBug(Wrapper):
     name = "fedbug"
 
-    STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
+    STRATEGIES = STRATEGIES
 
     def __init__(self, base: Algorithm, gu_percentage: float, unit_of: List[int], num_units: int,
                  schedule: str = "paper", strategy: str = "bottom_up", model_name: Optional[str] = None):
@@ -137,3 +151,11 @@ class FedBug(Wrapper):
                 rows.append({"K_i": K, "step": k, "trainable_units": len(units),
                              "units": " ".join(str(u + 1) for u in units)})
         return rows
+
+
+register(Rule(
+    name="fedbug", kind="wrapper", label="FedBug", citation="Kao & Wang, FedBug, Alg. 1 (line 7)",
+    summary="bottom-up gradual unfreezing: during the first P * K_i local steps the units start training one by one",
+    params=FedBugParams, neutral=("algorithm.fedbug.gu_percentage=0", "algorithm.fedbug.strategy=bottom_up"),
+    build=lambda base, p, ctx: FedBug(base, p.gu_percentage, list(ctx.spec.unit_of), ctx.spec.num_units,
+                                      p.schedule, p.strategy)))

@@ -15,9 +15,18 @@ Communication: 2d up (model and gradient-state change), 2d down (model and g).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import param
 from .base import Algorithm
+from .registry import Rule, register
+
+
+@dataclass
+class FedDCParams:
+    alpha: float = param(0.01, "drift penalty (Gao et al.; FedBCGD uses 0.01)", ge=0)
 
 
 class FedDC(Algorithm):
@@ -52,6 +61,7 @@ class FedDC(Algorithm):
 
     def finish_client(self, ctx, update):
         ctx.state["h"] = ctx.state["h"] + update.delta
+        update.sent["delta_g"] = float(update.delta.numel())
         if update.num_steps == 0:
             update.extra["delta_g"] = torch.zeros_like(update.delta)
             return update
@@ -69,3 +79,10 @@ class FedDC(Algorithm):
 
     def comm_floats(self, d):
         return 2.0 * d, 2.0 * d
+
+
+register(Rule(
+    name="feddc", kind="base", label="FedDC", citation="Gao et al., CVPR 2022, Alg. 1",
+    summary="local drift decoupling and correction: a drift variable h_i bridges local and global models",
+    params=FedDCParams, aggregation=("uniform",), eta_g=False,
+    build=lambda p, ctx: FedDC(p.alpha)))

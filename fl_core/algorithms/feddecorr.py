@@ -12,11 +12,19 @@ Server as FedAvg. Communication d up, d down.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..schema import param
 from .fedavg import FedAvg
+from .registry import Rule, register
+
+
+@dataclass
+class FedDecorrParams:
+    beta: float = param(0.01, "weight of the decorrelation loss (FedBug paper 0.01, FedBug code 0.001)", ge=0)
 
 
 def decorrelation_loss(z: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,3 +67,10 @@ class FedDecorr(FedAvg):
         if self.beta == 0.0:
             return None
         return self.beta * decorrelation_loss(features, ctx.sample_weight)
+
+
+register(Rule(
+    name="feddecorr", kind="base", label="FedDecorr", citation="Shi et al., ICLR 2023, Eq. (5)",
+    summary="FedAvg plus a loss that decorrelates the dimensions of the penultimate features",
+    params=FedDecorrParams, neutral=("algorithm.feddecorr.beta=0",),
+    build=lambda p, ctx: FedDecorr(p.beta, ctx.aggregation, ctx.eta_g)))

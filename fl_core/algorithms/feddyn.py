@@ -18,9 +18,21 @@ Communication: d up, d down; state: hist_i (d per client), h (d).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import param
 from .base import Algorithm
+from .registry import Rule, register
+
+
+@dataclass
+class FedDynParams:
+    alpha: float = param(0.01, "regulariser alpha (Acar et al.; FedBug uses 0.01)", gt=0)
+    adaptive_alpha: bool = param(True, "alpha_i = alpha / w_i with w_i = n_i / mean_j n_j (Acar/FedBug code)")
+    eval_model: str = param("sel", "model evaluated: sel = mean of the active clients' models (FedBug/Acar logs), "
+                            "cloud = the broadcast model", choices=("sel", "cloud"))
 
 
 class FedDyn(Algorithm):
@@ -69,3 +81,10 @@ class FedDyn(Algorithm):
 
     def eval_flat(self, server_state, global_flat):
         return server_state["sel"] if self.eval_model == "sel" else global_flat
+
+
+register(Rule(
+    name="feddyn", kind="base", label="FedDyn", citation="Acar et al., ICLR 2021, Alg. 1",
+    summary="dynamic regulariser: a linear term from each client's gradient memory plus a quadratic one",
+    params=FedDynParams, aggregation=("uniform",), eta_g=False,
+    build=lambda p, ctx: FedDyn(p.alpha, p.adaptive_alpha, p.eval_model)))

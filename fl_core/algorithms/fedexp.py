@@ -14,9 +14,28 @@ eta_g >= 1 always; with one client eta_g = 1 (then A = B). Logs ``fedexp_eta_g``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import ConfigError, param
 from .fedavg import FedAvg
+from .registry import Rule, register
+
+
+@dataclass
+class FedExPParams:
+    variant: str = param("official", "official (Jhunjhunwala et al.) | fedbug_code (FedBug's implementation)",
+                         choices=("official", "fedbug_code"))
+    eps: float = param(1e-3, "epsilon of the step size; 0.1 for EMNIST in the paper", ge=0)
+    eps_decay: float = param(0.998, "eps <- eps * eps_decay**2 after every round", gt=0, le=1)
+    average_last_two: bool = param(True, "evaluate (x_t + x_{t+1}) / 2 (official only)")
+
+
+def _check(a, prefix: str) -> None:
+    if a.fedexp.variant == "fedbug_code" and a.aggregation not in (None, "uniform"):
+        raise ConfigError(f"algorithm.aggregation={a.aggregation} is not used by fedexp with "
+                          f"{prefix}.variant=fedbug_code, which averages uniformly; set algorithm.aggregation=uniform")
 
 
 class FedExP(FedAvg):
@@ -70,3 +89,11 @@ class FedExP(FedAvg):
 
     def round_metrics(self, rctx, server_state, updates):
         return {"fedexp_eta_g": float(server_state["eta_g"])}
+
+
+register(Rule(
+    name="fedexp", kind="base", label="FedExP", citation="Jhunjhunwala et al., ICLR 2023, Eq. (9)",
+    summary="FedAvg with an adaptive server step size eta_g >= 1 from the extrapolation rule",
+    params=FedExPParams, eta_g=False, check=_check,
+    build=lambda p, ctx: FedExP(ctx.aggregation if p.variant == "official" else "uniform", p.variant, p.eps,
+                                p.eps_decay, p.average_last_two)))

@@ -10,9 +10,26 @@ Both act on the training loss only, never at test time; server as FedAvg; d up, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import param
 from .fedavg import FedAvg
+from .registry import Rule, register
+
+
+@dataclass
+class FedRSParams:
+    alpha: float = param(0.5, "logit scale of the classes missing from the client (FedNLR; FedDecorr default)",
+                         ge=0, le=1)
+
+
+@dataclass
+class FedLCParams:
+    tau: float = param(1.0, "calibration strength (FedNLR 1; FedDecorr default 0.1)", ge=0)
+    missing: str = param("exclude", "classes absent locally: exclude (logit -inf, reference) | clamp (count 1)",
+                         choices=("exclude", "clamp"))
 
 EXCLUDED_LOGIT = 1e9
 
@@ -62,3 +79,16 @@ class FedLC(FedAvg):
         if self.tau == 0.0:
             return logits
         return logits - self.calibration(ctx.label_counts, logits.dtype)
+
+
+register(Rule(
+    name="fedrs", kind="base", label="FedRS", citation="Li & Zhan, KDD 2021, Eq. (5)",
+    summary="restricted softmax: logits of classes the client lacks are scaled by alpha during training",
+    params=FedRSParams, neutral=("algorithm.fedrs.alpha=1",),
+    build=lambda p, ctx: FedRS(p.alpha, ctx.aggregation, ctx.eta_g)))
+
+register(Rule(
+    name="fedlc", kind="base", label="FedLC", citation="Zhang et al., ICML 2022, Eq. (9)",
+    summary="logit calibration: z_c - tau * n_c^(-1/4) with the client's class counts, during training",
+    params=FedLCParams, neutral=("algorithm.fedlc.tau=0",),
+    build=lambda p, ctx: FedLC(p.tau, p.missing, ctx.aggregation, ctx.eta_g)))

@@ -19,11 +19,25 @@ and ``fednlr_T_l<l>`` (mean over the round's clients).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from ..schema import param
 from .base import Algorithm, Wrapper
+from .registry import Rule, neuron_layers, register
+
+
+@dataclass
+class FedNLRParams:
+    mu0: float = param(1.0, "mu_l = mu0 + a1 * depth + a2 * log10(M_l) (FedNLR Eq. 17)", ge=0)
+    a1: float = param(1.0, "weight of the depth term in mu_l", ge=0)
+    a2: float = param(1.0, "weight of log10(M_l) in mu_l", ge=0)
+    depth_term: str = param("l_over_L", "l/L (Eq. 17) | one_over_L (the paper's printed final formula)",
+                            choices=("l_over_L", "one_over_L"))
+    neuron_count: str = param("channels", "M_l of a conv layer: channels | channels_x_hw",
+                              choices=("channels", "channels_x_hw"))
 
 
 def mu_schedule(M: Sequence[int], mu0: float = 1.0, a1: float = 1.0, a2: float = 1.0,
@@ -92,3 +106,11 @@ class FedNLR(Wrapper):
             if finite:
                 out[f"fednlr_T_l{l}"] = sum(finite) / len(finite)
         return out
+
+
+register(Rule(
+    name="fednlr", kind="wrapper", label="FedNLR", citation="Wang et al., KDD 2024, Eqs. (15)-(18)",
+    summary="neuron-wise learning rates from the received model's activations (ratio mu_l per layer)",
+    params=FedNLRParams, neutral=("algorithm.fednlr.mu0=1", "algorithm.fednlr.a1=0", "algorithm.fednlr.a2=0"),
+    build=lambda base, p, ctx: FedNLR(base, neuron_layers(ctx.model), p.mu0, p.a1, p.a2, p.depth_term,
+                                      p.neuron_count)))

@@ -2,19 +2,28 @@
 
 Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
 (:func:`normalizer`; plain SGD: a_i = tau_i; with FedNova's proximal term mu:
-a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu)). Server, p_i = n_i / n_S over the participants::
+a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu)). Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
 
     tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
 
-With equal tau_i (and mu = 0) this is weighted FedAvg. Communication: d + 1 floats up, d down.
+With equal tau_i (and mu = 0) this is FedAvg with the same weights. Communication: d + 1 floats up, d down.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import param
 from .fedavg import FedAvg
 from .fedprox import proximal_term
+from .registry import Rule, register
+
+
+@dataclass
+class FedNovaParams:
+    mu: float = param(0.0, "proximal term (FedNova's prox normaliser); 0 = plain SGD, a_i = tau_i", ge=0)
 
 
 def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> float:
@@ -32,8 +41,8 @@ def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> 
 class FedNova(FedAvg):
     name = "fednova"
 
-    def __init__(self, mu: float = 0.0, eta_g: float = 1.0):
-        super().__init__("weighted", eta_g)
+    def __init__(self, mu: float = 0.0, eta_g: float = 1.0, aggregation: str = "weighted"):
+        super().__init__(aggregation, eta_g)
         if mu < 0:
             raise ValueError(f"algorithm.fednova.mu must be >= 0, got {mu}")
         self.mu = float(mu)
@@ -43,6 +52,7 @@ class FedNova(FedAvg):
 
     def finish_client(self, ctx, update):
         update.extra["a"] = torch.tensor(normalizer(update.num_steps, ctx.round.lr, self.mu), dtype=torch.float64)
+        update.sent["a"] = 1.0
         return update
 
     def aggregate(self, rctx, server_state, updates):
@@ -56,3 +66,10 @@ class FedNova(FedAvg):
 
     def comm_floats(self, d):
         return float(d) + 1.0, float(d)
+
+
+register(Rule(
+    name="fednova", kind="base", label="FedNova", citation="Wang et al., NeurIPS 2020, Eq. (6)-(7)",
+    summary="normalised averaging: each update is divided by its number of local steps, then rescaled by tau_eff",
+    params=FedNovaParams, neutral=("algorithm.fednova.mu=0",),  # and equal step counts K_i
+    build=lambda p, ctx: FedNova(p.mu, ctx.eta_g, ctx.aggregation)))

@@ -6,9 +6,16 @@ copy of the received global model; server as FedAvg. mu = 0 is exactly FedAvg.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+from ..schema import param
 from .fedavg import FedAvg
+from .registry import Rule, register
+
+
+@dataclass
+class FedProxParams:
+    mu: float = param(0.01, "proximal coefficient: (mu/2)||theta_i - theta||^2 is added to the local loss", ge=0)
 
 
 def proximal_term(ctx, params, mu: float):
@@ -32,3 +39,10 @@ class FedProx(FedAvg):
         # Frozen parameters (FedBug) equal the anchor exactly, so summing over all of them adds 0
         # and keeps the hook free of per-tensor flags (it also runs under torch.func.vmap).
         return proximal_term(ctx, params, self.mu)
+
+
+register(Rule(
+    name="fedprox", kind="base", label="FedProx", citation="Li et al., MLSys 2020, Eq. (2)",
+    summary="FedAvg with a proximal term that keeps the local model near the received one",
+    params=FedProxParams, neutral=("algorithm.fedprox.mu=0",),
+    build=lambda p, ctx: FedProx(p.mu, ctx.aggregation, ctx.eta_g)))

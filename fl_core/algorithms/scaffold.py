@@ -16,9 +16,19 @@ Acar's code). Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..schema import param
 from .base import Algorithm
+from .registry import Rule, register
+
+
+@dataclass
+class ScaffoldParams:
+    lr_in_update: str = param("actual", "c-update divides by K * eta_l of the round (actual) or the initial eta_l "
+                              "(initial, Acar's code)", choices=("actual", "initial"))
 
 
 def add_drift_correction(ctx, grads) -> None:
@@ -53,6 +63,7 @@ class Scaffold(Algorithm):
         add_drift_correction(ctx, grads)
 
     def finish_client(self, ctx, update):
+        update.sent["delta_c"] = float(update.delta.numel())
         if update.num_steps == 0:
             update.extra["delta_c"] = torch.zeros_like(update.delta)
             return update
@@ -71,3 +82,10 @@ class Scaffold(Algorithm):
 
     def comm_floats(self, d):
         return 2.0 * d, 2.0 * d
+
+
+register(Rule(
+    name="scaffold", kind="base", label="SCAFFOLD", citation="Karimireddy et al., ICML 2020, Alg. 1 (option II)",
+    summary="control variates c and c_i correct every local gradient for client drift",
+    params=ScaffoldParams, aggregation=("uniform",),
+    build=lambda p, ctx: Scaffold(ctx.eta_g, p.lr_in_update)))

@@ -39,12 +39,35 @@ adaptive rules) lives in the server state, so checkpoints resume it. Communicati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 
+from ..schema import ConfigError, param
 from .base import ClientUpdate, RoundContext
 from .fedavg import FedAvg
+from .registry import Rule, register
+
+
+@dataclass
+class FedAvgMParams:
+    beta: float = param(0.9, "server momentum", ge=0, lt=1)
+    form: str = param("heavy_ball", "heavy_ball: v <- beta v + D, x <- x + eta_g v | ema: m <- beta m + (1-beta) D, "
+                      "x <- x + m", choices=("heavy_ball", "ema"))
+
+
+@dataclass
+class ServerOptParams:
+    beta1: float = param(0.9, "first-moment decay (FedAdam, FedYogi, FedAdagrad)", ge=0, lt=1)
+    beta2: float = param(0.99, "second-moment decay (FedAdam, FedYogi)", ge=0, lt=1)
+    tau: float = param(1.0e-3, "adaptivity: x <- x + eta_g m / (sqrt(v) + tau)", gt=0)
+
+
+def _check_fedavgm(a, prefix: str) -> None:
+    if a.fedavgm.form == "ema" and a.eta_g is not None and float(a.eta_g) != 1.0:
+        raise ConfigError(f"algorithm.eta_g={float(a.eta_g):g} is not used by fedavgm with {prefix}.form=ema "
+                          f"(x <- x + m); use form=heavy_ball for a server learning rate, or leave algorithm.eta_g=1")
 
 
 def pseudo_gradient(algo: FedAvg, rctx: RoundContext, updates: List[ClientUpdate]) -> torch.Tensor:
@@ -166,3 +189,19 @@ class FedAdagrad(FedAdaptive):
     def __init__(self, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
                  eta_g: float = 1.0):
         super().__init__("adagrad", beta1, beta2, tau, aggregation, eta_g)
+
+
+register(Rule(
+    name="fedavgm", kind="base", label="FedAvgM", citation="Hsu et al., arXiv:1909.06335, 2019, Sec. 3",
+    summary="FedAvg with server momentum on the mean update (heavy-ball or EMA form)",
+    params=FedAvgMParams, check=_check_fedavgm,
+    neutral=("algorithm.fedavgm.beta=0", "algorithm.fedavgm.form=heavy_ball"),
+    build=lambda p, ctx: FedAvgM(p.beta, p.form, ctx.aggregation, ctx.eta_g)))
+
+for _name, _cls, _label in (("fedadam", FedAdam, "FedAdam"), ("fedyogi", FedYogi, "FedYogi"),
+                            ("fedadagrad", FedAdagrad, "FedAdagrad")):
+    register(Rule(
+        name=_name, kind="base", label=_label, citation="Reddi et al., ICLR 2021, Alg. 2",
+        summary=f"FedAvg with the adaptive server optimiser {_label[3:]} on the mean update",
+        params=ServerOptParams, section="server_opt",
+        build=lambda p, ctx, _cls=_cls: _cls(p.beta1, p.beta2, p.tau, ctx.aggregation, ctx.eta_g)))

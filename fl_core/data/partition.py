@@ -54,7 +54,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fl_core.config import DIRICHLET_VARIANTS, PartitionConfig
+from fl_core.schema import DIRICHLET_VARIANTS, PartitionConfig
 from fl_core.seeding import numpy_rng
 
 __all__ = [

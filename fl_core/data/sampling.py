@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fl_core.config import ConfigError
+from fl_core.schema import ConfigError
 from fl_core.seeding import numpy_rng
 
 __all__ = ["sample_clients", "expected_bernoulli_size", "fixed_sample_size"]

@@ -18,7 +18,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .state import ParamSpec
+from ..params import ParamSpec
 
 
 def layer_groups(spec: ParamSpec) -> Dict[str, List[int]]:
@@ -44,8 +44,8 @@ def layer_cosine(deltas: torch.Tensor, spec: ParamSpec) -> Dict[str, float]:
     (float64, summed over the layer's tensors) divided by the outer product of its diagonal's square
     roots; the mean is over the strict upper triangle.
 
-    Zero updates: a pair in which either client's update of layer l has norm exactly 0 (a FedBCGD
-    client outside its block, a layer FedBug kept frozen all round, a layer Top-k sent nothing of)
+    Zero updates: a pair in which either client's update of layer l has norm exactly 0 (a client that
+    uploads only another block, a layer kept frozen all round, a layer a sparsifier sent nothing of)
     has no defined cosine and is left out of that layer's mean. A layer with no pair left (S < 2, or
     fewer than two clients moved it) gets no ``cos_<layer>`` key that round.
 

@@ -70,7 +70,7 @@ def batch_schedule(seed: int, round_idx: int, client_id: int, num_samples: int, 
 def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Dict[str, torch.Tensor]] = None):
     """Plain SGD on the parameters that have a gradient: p <- p - lr * s_p * (grad + wd * p).
 
-    ``s_p`` is the per-element learning-rate multiplier of FedNLR (``lr_scale[name]``, broadcast to
+    ``s_p`` is a per-element learning-rate multiplier set by the rule (``lr_scale[name]``, broadcast to
     p's shape; 1 when absent). Without multipliers this is ``torch.optim.SGD`` (no momentum) to the
     bit (tested); parameters whose grad is None (frozen) get no update and no weight decay.
     """
@@ -90,8 +90,8 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
     The loss is the one a local step minimises (cross-entropy on ``algo.train_logits`` plus
     ``algo.local_loss``), computed in train mode without augmentation, in chunks of ``chunk`` samples
     weighted by their size (so the result is the gradient of the mean over the n_i samples; the extra
-    loss is added per chunk with the same weights). FedBCGD+ uses it as its control variate
-    (docs/algorithms.md, FedBCGD+; line 10 of the paper's Alg. 3). An empty client gets zeros.
+    loss is added per chunk with the same weights). Rules ask for it with ``needs_full_gradient`` (a
+    variance-reduced local step uses it as its control variate). An empty client gets zeros.
     """
     named = list(model.named_parameters())
     params = dict(named)
@@ -289,7 +289,7 @@ class VectorizedExecutor(Executor):
     mini-batch from device-resident data (the same batches as :func:`batch_schedule`, padded to B
     with zero-weight samples), computes all C gradients with ``vmap(grad(loss))``, and applies
     the SGD step where a ``[C, P]`` mask allows it: per-client masks cover unequal step counts K_i
-    (a client with fewer steps simply stops moving) and per-client schedules such as FedBug's
+    (a client with fewer steps simply stops moving) and per-client schedules such as gradual unfreezing's
     m(k). Clipping is per client over its trainable tensors, as ``clip_grad_norm_`` does.
     Clients are processed in chunks of ``max_parallel_clients`` (0: all at once) to bound memory.
 
@@ -367,7 +367,7 @@ class VectorizedExecutor(Executor):
                 ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
-        lr_scale = {}  # per-client multipliers stacked [C, *shape] (FedNLR); 1 where a client has none
+        lr_scale = {}  # per-client step-size multipliers stacked [C, *shape]; 1 where a client has none
         for n in self._names:
             if any(c.lr_scale and n in c.lr_scale for c in ctxs):
                 ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=dev)

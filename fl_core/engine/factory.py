@@ -11,7 +11,7 @@ from ..algorithms import build_algorithm
 from ..models import build_model
 from .executors import EXECUTORS, ClientData
 from .simulator import RunLogger, Simulator
-from .state import ParamSpec
+from ..params import ParamSpec
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -54,7 +54,7 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     return "vectorized", "auto: CUDA device and every hook supports vmap"
 
 
-def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),
+def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
                     data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
                     checkpoint_path: Optional[Path] = None,
                     callbacks: Optional[List[Callable]] = None) -> Simulator:

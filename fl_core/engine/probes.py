@@ -4,7 +4,7 @@ A model exposes its weighted layers in forward order with ``neuron_layers()`` ->
 kind)], kind ``conv`` or ``linear``, the last one being the classifier. A neuron is an output channel
 (conv) or an output unit (linear). Its activation is the post-ReLU output, averaged over spatial
 positions for convolutions; the classifier's raw logits are used as they are (an implementation
-choice: docs/algorithms.md, FedNLR).
+choice, docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def layer_activation_means(model: torch.nn.Module, x: torch.Tensor, batch_size: 
 @torch.no_grad()
 def neuron_drift(model: torch.nn.Module, load, global_flat: torch.Tensor, updates, label_counts,
                  x: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
-    """Share of bound neurons that drift (FedNLR section 4), per hidden layer, over a probe set.
+    """Share of bound neurons that drift (the neuron-drift probe of docs/algorithms.md), per hidden layer, over a probe set.
 
     A neuron of a hidden layer is bound to class c when its mean activation over the probe samples of
     class c is larger than over every other class (Definition 1 with class means instead of the

@@ -175,7 +175,7 @@ class Simulator:
         checkpoint_path: file for the round state (None: no checkpoints); ``checkpoint_every`` in rounds.
         logger: a :class:`RunLogger`.
         callbacks: called as ``cb(round, row)`` after each round is logged (progress bars, tests).
-        neuron_drift_samples: ``tracking.neuron_drift_samples`` (> 0: FedNLR's neuron-drift probe).
+        neuron_drift_samples: ``tracking.neuron_drift_samples`` (> 0: the neuron-drift probe).
         layer_cosine: ``tracking.layer_cosine``: log ``cos_<layer>`` and ``cos_mean`` every round
             (:func:`~fl_core.engine.diagnostics.layer_cosine`).
         client_loss_trace: ``tracking.client_loss_trace`` = n > 0: log ``client_loss/<i>`` of the clients
@@ -303,7 +303,6 @@ class Simulator:
         store.load_state_dict(st["clients"])
         self.logger.open(st.get("logger"))
         d = self.spec.d
-        up, down = self.algo.comm_floats(d)
         try:
             for r in range(st["round"] + 1, self.rounds + 1):
                 t0 = time.perf_counter()
@@ -316,8 +315,10 @@ class Simulator:
                 updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
                 diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
-                st["comm_up"] += up
-                st["comm_down"] += down
+                # what was sent, per participating client: the mean upload over the round's clients (their
+                # messages, ClientUpdate.sent) and the broadcast (the model and the rule's extra vectors)
+                st["comm_up"] += sum(u.up_floats() for u in updates) / len(updates)
+                st["comm_down"] += d + sum(float(v.numel()) for v in rctx.extra.values())
                 row: Dict[str, float] = {
                     "round": r,
                     "train_loss": sum(u.train_loss for u in updates) / len(updates),
@@ -355,7 +356,7 @@ class Simulator:
         data = getattr(self.executor, "data", None)
         post = self.algo.post_training(PostTraining(self.model, final, self.spec, data, self.seed,
                                                     getattr(data, "num_classes", 0)))
-        if post is not None:  # e.g. CCVR's calibrated classifier: evaluate and keep it
+        if post is not None:  # e.g. a recalibrated classifier: evaluate and keep it
             final = post
             load_flat(self.model, final)
             ev = evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size, self.client_label_counts)

@@ -1,0 +1,245 @@
+"""The rule registry: every rule file describes itself with one :class:`Rule` and registers it on import.
+
+Everything that lists rules is derived from here, so adding a rule is its file, its yaml and its tests:
+
+- the ``algorithm`` section of the config schema: one sub-section per registered parameter dataclass
+  (:func:`sections`; :mod:`fl_core.config` builds ``AlgorithmConfig`` from it),
+- the allowed values of ``algorithm.name`` and ``algorithm.wrappers`` and the checks of every section
+  (:func:`check_algorithm`),
+- ``fl-train --help`` (:func:`help_lines`), the rule table of ``docs/algorithms.md`` (checked by a test),
+  the report's labels (:func:`label`), the MLflow params of a run (:func:`stack_sections`),
+- the conformance tests (``tests/test_conformance.py`` runs every base, every wrapper over every base).
+
+A rule declares which of the shared keys ``algorithm.aggregation`` and ``algorithm.eta_g`` it honours;
+a value it would ignore is refused with one line (no key is accepted and then ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..params import ParamSpec
+from ..schema import ConfigError, check_choice, check_fields, check_range, describe_range, fmt
+
+AGGREGATIONS = ("weighted", "uniform")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a rule's builder may use besides its own section.
+
+    ``algorithm``: the whole ``algorithm`` config node (the shared keys ``aggregation`` and ``eta_g``, and every
+    section); ``spec``: the model's parameter layout; ``model``: the model itself (for rules that need its
+    structure: neuron layers, classifier, block tables), or None in unit tests that build a rule without one.
+    """
+
+    algorithm: Any
+    spec: ParamSpec
+    model: Any = None
+    aggregation: str = "weighted"  # algorithm.aggregation, resolved (a rule that averages one way gets its own)
+    eta_g: float = 1.0  # algorithm.eta_g
+
+
+def neuron_layers(model) -> List[Tuple[str, str, int]]:
+    """(module name, kind, neurons M_l) of the model's weighted layers in forward order (``model.neuron_layers()``:
+    kind ``conv`` counts output channels, ``linear`` output units), or [] if the model does not expose them."""
+    if model is None or not hasattr(model, "neuron_layers"):
+        return []
+    return [(name, kind, module.out_channels if kind == "conv" else module.out_features)
+            for name, module, kind in model.neuron_layers()]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule as the rest of the project sees it.
+
+    Attributes:
+        name: the config value (``algorithm.name=<name>`` for a base, ``algorithm.wrappers=[<name>]`` for a wrapper).
+        kind: ``base`` (trains the clients and aggregates) or ``wrapper`` (wraps any base and changes some parts).
+        label: the name the papers use (``FedProx``), shown in reports and plots.
+        citation: the source of the update rule (paper, venue, equation or algorithm).
+        summary: one line: what the rule does.
+        build: base: ``build(params, ctx) -> Algorithm``; wrapper: ``build(base, params, ctx) -> Algorithm``, with
+            ``params`` the rule's section (``algorithm.<section>``; None without one) and ``ctx`` a
+            :class:`BuildContext`.
+        params: the dataclass of the rule's parameters (fields made with :func:`fl_core.schema.param`), or None.
+        section: the config section of ``params`` (default: ``name``). Rules may share one (``fedbcgd`` and
+            ``fedbcgd_plus``): the registry checks that they share the same dataclass.
+        aggregation: the values of ``algorithm.aggregation`` the rule honours, its default first (wrappers:
+            ignored, the base decides). ``algorithm.aggregation=null`` (the wrappers' presets) means the default.
+        eta_g: whether the rule honours ``algorithm.eta_g`` (the server step size); a rule that does not refuses
+            any value but 1.
+        check: optional cross-field check ``check(algorithm_node, prefix)`` raising :class:`ConfigError`, run for
+            the rules of the stack.
+        neutral: overrides under which the rule equals its reference (FedProx: ``algorithm.fedprox.mu=0``; FedBug:
+            ``algorithm.fedbug.gu_percentage=0``), or ``()`` if it has none. The conformance tests check it.
+        reference: what ``neutral`` makes a base equal (overrides; default FedAvg with its weighted mean); a
+            wrapper's reference is always its base.
+    """
+
+    name: str
+    kind: str
+    label: str
+    citation: str
+    summary: str
+    build: Callable[..., Any]
+    params: Optional[type] = None
+    section: Optional[str] = None
+    aggregation: Tuple[str, ...] = AGGREGATIONS
+    eta_g: bool = True
+    check: Optional[Callable[[Any, str], None]] = None
+    neutral: Tuple[str, ...] = ()
+    reference: Tuple[str, ...] = ("algorithm.name=fedavg", "algorithm.aggregation=weighted")
+
+    @property
+    def config_section(self) -> Optional[str]:
+        return (self.section or self.name) if self.params is not None else None
+
+
+_RULES: Dict[str, Rule] = {}
+
+
+def register(rule: Rule) -> Rule:
+    """Add ``rule`` to the registry (called at the bottom of the rule's file).
+
+    Raises:
+        ValueError: a second rule of the same name, an unknown kind, or a section shared with another
+            parameter dataclass.
+    """
+    if rule.kind not in ("base", "wrapper"):
+        raise ValueError(f"rule {rule.name!r}: kind must be base or wrapper, got {rule.kind!r}")
+    if rule.name in _RULES:
+        raise ValueError(f"rule {rule.name!r} is registered twice")
+    if rule.params is not None and not is_dataclass(rule.params):
+        raise ValueError(f"rule {rule.name!r}: params must be a dataclass")
+    for other in _RULES.values():
+        if other.config_section and other.config_section == rule.config_section and other.params is not rule.params:
+            raise ValueError(f"rules {other.name!r} and {rule.name!r} share section {rule.config_section!r} "
+                             "with different parameter dataclasses")
+    if rule.aggregation and not set(rule.aggregation) <= set(AGGREGATIONS):
+        raise ValueError(f"rule {rule.name!r}: aggregation must be a subset of {AGGREGATIONS}")
+    _RULES[rule.name] = rule
+    return rule
+
+
+def rules(kind: Optional[str] = None) -> List[Rule]:
+    """Registered rules in registration order (``kind``: only bases or only wrappers)."""
+    return [r for r in _RULES.values() if kind is None or r.kind == kind]
+
+
+def names(kind: str) -> Tuple[str, ...]:
+    return tuple(r.name for r in rules(kind))
+
+
+def get(name: str) -> Rule:
+    """The rule called ``name``.
+
+    Raises:
+        ConfigError: no such rule (lists the known ones).
+    """
+    if name not in _RULES:
+        raise ConfigError(f"unknown rule {name!r} (known: {', '.join(_RULES)})")
+    return _RULES[name]
+
+
+def label(name: str) -> str:
+    """The paper name of rule ``name`` (``fedbcgd_plus`` -> ``FedBCGD+``), or ``name`` if unknown."""
+    r = _RULES.get(str(name).lower())
+    return r.label if r else name
+
+
+def sections() -> Dict[str, type]:
+    """Config section -> parameter dataclass, in registration order."""
+    out: Dict[str, type] = {}
+    for r in _RULES.values():
+        if r.config_section and r.config_section not in out:
+            out[r.config_section] = r.params
+    return out
+
+
+def stack_sections(stack: List[str]) -> List[str]:
+    """The config sections the rules of ``stack`` (base first, then wrappers) read, without repeats."""
+    out: List[str] = []
+    for name in stack:
+        r = _RULES.get(name)
+        sec = r.config_section if r else None
+        if sec and sec not in out:
+            out.append(sec)
+    return out
+
+
+def check_algorithm(a: Any) -> None:
+    """Check the ``algorithm`` node ``a``: the stack's names, every section's fields, and that the base honours
+    the shared keys it is given.
+
+    Raises:
+        ConfigError: one line naming the offending key.
+    """
+    if a.name not in names("base"):
+        raise ConfigError(f"algorithm.name must be one of {', '.join(names('base'))}, got {a.name!r}")
+    for i, w in enumerate(a.wrappers):
+        if w not in names("wrapper"):
+            raise ConfigError(f"algorithm.wrappers[{i}] must be one of {', '.join(names('wrapper'))}, got {w!r}")
+    if a.aggregation is not None:
+        check_choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
+    check_range("algorithm.eta_g", a.eta_g, 0, lo_open=True)
+    for sec, schema in sections().items():
+        check_fields(schema, getattr(a, sec), f"algorithm.{sec}")
+    for name in [a.name, *a.wrappers]:
+        r = _RULES[name]
+        if r.check is not None:
+            r.check(a, f"algorithm.{r.config_section or r.name}")
+    base = _RULES[a.name]
+    if a.aggregation is not None and a.aggregation not in base.aggregation:
+        raise ConfigError(f"algorithm.aggregation={a.aggregation} is not used by {a.name}, which averages only "
+                          f"{' | '.join(base.aggregation)} ({base.citation}); set algorithm.aggregation="
+                          f"{base.aggregation[0]} or null (the rule's own)")
+    if not base.eta_g and float(a.eta_g) != 1.0:
+        raise ConfigError(f"algorithm.eta_g={fmt(float(a.eta_g))} is not used by {a.name}, whose server step has "
+                          f"no server learning rate ({base.citation}); leave algorithm.eta_g=1")
+
+
+def aggregation(a: Any) -> str:
+    """``algorithm.aggregation`` of node ``a``, or when it is unset (null) the base rule's own (its first allowed
+    value: ``weighted`` for FedAvg-type rules, ``uniform`` for SCAFFOLD, FedDyn, FedDC, FedBCGD)."""
+    if a.aggregation is not None:
+        return str(a.aggregation)
+    return _RULES[a.name].aggregation[0] if a.name in _RULES else AGGREGATIONS[0]
+
+
+def build(a: Any, spec: ParamSpec, model: Any = None):
+    """The algorithm stack of the ``algorithm`` node ``a``: its base, wrapped by ``a.wrappers`` in order (first =
+    innermost).
+
+    Raises:
+        ConfigError: unknown names, or a shared key the base does not honour (:func:`check_algorithm`).
+    """
+    check_algorithm(a)
+    ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=float(a.eta_g))
+
+    def section(rule: Rule):
+        return getattr(a, rule.config_section) if rule.config_section else None
+
+    base = _RULES[a.name]
+    algo = base.build(section(base), ctx)
+    for w in a.wrappers:
+        rule = _RULES[w]
+        algo = rule.build(algo, section(rule), ctx)
+    return algo
+
+
+def help_lines() -> List[str]:
+    """``fl-train --help``'s rule list: one line per rule, and one per parameter with its range and meaning."""
+    out = []
+    for kind, title in (("base", "algorithm.name (base rules)"), ("wrapper", "algorithm.wrappers (wrap any base)")):
+        out.append(f"  {title}:")
+        for r in rules(kind):
+            out.append(f"    {r.name:<13} {r.label}: {r.summary}")
+    out.append("  rule parameters (algorithm.<section>.<key>, allowed values, meaning):")
+    for sec, schema in sections().items():
+        for f in fields(schema):
+            rng = describe_range(f)
+            out.append(f"    algorithm.{sec}.{f.name}" + (f" [{rng}]" if rng else "")
+                       + (f"  {f.metadata.get('help')}" if f.metadata.get("help") else ""))
+    return out

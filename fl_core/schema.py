@@ -1,0 +1,201 @@
+"""The bottom of the config layer: the error type, the range and choice checks, and the schemas of the
+sections that are not rules (dataset, partition, model, train, engine, tracking).
+
+Every other part of the project may import this module; it imports nothing of the project. The rules'
+own parameter dataclasses live in their files (:mod:`fl_core.algorithms`) and declare their ranges with
+:func:`param`; :mod:`fl_core.config` assembles the whole experiment schema from both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Optional, Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or not one of the allowed choices."""
+
+
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
+MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
+          "vgg11", "vgg19")
+PARTITIONS = ("iid", "dirichlet", "shards")
+DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
+SAMPLERS = ("bernoulli", "fixed")
+AGGREGATIONS = ("weighted", "uniform")
+EXECUTORS = ("sequential", "vectorized", "auto")
+AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
+
+
+@dataclass
+class DatasetConfig:
+    """Where the data comes from. ``name`` picks a source of :mod:`fl_core.data.sources`."""
+
+    name: str = "digits"
+    root: str = "data/raw"  # official files of CIFAR/MNIST live here (relative: to the project root)
+    download: bool = False  # let torchvision download into root (needs a network)
+    verify: bool = True  # check the official archives' MD5 sums where torchvision knows them
+    test_fraction: float = 0.25  # digits only: held-out share (stratified, fixed split)
+    split_seed: int = 0  # digits only: seed of the train/test split
+    # > 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it instead
+    # of the test set; every test_* metric is then a validation metric (tuning, sweeps/tune.py)
+    validation_fraction: float = 0.0
+
+
+@dataclass
+class PartitionConfig:
+    """How the training set is split across clients (docs/algorithms.md, Data)."""
+
+    name: str = "iid"
+    num_clients: int = 10  # N
+    alpha: float = 0.3  # Dirichlet concentration
+    # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | fixed_size_reuse (B, FedBCGD: each client
+    # draws samples_per_client labels from its prior; a class list is reshuffled and reused when exhausted)
+    variant: str = "per_client"
+    samples_per_client: int = 500  # dirichlet fixed_size_reuse (B) only
+    min_size: int = 10  # dirichlet per_class: redraw until every client has this many samples
+    classes_per_client: int = 2  # shards: S classes per client (#label-S)
+    shards_variant: str = "label_S"  # label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)
+    size_sigma: float = 0.0  # lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client
+    seed: int = 0  # partition seed: one partition serves every training seed (as in Acar/FedBug)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "auto"  # auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn (Tiny-ImageNet)
+    hidden: int = 200  # mlp width
+    units: str = "default"  # FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6
+    norm_groups: int = 2  # ResNets: GroupNorm(norm_groups, C) in place of BatchNorm
+    vgg_init: str = "kaiming"  # vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 30  # R communication rounds
+    participation: float = 0.5  # client participation rate p
+    sampler: str = "bernoulli"  # bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients
+    local_epochs: int = 3  # E
+    local_steps: int = 0  # > 0: exactly this many local steps K per client per round (LocalSGD), instead of E epochs
+    batch_size: int = 16  # B
+    lr: float = 0.05  # eta_l
+    lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
+    weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters
+    grad_clip: Optional[float] = None  # max global grad norm over trainable params; None = off
+    augmentation: str = "none"  # none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | flip
+    crop_padding: int = 4  # zero padding of the random crop, pixels
+    eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
+    target_acc: float = 0.9  # report: rounds to reach this test accuracy
+    final_window: int = 5  # report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)
+
+
+@dataclass
+class EngineConfig:
+    executor: str = "sequential"  # sequential (reference) | vectorized (torch.func) | auto
+    max_parallel_clients: int = 0  # vectorized: clients trained at once (0 = all sampled clients)
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    dtype: str = "float32"  # float32 | float64 (slow; for numerical checks)
+    checkpoint_every: int = 10  # rounds; 0 = never
+    checkpoint_dir: str = "checkpoints"
+    eval_batch_size: int = 1024
+    progress: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = "fl-pipeline"  # MLflow experiment
+    log_every: int = 10  # flush buffered per-round metrics every this many rounds
+    log_model: bool = True  # final state_dict as an artifact
+    neuron_drift_samples: int = 0  # > 0: per-round neuron-drift probe on this many test samples (FedNLR sec. 4)
+    layer_cosine: bool = False  # per-round cosine similarity of client updates per layer, mean over client pairs
+    client_loss_trace: int = 0  # > 0: log the local training loss of clients 0..n-1 every round they train
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def check_range(key: str, value: float, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ConfigError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {fmt(value)}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise ConfigError(f"{key} must be {'<' if hi_open else '<='} {hi}, got {fmt(value)}")
+
+
+def check_finite_positive(key: str, value: Any, hint: str) -> None:
+    """``value`` must be a finite number > 0: NaN and +inf get ``<key> must be a finite number > 0, got inf
+    (<hint>)``; values <= 0 (-inf included) keep :func:`check_range`'s ``<key> must be > 0, got -1``."""
+    if isinstance(value, float) and (math.isnan(value) or value == math.inf):
+        raise ConfigError(f"{key} must be a finite number > 0, got {fmt(value)} ({hint})")
+    check_range(key, value, 0, lo_open=True)
+
+
+
+
+# --------------------------------------------------------------------------- parameters that describe themselves
+
+def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None, gt: Optional[float] = None,
+          le: Optional[float] = None, lt: Optional[float] = None, choices: Optional[Sequence[Any]] = None,
+          integer: bool = False):
+    """A dataclass field that carries its own description and allowed values.
+
+    ``help`` is the one-line description shown by ``fl-train --help`` and in the docs' parameter tables;
+    ``ge`` / ``gt`` / ``le`` / ``lt`` bound a number (closed / open), ``choices`` lists the allowed values,
+    ``integer`` requires a whole number. :func:`check_fields` enforces them with one-line errors naming
+    the key, e.g. ``algorithm.fedprox.mu must be >= 0, got -1``.
+    """
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
+            "choices": tuple(choices) if choices is not None else None, "integer": integer}
+    return field(default=default, metadata=meta)
+
+
+def describe_range(f) -> str:
+    """The allowed values of a :func:`param` field in words: ``[0, 1]``, ``> 0``, ``paper | code``, or ''."""
+    m = f.metadata
+    if m.get("choices"):
+        return " | ".join(str(c) for c in m["choices"])
+    lo = f"[{fmt(m['ge'])}" if m.get("ge") is not None else (f"({fmt(m['gt'])}" if m.get("gt") is not None else None)
+    hi = f"{fmt(m['le'])}]" if m.get("le") is not None else (f"{fmt(m['lt'])})" if m.get("lt") is not None else None)
+    if lo and hi:
+        return f"{lo}, {hi}"
+    if lo:
+        return (">= " if lo.startswith("[") else "> ") + lo[1:]
+    if hi:
+        return ("<= " if hi.endswith("]") else "< ") + hi[:-1]
+    return ""
+
+
+def check_fields(schema: type, node: Any, prefix: str) -> None:
+    """Check every :func:`param` field of the dataclass ``schema`` on ``node`` (an instance or a DictConfig
+    with its fields).
+
+    Raises:
+        ConfigError: one line naming ``<prefix>.<field>`` and the allowed values.
+    """
+    for f in fields(schema):
+        m = f.metadata
+        if not m:
+            continue
+        key, value = f"{prefix}.{f.name}", getattr(node, f.name)
+        if m.get("choices") is not None:
+            check_choice(key, value, m["choices"])
+            continue
+        if value is None and f.default is None:
+            continue  # an optional value left unset
+        if m.get("integer") and (isinstance(value, bool) or int(value) != value):
+            raise ConfigError(f"{key} must be an integer, got {fmt(value)}")
+        if any(m.get(b) is not None for b in ("ge", "gt", "le", "lt")):
+            lo = m["ge"] if m.get("ge") is not None else m.get("gt")
+            hi = m["le"] if m.get("le") is not None else m.get("lt")
+            check_range(key, value, lo, hi, lo_open=m.get("gt") is not None, hi_open=m.get("lt") is not None)

@@ -1,0 +1,147 @@
+"""Conformance suite, generated from the rule registry (fl_core/algorithms/registry.py): a rule is covered by
+registering it.
+
+For every base rule:
+- the sequential and the vectorised executor give the same model (float64, |diff| <= 1e-9), or the vectorised
+  one refuses the rule with one line;
+- with its ``neutral`` overrides it equals its ``reference`` (FedProx with mu = 0 is FedAvg, ...);
+- the uplink and downlink counted from the messages equal the rule's closed form ``comm_floats`` (|S| a
+  multiple of the block count, so FedBCGD's closed form is exact too);
+- a run stopped after round 1 and resumed from its checkpoint ends with the uninterrupted run's model.
+For every wrapper over every base: the stack runs, its counted communication equals its closed form, and
+with the wrapper's ``neutral`` overrides it equals the base alone (so it forwards every part it does not
+change).
+
+Setting: digits, MLP (hidden 16), 4 IID clients (equal step counts), all clients every round, 2 rounds,
+E = 1, B = 64, float64.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_core.algorithms import registry
+from fl_core.config import compose
+from fl_core.data import make_partition
+from fl_core.engine.factory import build_simulator
+
+BASES = registry.names("base")
+WRAPPERS = registry.names("wrapper")
+TOL = 1e-9
+
+SETTING = ("model=mlp", "model.hidden=16", "partition=iid", "partition.num_clients=4", "train.participation=1.0",
+           "train.sampler=fixed", "train.rounds=2", "train.local_epochs=1", "train.batch_size=64", "train.lr=0.05",
+           "engine.dtype=float64", "engine.progress=false", "engine.checkpoint_every=0", "tracking.enabled=false")
+
+
+def _stack(base: str, wrapper: str = "", extra=()) -> tuple:
+    own = ([f"algorithm={wrapper}", f"algorithm.name={base}"] if wrapper else [f"algorithm={base}"])
+    return tuple(own) + tuple(extra)
+
+
+@lru_cache(maxsize=None)
+def _digits():
+    from fl_core.data import load_source
+
+    return load_source(compose([]).dataset, Path(__file__).resolve().parents[1] / "data" / "raw")
+
+
+def _sim(overrides, executor="sequential", **kw):
+    cfg = compose(list(SETTING) + list(overrides) + [f"engine.executor={executor}"])
+    ds = _digits()
+    part = make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes)
+    return build_simulator(cfg, ds, part, **kw)
+
+
+@lru_cache(maxsize=None)
+def _run(overrides: tuple, executor: str = "sequential"):
+    """(final model [d], history, the simulator's algorithm, d) of one run; cached across tests."""
+    sim = _sim(overrides, executor)
+    res = sim.run()
+    return res.final_flat, res.history, sim.algo, sim.spec.d
+
+
+def _close(a, b):
+    return float((a - b).abs().max()) <= TOL
+
+
+def _comm_matches_closed_form(overrides):
+    _, hist, algo, d = _run(overrides)
+    up, down = algo.comm_floats(d)
+    rounds = len(hist)
+    assert hist[-1]["comm_up_floats"] == pytest.approx(rounds * up, rel=1e-12), "uplink counted != closed form"
+    assert hist[-1]["comm_down_floats"] == pytest.approx(rounds * down, rel=1e-12), "downlink counted != closed form"
+
+
+# --------------------------------------------------------------------------- bases
+
+@pytest.mark.parametrize("base", BASES)
+def test_base_sequential_equals_vectorized(base):
+    seq, _, algo, _ = _run(_stack(base))
+    if not algo.vectorizable:
+        with pytest.raises(ValueError, match=r"^engine.executor=vectorized: .* only run sequentially"):
+            _sim(_stack(base), "vectorized")
+        return
+    vec, _, _, _ = _run(_stack(base), "vectorized")
+    assert _close(seq, vec), f"{base}: sequential and vectorised differ by {float((seq - vec).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("base", [b for b in BASES if registry.get(b).neutral])
+def test_base_with_neutral_settings_equals_its_reference(base):
+    rule = registry.get(base)
+    got, _, _, _ = _run(_stack(base, extra=rule.neutral))
+    ref, _, _, _ = _run(tuple(rule.reference))
+    assert _close(got, ref), f"{base} {' '.join(rule.neutral)} differs from {' '.join(rule.reference)}"
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_base_counted_communication_equals_closed_form(base):
+    _comm_matches_closed_form(_stack(base))
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_base_resumed_equals_uninterrupted(base, tmp_path):
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_1(r, row):
+        if r == 1:
+            raise Stop
+
+    ck = tmp_path / "ck.pt"
+    extra = ("engine.checkpoint_every=1",)
+    with pytest.raises(Stop):
+        _sim(_stack(base, extra=extra), checkpoint_path=ck, callbacks=[stop_after_round_1]).run()
+    assert ck.exists()
+    sim = _sim(_stack(base, extra=extra), checkpoint_path=ck)
+    res = sim.run()
+    assert res.resumed_from == 1
+    full, hist, _, _ = _run(_stack(base))
+    assert _close(res.final_flat, full), f"{base}: resumed run differs from the uninterrupted one"
+    assert [h["comm_up_floats"] for h in res.history] == [h["comm_up_floats"] for h in hist]
+
+
+# --------------------------------------------------------------------------- wrappers over every base
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_wrapper_over_every_base(wrapper, base):
+    rule = registry.get(wrapper)
+    stack = _stack(base, wrapper, rule.neutral)
+    got, hist, algo, _ = _run(stack)
+    assert torch.isfinite(got).all() and algo.describe().startswith(wrapper)
+    _comm_matches_closed_form(stack)
+    if rule.neutral:  # the same config without the wrapper
+        ref, _, _, _ = _run(_stack(base, wrapper, ("algorithm.wrappers=[]",)))
+        assert _close(got, ref), f"{wrapper}({base}) with {' '.join(rule.neutral)} differs from {base}"
+
+
+def test_every_registered_rule_has_a_preset():
+    """The suite composes each rule from its conf/algorithm/<name>.yaml."""
+    root = Path(__file__).resolve().parents[1] / "conf" / "algorithm"
+    missing = [r.name for r in registry.rules() if not (root / f"{r.name}.yaml").exists()]
+    assert not missing, f"no conf/algorithm/<name>.yaml for {missing}"
