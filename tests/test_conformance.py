@@ -39,7 +39,8 @@ SETTING = ("model=mlp", "model.hidden=16", "partition=iid", "partition.num_clien
 
 
 def _stack(base: str, wrapper: str = "", extra=()) -> tuple:
-    own = ([f"algorithm={wrapper}", f"algorithm.name={base}"] if wrapper else [f"algorithm={base}"])
+    """The base's preset, wrapped by ``wrapper`` (its section at the schema's defaults), plus ``extra``."""
+    own = [f"algorithm={base}"] + ([f"algorithm.wrappers=[{wrapper}]"] if wrapper else [])
     return tuple(own) + tuple(extra)
 
 
@@ -136,7 +137,7 @@ def test_wrapper_over_every_base(wrapper, base):
     assert torch.isfinite(got).all() and algo.describe().startswith(wrapper)
     _comm_matches_closed_form(stack)
     if rule.neutral:  # the same config without the wrapper
-        ref, _, _, _ = _run(_stack(base, wrapper, ("algorithm.wrappers=[]",)))
+        ref, _, _, _ = _run(_stack(base))
         assert _close(got, ref), f"{wrapper}({base}) with {' '.join(rule.neutral)} differs from {base}"
 
 
