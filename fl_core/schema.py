@@ -176,6 +176,18 @@ def describe_range(f) -> str:
     return ""
 
 
+def checked(schema: type, prefix: str, **values: Any) -> Any:
+    """An instance of the :func:`param` dataclass ``schema`` from ``values``, checked by :func:`check_fields`, so a
+    rule's constructor enforces the same ranges as the config (one declaration, one message).
+
+    Raises:
+        ConfigError: one line naming ``<prefix>.<field>`` and the allowed values.
+    """
+    obj = schema(**values)
+    check_fields(schema, obj, prefix)
+    return obj
+
+
 def check_fields(schema: type, node: Any, prefix: str) -> None:
     """Check every :func:`param` field of the dataclass ``schema`` on ``node`` (an instance or a DictConfig
     with its fields).

@@ -141,16 +141,15 @@ def run_params(container: Dict[str, Any]) -> Dict[str, Any]:
     :func:`fl_core.config.to_container`), where ``algorithm.*`` keeps its own values (``name``,
     ``wrappers``, ``aggregation``, ``eta_g``, ... everything that is not a section) and only the sections
     of the rules in the stack: ``algorithm.name`` and every ``algorithm.wrappers`` entry
-    (:func:`rule_sections`; a rule the registries do not know keeps the section of its own name).
+    (``registry.stack_sections``; a rule the registry does not know keeps the section of its own name).
     Everything outside ``algorithm`` is kept."""
+    from .algorithms import registry
+
     algo = container.get("algorithm")
     if not isinstance(algo, dict):
         return flatten(container)
-    known = rule_sections()
     stack = [algo.get("name")] + list(algo.get("wrappers") or [])
-    keep = set()
-    for rule in stack:
-        keep |= known.get(rule, {rule})
+    keep = set(registry.stack_sections(stack)) | set(stack)
     trimmed = {k: v for k, v in algo.items() if not isinstance(v, dict) or k in keep}
     return flatten({**container, "algorithm": trimmed})
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from fl_core.config import ConfigError, compose
+from fl_core.schema import ConfigError
 
 GRID_KEYS = ("seeds", "experiments")
 SHARED_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "engine", "tracking")
@@ -90,6 +90,8 @@ class Grid:
         Raises:
             ConfigError: naming the experiment and the offending key.
         """
+        from fl_core.config import compose  # the schema imports the rules (torch): only when composing
+
         cfgs = []
         for s in self.seeds:
             try:

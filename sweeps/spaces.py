@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import yaml
 
-from fl_core.config import ConfigError
+from fl_core.schema import ConfigError
 from pipeline.grid import format_value
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"

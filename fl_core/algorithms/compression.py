@@ -61,7 +61,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from ..seeding import torch_generator
 from .base import Algorithm, ClientContext, ClientUpdate, Wrapper
 from .registry import Rule, register
@@ -72,7 +72,7 @@ class CompressionParams:
     """``algorithm.compression``: shared by Top-k and QSGD."""
 
     topk_ratio: float = param(0.1, "Top-k: share of the entries sent (values + indices)", gt=0, le=1)
-    qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1)
+    qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1, integer=True)
     error_feedback: bool = param(True, "Top-k: keep the residual on the client")
 
 
@@ -190,9 +190,7 @@ class TopK(Wrapper):
 
     def __init__(self, base: Algorithm, ratio: float, error_feedback: bool = True, seed: int = 0):
         super().__init__(base)
-        if not 0.0 < float(ratio) <= 1.0:
-            raise ValueError(f"algorithm.compression.topk_ratio must be in (0, 1], got {ratio}")
-        self.ratio = float(ratio)
+        self.ratio = float(checked(CompressionParams, "algorithm.compression", topk_ratio=float(ratio)).topk_ratio)
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)  # unused (Top-k is deterministic); kept for a uniform signature
         self._stats = _RoundStats()
@@ -255,9 +253,7 @@ class QSGD(Wrapper):
 
     def __init__(self, base: Algorithm, levels: int, seed: int = 0):
         super().__init__(base)
-        if int(levels) != levels or int(levels) < 1:
-            raise ValueError(f"algorithm.compression.qsgd_levels must be an integer >= 1, got {levels}")
-        self.levels = int(levels)
+        self.levels = int(checked(CompressionParams, "algorithm.compression", qsgd_levels=levels).qsgd_levels)
         self.seed = int(seed)
         self._stats = _RoundStats()
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..schema import ConfigError, param
+from ..schema import ConfigError, checked, param
 from ..seeding import torch_generator
 from .base import Algorithm
 from .registry import Rule, register
@@ -147,6 +147,7 @@ class FedBCGD(Algorithm):
     def __init__(self, spec, blocks: List[List[int]], shared: List[int], lam: float = 0.8, momentum: bool = True,
                  freezing: bool = False):
         self.num_blocks = len(blocks)
+        checked(FedBCGDParams, "algorithm.fedbcgd", lam=float(lam))
         self.lam = float(lam) if momentum else 0.0
         self.freezing = freezing
         self.block_params = blocks
@@ -246,8 +247,7 @@ class FedBCGDPlus(FedBCGD):
 
     def __init__(self, spec, blocks, shared, lam: float = 0.8, momentum: bool = True, freezing: bool = False,
                  variant: str = "paper"):
-        if variant not in ("paper", "code"):
-            raise ValueError(f"algorithm.fedbcgd.plus_variant must be paper or code, got {variant!r}")
+        checked(FedBCGDParams, "algorithm.fedbcgd", plus_variant=variant)
         super().__init__(spec, blocks, shared, lam=lam, momentum=momentum, freezing=freezing)
         self.variant = variant
         self.needs_full_gradient = self.needs_anchor_gradient = variant == "paper"

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 from dataclasses import dataclass
 
-from ..schema import ConfigError, param
+from ..schema import ConfigError, checked, param
 from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
 from .registry import Rule, register
 
@@ -84,11 +84,7 @@ class FedBug(Wrapper):
                 ``fixed_last`` train nothing), or ``fixed_last_two`` with fewer than 3 units.
         """
         super().__init__(base)
-        if not 0.0 <= gu_percentage <= 1.0:
-            raise ConfigError(f"algorithm.fedbug.gu_percentage must be in [0, 1], got {gu_percentage}")
-        if strategy not in self.STRATEGIES:
-            raise ConfigError(f"algorithm.fedbug.strategy must be one of {', '.join(self.STRATEGIES)}, "
-                              f"got {strategy!r}")
+        checked(FedBugParams, "algorithm.fedbug", gu_percentage=gu_percentage, schedule=schedule, strategy=strategy)
         if num_units < 2:
             which = f"model={model_name} has {num_units}" if model_name else f"this model has {num_units}"
             raise ConfigError(f"algorithm.fedbug needs a model with at least 2 units ({which}); with one unit there "

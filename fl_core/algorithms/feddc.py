@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .base import Algorithm
 from .registry import Rule, register
 
@@ -33,9 +33,7 @@ class FedDC(Algorithm):
     name = "feddc"
 
     def __init__(self, alpha: float = 0.01):
-        if alpha < 0:
-            raise ValueError(f"algorithm.feddc.alpha must be >= 0, got {alpha}")
-        self.alpha = float(alpha)
+        self.alpha = float(checked(FedDCParams, "algorithm.feddc", alpha=alpha).alpha)
 
     def describe(self) -> str:
         return f"feddc[alpha={self.alpha:g}]"

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -56,9 +56,7 @@ class FedDecorr(FedAvg):
 
     def __init__(self, beta: float, aggregation: str = "weighted", eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
-        if beta < 0:
-            raise ValueError(f"algorithm.feddecorr.beta must be >= 0, got {beta}")
-        self.beta = float(beta)
+        self.beta = float(checked(FedDecorrParams, "algorithm.feddecorr", beta=beta).beta)
 
     def describe(self) -> str:
         return f"feddecorr[beta={self.beta:g}]"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .base import Algorithm
 from .registry import Rule, register
 
@@ -39,10 +39,7 @@ class FedDyn(Algorithm):
     name = "feddyn"
 
     def __init__(self, alpha: float = 0.01, adaptive_alpha: bool = True, eval_model: str = "sel"):
-        if alpha <= 0:
-            raise ValueError(f"algorithm.feddyn.alpha must be > 0, got {alpha}")
-        if eval_model not in ("sel", "cloud"):
-            raise ValueError(f"algorithm.feddyn.eval_model must be sel or cloud, got {eval_model!r}")
+        checked(FedDynParams, "algorithm.feddyn", alpha=alpha, adaptive_alpha=adaptive_alpha, eval_model=eval_model)
         self.alpha = float(alpha)
         self.adaptive_alpha = adaptive_alpha
         self.eval_model = eval_model

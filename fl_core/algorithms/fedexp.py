@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import ConfigError, param
+from ..schema import ConfigError, checked, param
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -44,8 +44,8 @@ class FedExP(FedAvg):
     def __init__(self, aggregation: str = "weighted", variant: str = "official", eps: float = 1e-3,
                  eps_decay: float = 0.998, average_last_two: bool = True):
         super().__init__(aggregation, 1.0)
-        if variant not in ("official", "fedbug_code"):
-            raise ValueError(f"algorithm.fedexp.variant must be official or fedbug_code, got {variant!r}")
+        checked(FedExPParams, "algorithm.fedexp", variant=variant, eps=eps, eps_decay=eps_decay,
+                average_last_two=average_last_two)
         self.variant = variant
         self.eps0 = float(eps)
         self.eps_decay = float(eps_decay)

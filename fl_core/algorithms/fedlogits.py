@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -39,9 +39,7 @@ class FedRS(FedAvg):
 
     def __init__(self, alpha: float = 0.5, aggregation: str = "weighted", eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"algorithm.fedrs.alpha must be in [0, 1], got {alpha}")
-        self.alpha = float(alpha)
+        self.alpha = float(checked(FedRSParams, "algorithm.fedrs", alpha=alpha).alpha)
 
     def describe(self):
         return f"fedrs[alpha={self.alpha:g}]"
@@ -57,10 +55,7 @@ class FedLC(FedAvg):
 
     def __init__(self, tau: float = 1.0, missing: str = "exclude", aggregation: str = "weighted", eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
-        if tau < 0:
-            raise ValueError(f"algorithm.fedlc.tau must be >= 0, got {tau}")
-        if missing not in ("exclude", "clamp"):
-            raise ValueError(f"algorithm.fedlc.missing must be exclude or clamp, got {missing!r}")
+        checked(FedLCParams, "algorithm.fedlc", tau=tau, missing=missing)
         self.tau = float(tau)
         self.missing = missing
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .fedavg import FedAvg
 from .fedprox import proximal_term
 from .registry import Rule, register
@@ -43,9 +43,7 @@ class FedNova(FedAvg):
 
     def __init__(self, mu: float = 0.0, eta_g: float = 1.0, aggregation: str = "weighted"):
         super().__init__(aggregation, eta_g)
-        if mu < 0:
-            raise ValueError(f"algorithm.fednova.mu must be >= 0, got {mu}")
-        self.mu = float(mu)
+        self.mu = float(checked(FedNovaParams, "algorithm.fednova", mu=mu).mu)
 
     def local_loss(self, ctx, params, logits, features, y):
         return None if self.mu == 0.0 else proximal_term(ctx, params, self.mu)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schema import param
+from ..schema import checked, param
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -29,9 +29,7 @@ class FedProx(FedAvg):
 
     def __init__(self, mu: float, aggregation: str = "weighted", eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
-        if mu < 0:
-            raise ValueError(f"algorithm.fedprox.mu must be >= 0, got {mu}")
-        self.mu = float(mu)
+        self.mu = float(checked(FedProxParams, "algorithm.fedprox", mu=mu).mu)
 
     def local_loss(self, ctx, params, logits, features, y):
         if self.mu == 0.0:

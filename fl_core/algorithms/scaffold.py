@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import param
+from ..schema import checked, param
 from .base import Algorithm
 from .registry import Rule, register
 
@@ -45,8 +45,7 @@ class Scaffold(Algorithm):
     name = "scaffold"
 
     def __init__(self, eta_g: float = 1.0, lr_in_update: str = "actual"):
-        if lr_in_update not in ("actual", "initial"):
-            raise ValueError(f"algorithm.scaffold.lr_in_update must be actual or initial, got {lr_in_update!r}")
+        checked(ScaffoldParams, "algorithm.scaffold", lr_in_update=lr_in_update)
         self.eta_g = float(eta_g)
         self.lr_in_update = lr_in_update
 

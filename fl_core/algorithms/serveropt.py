@@ -44,7 +44,7 @@ from typing import Dict, List
 
 import torch
 
-from ..schema import ConfigError, param
+from ..schema import ConfigError, checked, param
 from .base import ClientUpdate, RoundContext
 from .fedavg import FedAvg
 from .registry import Rule, register
@@ -78,13 +78,6 @@ def pseudo_gradient(algo: FedAvg, rctx: RoundContext, updates: List[ClientUpdate
     return p @ deltas
 
 
-def _check_beta(key: str, beta: float) -> float:
-    beta = float(beta)
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"{key} must be in [0, 1), got {beta}")
-    return beta
-
-
 class FedAvgM(FedAvg):
     """FedAvg with server momentum (heavy-ball or EMA form, see the module docstring)."""
 
@@ -93,10 +86,8 @@ class FedAvgM(FedAvg):
     def __init__(self, beta: float = 0.9, form: str = "heavy_ball", aggregation: str = "weighted",
                  eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
-        if form not in ("heavy_ball", "ema"):
-            raise ValueError(f"algorithm.fedavgm.form must be heavy_ball or ema, got {form!r}")
-        self.beta = _check_beta("algorithm.fedavgm.beta", beta)
-        self.form = form
+        p = checked(FedAvgMParams, "algorithm.fedavgm", beta=float(beta), form=form)
+        self.beta, self.form = p.beta, p.form
 
     def describe(self) -> str:
         lr = f",eta_g={self.eta_g:g}" if self.form == "heavy_ball" and self.eta_g != 1.0 else ""
@@ -134,11 +125,8 @@ class FedAdaptive(FedAvg):
         if rule not in self.RULES:
             raise ValueError(f"server optimiser rule must be one of {', '.join(self.RULES)}, got {rule!r}")
         self.rule = rule
-        self.beta1 = _check_beta("algorithm.server_opt.beta1", beta1)
-        self.beta2 = _check_beta("algorithm.server_opt.beta2", beta2)
-        self.tau = float(tau)
-        if not self.tau > 0:
-            raise ValueError(f"algorithm.server_opt.tau must be > 0, got {self.tau}")
+        p = checked(ServerOptParams, "algorithm.server_opt", beta1=float(beta1), beta2=float(beta2), tau=float(tau))
+        self.beta1, self.beta2, self.tau = p.beta1, p.beta2, p.tau
 
     def describe(self) -> str:
         b2 = "" if self.rule == "adagrad" else f",beta2={self.beta2:g}"
