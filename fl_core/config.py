@@ -5,7 +5,7 @@ are caught at composition time. The schema is assembled from two sources:
 
 - the sections that are not rules (:mod:`fl_core.schema`: dataset, partition, model, train, engine, tracking),
 - the rule registry (:mod:`fl_core.algorithms.registry`): ``algorithm`` holds the shared keys (``name``,
-  ``wrappers``, ``aggregation``, ``eta_g``) and one sub-section per registered parameter dataclass.
+  ``wrappers``, ``aggregation``, ``eta_g``, ``server_opt``) and one sub-section per registered parameter dataclass.
 
 Range and choice checks that a type cannot express live in :func:`validate`, which raises :class:`ConfigError`
 with a one-line message naming the offending key, e.g. ``partition.alpha must be > 0, got -1``.
@@ -38,6 +38,8 @@ def _algorithm_config() -> type:
         # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S| | null: the base rule's own (registry.aggregation)
         ("aggregation", Optional[str], field(default=None)),
         ("eta_g", float, field(default=1.0)),  # server learning rate
+        # the server optimiser on the base's pseudo-gradient (registry: kind server); sgd: the base's own step
+        ("server_opt", str, field(default=registry.NO_SERVER_OPT)),
     ]
     rules = [(sec, schema, field(default_factory=schema)) for sec, schema in registry.sections().items()]
     cls = make_dataclass("AlgorithmConfig", shared + rules)

@@ -130,7 +130,7 @@ def mlflow_metric_name(key: str) -> str:
 def rule_sections() -> Dict[str, FrozenSet[str]]:
     """Rule name -> the ``algorithm.<section>`` config sections it reads, from the rule registry
     (:mod:`fl_core.algorithms.registry`): ``fedbcgd_plus`` -> {fedbcgd}, ``topk`` / ``qsgd`` -> {compression},
-    ``fedadam`` -> {server_opt}, ``fedavg`` -> {}."""
+    ``adam`` -> {adaptive}, ``momentum`` -> {fedavgm}, ``fedavg`` -> {}."""
     from .algorithms import registry
 
     return {r.name: frozenset(registry.stack_sections([r.name])) for r in registry.rules()}
@@ -140,18 +140,15 @@ def run_params(container: Dict[str, Any]) -> Dict[str, Any]:
     """MLflow params of a run: :func:`flatten` of the config ``container`` (e.g.
     :func:`fl_core.config.to_container`), where ``algorithm.*`` keeps its own values (``name``,
     ``wrappers``, ``aggregation``, ``eta_g``, ... everything that is not a section) and only the sections
-    of the rules in the stack: ``algorithm.name`` and every ``algorithm.wrappers`` entry
-    (``registry.stack_sections``; a rule the registry does not know keeps the section of its own name).
+    of the rules in the stack: ``algorithm.name``, ``algorithm.server_opt`` and every ``algorithm.wrappers`` entry
+    (``registry.trim_sections``; a rule the registry does not know keeps the section of its own name).
     Everything outside ``algorithm`` is kept."""
     from .algorithms import registry
 
     algo = container.get("algorithm")
     if not isinstance(algo, dict):
         return flatten(container)
-    stack = [algo.get("name")] + list(algo.get("wrappers") or [])
-    keep = set(registry.stack_sections(stack)) | set(stack)
-    trimmed = {k: v for k, v in algo.items() if not isinstance(v, dict) or k in keep}
-    return flatten({**container, "algorithm": trimmed})
+    return flatten({**container, "algorithm": registry.trim_sections(algo)})
 
 
 def git_commit(root: Path) -> str:

@@ -96,8 +96,13 @@ Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 
 
 def derive_name(cfg) -> str:
     """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
+    from fl_core.algorithms import registry
+
     a = cfg.algorithm
     algo = a.name
+    if a.server_opt != registry.NO_SERVER_OPT:  # FedAvg + adam is FedAdam; FedProx + adam: adam-fedprox
+        opt = registry.get(a.server_opt)
+        algo = opt.preset_name if a.name == "fedavg" else f"{a.server_opt}-{algo}"
     for w in a.wrappers:
         algo = f"{w}-p{a.fedbug.gu_percentage:g}-{algo}" if w == "fedbug" else f"{w}-{algo}"
     part = cfg.partition.name
@@ -109,8 +114,12 @@ def derive_name(cfg) -> str:
 
 
 def result_sections(cfg) -> Dict:
-    """The config sections that determine a run's numbers (for checkpoint names)."""
+    """The config sections that determine a run's numbers (for checkpoint names): ``algorithm`` with only the
+    sections of the rules in its stack (``registry.trim_sections``), so adding a rule changes no other fingerprint."""
+    from fl_core.algorithms import registry
+
     c = to_container(cfg)
+    c["algorithm"] = registry.trim_sections(c["algorithm"])
     return {k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train", "seed")}
 
 

@@ -10,7 +10,10 @@ For every base rule:
 - a run stopped after round 1 and resumed from its checkpoint ends with the uninterrupted run's model.
 For every wrapper over every base: the stack runs, its counted communication equals its closed form, and
 with the wrapper's ``neutral`` overrides it equals the base alone (so it forwards every part it does not
-change).
+change). For every server optimiser over every base that has a pseudo-gradient: the stack runs, its
+communication is the base's closed form, a resumed run equals the uninterrupted one (the optimiser's state is
+in the checkpoint), and with the optimiser's ``neutral`` overrides it equals the base alone; every base
+without one refuses it with one line.
 
 Setting: digits, MLP (hidden 16), 4 IID clients (equal step counts), all clients every round, 2 rounds,
 E = 1, B = 64, float64.
@@ -26,11 +29,14 @@ import torch
 
 from fl_core.algorithms import registry
 from fl_core.config import compose
+from fl_core.schema import ConfigError
 from fl_core.data import make_partition
 from fl_core.engine.factory import build_simulator
 
 BASES = registry.names("base")
 WRAPPERS = registry.names("wrapper")
+SERVER_OPTS = tuple(n for n in registry.names("server") if n != registry.NO_SERVER_OPT)
+WITH_PSEUDO_GRADIENT = tuple(b for b in BASES if registry.get(b).eta_g)
 TOL = 1e-9
 
 SETTING = ("model=mlp", "model.hidden=16", "partition=iid", "partition.num_clients=4", "train.participation=1.0",
@@ -38,9 +44,11 @@ SETTING = ("model=mlp", "model.hidden=16", "partition=iid", "partition.num_clien
            "engine.dtype=float64", "engine.progress=false", "engine.checkpoint_every=0", "tracking.enabled=false")
 
 
-def _stack(base: str, wrapper: str = "", extra=()) -> tuple:
-    """The base's preset, wrapped by ``wrapper`` (its section at the schema's defaults), plus ``extra``."""
+def _stack(base: str, wrapper: str = "", extra=(), server_opt: str = "") -> tuple:
+    """The base's preset, with the server optimiser ``server_opt`` and wrapped by ``wrapper`` (their sections at
+    the schema's defaults), plus ``extra``."""
     own = [f"algorithm={base}"] + ([f"algorithm.wrappers=[{wrapper}]"] if wrapper else [])
+    own += [f"algorithm.server_opt={server_opt}"] if server_opt else []
     return tuple(own) + tuple(extra)
 
 
@@ -104,8 +112,7 @@ def test_base_counted_communication_equals_closed_form(base):
     _comm_matches_closed_form(_stack(base))
 
 
-@pytest.mark.parametrize("base", BASES)
-def test_base_resumed_equals_uninterrupted(base, tmp_path):
+def _resumed_equals_uninterrupted(stack: tuple, ck: Path) -> None:
     class Stop(Exception):
         pass
 
@@ -113,17 +120,20 @@ def test_base_resumed_equals_uninterrupted(base, tmp_path):
         if r == 1:
             raise Stop
 
-    ck = tmp_path / "ck.pt"
     extra = ("engine.checkpoint_every=1",)
     with pytest.raises(Stop):
-        _sim(_stack(base, extra=extra), checkpoint_path=ck, callbacks=[stop_after_round_1]).run()
+        _sim(stack + extra, checkpoint_path=ck, callbacks=[stop_after_round_1]).run()
     assert ck.exists()
-    sim = _sim(_stack(base, extra=extra), checkpoint_path=ck)
-    res = sim.run()
+    res = _sim(stack + extra, checkpoint_path=ck).run()
     assert res.resumed_from == 1
-    full, hist, _, _ = _run(_stack(base))
-    assert _close(res.final_flat, full), f"{base}: resumed run differs from the uninterrupted one"
+    full, hist, _, _ = _run(stack)
+    assert _close(res.final_flat, full), f"{' '.join(stack)}: resumed run differs from the uninterrupted one"
     assert [h["comm_up_floats"] for h in res.history] == [h["comm_up_floats"] for h in hist]
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_base_resumed_equals_uninterrupted(base, tmp_path):
+    _resumed_equals_uninterrupted(_stack(base), tmp_path / "ck.pt")
 
 
 # --------------------------------------------------------------------------- wrappers over every base
@@ -141,8 +151,47 @@ def test_wrapper_over_every_base(wrapper, base):
         assert _close(got, ref), f"{wrapper}({base}) with {' '.join(rule.neutral)} differs from {base}"
 
 
+# --------------------------------------------------------------------------- server optimisers over every base
+
+@pytest.mark.parametrize("base", WITH_PSEUDO_GRADIENT)
+@pytest.mark.parametrize("opt", SERVER_OPTS)
+def test_server_optimiser_over_every_base(opt, base, tmp_path):
+    rule = registry.get(opt)
+    stack = _stack(base, server_opt=opt)
+    got, hist, algo, d = _run(stack)
+    assert torch.isfinite(got).all() and all(h["server_update_norm"] > 0 for h in hist)
+    assert algo.describe().startswith(rule.preset if base == "fedavg" else opt), algo.describe()
+    _comm_matches_closed_form(stack)
+    assert algo.comm_floats(d) == _run(_stack(base))[2].comm_floats(d)  # the optimiser sends nothing
+    _resumed_equals_uninterrupted(stack, tmp_path / "ck.pt")
+    if rule.neutral:
+        neutral, _, _, _ = _run(_stack(base, extra=rule.neutral, server_opt=opt))
+        ref, _, _, _ = _run(_stack(base))
+        assert _close(neutral, ref), f"{opt} over {base} with {' '.join(rule.neutral)} differs from {base}"
+
+
+@pytest.mark.parametrize("base", [b for b in BASES if b not in WITH_PSEUDO_GRADIENT])
+def test_a_base_without_pseudo_gradient_refuses_a_server_optimiser(base):
+    with pytest.raises(ConfigError, match=rf"^algorithm.server_opt=adam does not compose with {base}, whose server "
+                                          r"step is not a step along a pseudo-gradient"):
+        compose(list(SETTING) + list(_stack(base, server_opt="adam")))
+
+
+@pytest.mark.parametrize("opt", SERVER_OPTS)
+def test_server_optimiser_composes_under_every_wrapper(opt):
+    for wrapper in WRAPPERS:
+        stack = _stack("fedprox", wrapper, registry.get(wrapper).neutral, server_opt=opt)
+        got, _, algo, _ = _run(stack)
+        ref, _, _, _ = _run(_stack("fedprox", server_opt=opt))
+        assert algo.describe().startswith(wrapper) and f"{opt}[" in algo.describe()
+        if registry.get(wrapper).neutral:
+            assert _close(got, ref), f"{wrapper}({opt} over fedprox), neutral, differs from {opt} over fedprox"
+
+
 def test_every_registered_rule_has_a_preset():
-    """The suite composes each rule from its conf/algorithm/<name>.yaml."""
+    """The suite composes each rule from its conf/algorithm/<preset>.yaml (a server optimiser: the published rule
+    it makes over FedAvg; sgd, the base's own step, needs none)."""
     root = Path(__file__).resolve().parents[1] / "conf" / "algorithm"
-    missing = [r.name for r in registry.rules() if not (root / f"{r.name}.yaml").exists()]
+    missing = [r.preset_name for r in registry.rules()
+               if r.name != registry.NO_SERVER_OPT and not (root / f"{r.preset_name}.yaml").exists()]
     assert not missing, f"no conf/algorithm/<name>.yaml for {missing}"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_core.config import BASE_ALGORITHMS, WRAPPERS, AlgorithmConfig, to_container
+from fl_core.algorithms import registry
+from fl_core.config import AlgorithmConfig, to_container
 from fl_core.tracking import (EXPERIMENT_KIND, METRIC_GROUPS, TAG_EXPERIMENT_KIND, Tracking, ensure_store, flatten,
                               mlflow_metric_name, rule_sections, run_params)
 
@@ -28,7 +29,7 @@ def _sections_in(params) -> set:
 
 def test_every_rule_of_the_config_is_in_the_registries_and_every_section_is_read_by_a_rule():
     known = rule_sections()
-    assert set(BASE_ALGORITHMS) | set(WRAPPERS) == set(known)
+    assert {r.name for r in registry.rules()} == set(known)
     assert set().union(*known.values()) == SECTIONS  # no section that run_params would always drop
     for rule, sections in known.items():
         assert sections <= SECTIONS
@@ -42,7 +43,9 @@ def test_rule_sections_follow_the_builders():
     assert known["fedprox"] == {"fedprox"}
     assert known["fedbcgd_plus"] == {"fedbcgd"}
     assert known["topk"] == known["qsgd"] == {"compression"}
-    assert known["fedadam"] == known["fedyogi"] == known["fedadagrad"] == {"server_opt"}
+    assert known["adam"] == known["yogi"] == known["adagrad"] == {"adaptive"}
+    assert known["momentum"] == {"fedavgm"} and known["sgd"] == frozenset()
+    assert known["moon"] == {"moon"}
 
 
 @pytest.mark.parametrize("overrides, sections", [
@@ -53,7 +56,8 @@ def test_rule_sections_follow_the_builders():
     (["algorithm=fedpaq"], {"compression"}),  # FedAvg(uniform) wrapped in QSGD
     (["algorithm=topk"], {"compression"}),
     (["algorithm=fedbcgd_plus"], {"fedbcgd"}),
-    (["algorithm=fedadam"], {"server_opt"}),
+    (["algorithm=fedadam"], {"adaptive"}),
+    (["algorithm=fedbug", "algorithm.name=fedprox", "algorithm.server_opt=momentum"], {"fedbug", "fedprox", "fedavgm"}),
     (["algorithm=ccvr", "algorithm.wrappers=[fednlr,ccvr]"], {"ccvr", "fednlr"}),
 ])
 def test_run_params_keep_the_sections_of_the_stack_only(overrides, sections):

@@ -36,8 +36,11 @@ def test_schema_sections_are_the_registered_parameter_dataclasses():
 
 
 def test_unknown_names_list_the_registry():
-    with pytest.raises(ConfigError, match=r"^algorithm.name must be one of fedavg, .*fedbcgd_plus, got 'nope'$"):
+    with pytest.raises(ConfigError, match=r"^algorithm.name must be one of fedavg, .*fedbcgd_plus.*, got 'nope'$"):
         compose(["algorithm.name=nope"])
+    with pytest.raises(ConfigError, match=r"^algorithm.server_opt must be one of sgd, momentum, adam, yogi, adagrad, "
+                                          r"got 'nope'$"):
+        compose(["algorithm.server_opt=nope"])
     with pytest.raises(ConfigError, match=r"^algorithm.wrappers\[0\] must be one of .*fedbug.*, got 'nope'$"):
         compose(["algorithm.wrappers=[nope]"])
 
@@ -63,14 +66,17 @@ def test_help_lists_every_rule_and_every_parameter():
 def test_docs_rule_table_is_the_registry():
     """docs/algorithms.md's rule table lists exactly the registered rules with their kind, label and section."""
     text = (ROOT / "docs" / "algorithms.md").read_text()
-    rows = re.findall(r"^\| `([a-z_]+)` \| (base|wrapper) \| ([^|]+?) \| ([^|]*?) \|", text, re.M)
+    rows = re.findall(r"^\| `([a-z_]+)` \| (base|server|wrapper) \| ([^|]+?) \| ([^|]*?) \|", text, re.M)
     want = [(r.name, r.kind, r.label, f"`algorithm.{r.config_section}`" if r.config_section else "")
             for r in registry.rules()]
     assert [(n, k, lab.strip(), sec.strip()) for n, k, lab, sec in rows] == want
 
 
 def test_the_engine_names_no_rule():
-    words = {r.name for r in registry.rules()} | {r.label for r in registry.rules()}
+    # every rule's name and paper label, and the published rule each server optimiser makes over FedAvg; the
+    # server optimisers' own names are the optimisers' (sgd, momentum, adam), words of the local step as well
+    words = ({r.name for r in registry.rules() if r.kind != "server"} | {r.label for r in registry.rules()}
+             | {r.preset for r in registry.rules() if r.preset})
     found = []
     for path in sorted((ROOT / "fl_core" / "engine").glob("*.py")):
         for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -97,7 +103,8 @@ def test_a_rule_without_a_server_learning_rate_refuses_eta_g(rule):
 
 
 def test_fedavgm_ema_refuses_eta_g_and_fedexp_code_variant_refuses_weighted():
-    with pytest.raises(ConfigError, match=r"^algorithm.eta_g=0.5 is not used by fedavgm with algorithm.fedavgm.form"):
+    with pytest.raises(ConfigError, match=r"^algorithm.eta_g=0.5 is not used by server_opt=momentum with "
+                                          r"algorithm.fedavgm.form"):
         compose(["algorithm=fedavgm", "algorithm.fedavgm.form=ema", "algorithm.eta_g=0.5"])
     compose(["algorithm=fedavgm", "algorithm.fedavgm.form=heavy_ball", "algorithm.eta_g=0.5"])
     with pytest.raises(ConfigError, match=r"^algorithm.aggregation=weighted is not used by fedexp with "

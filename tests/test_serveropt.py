@@ -1,5 +1,6 @@
-"""FedAvgM and FedAdam / FedYogi / FedAdagrad server rules (docs/algorithms.md, FedAvgM;
-FedAdam, FedYogi, FedAdagrad; Invariants 9)."""
+"""Server optimisers: FedAvgM and FedAdam / FedYogi / FedAdagrad (FedAvg with algorithm.server_opt=momentum, adam,
+yogi, adagrad; docs/algorithms.md, Server optimisers; FedAvgM; FedAdam, FedYogi, FedAdagrad; Invariants 9), and the
+same optimisers composed over other rules."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_fedavgm_heavy_ball_two_rounds_by_hand():
     x, state, norms = _rounds(algo, [1.0, 0.0], [[(10, [4.0, 8.0]), (30, [-4.0, 0.0])],
                                                 [(10, [2.0, 0.0]), (30, [2.0, 4.0])]])
     _close(x, [-1.0, 12.0])
-    _close(state["v"], [1.0, 4.0])
+    _close(state["opt.v"], [1.0, 4.0])
     assert norms[0] == pytest.approx(2 * math.sqrt(8))  # ||x1 - x0|| = 2 ||[-2, 2]||
     assert norms[1] == pytest.approx(2 * math.sqrt(17))  # ||x2 - x1|| = 2 ||[1, 4]||
     assert algo.describe() == "fedavgm[beta=0.5,heavy_ball,eta_g=2]"
@@ -68,7 +69,7 @@ def test_fedavgm_ema_equals_heavy_ball_with_eta_one_minus_beta():
     xe, se, ne = _rounds(ema, x0, rounds)
     xh, sh, nh = _rounds(hb, x0, rounds)
     assert torch.allclose(xe, xh, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(se["v"], (1 - beta) * sh["v"], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(se["opt.v"], (1 - beta) * sh["opt.v"], rtol=1e-12, atol=1e-12)
     assert ne == pytest.approx(nh, rel=1e-10)
     assert not torch.allclose(xe, torch.tensor(x0, dtype=torch.float64))
 
@@ -85,7 +86,7 @@ def test_fedavgm_beta_zero_is_fedavg(aggregation):
         ref, _ = avg.aggregate(_rctx(x, r), {}, ups)
         assert torch.equal(new, ref)
         x = new
-    assert state["v"].dtype == torch.float32 and state["update_norm"].dtype == torch.float32
+    assert state["opt.v"].dtype == torch.float32 and state["opt.update_norm"].dtype == torch.float32
 
 
 def test_fedavgm_rejects_bad_arguments():
@@ -106,8 +107,8 @@ def test_fedadam_one_and_two_steps_by_hand():
     #   m1 = 0.1 D1 = [0.02, -0.01, 0];  v1 = 0.01 D1^2 = [4e-4, 1e-4, 0];  sqrt(v1) = [0.02, 0.01, 0]
     #   x1 = x0 + 0.5 m1 / (sqrt(v1) + 0.01) = [1 + 0.01/0.03, 1 - 0.005/0.02, 1 + 0] = [4/3, 0.75, 1]
     x1, s1, n1 = _rounds(algo, [1.0, 1.0, 1.0], [[(10, [0.2, -0.1, 0.0])]])
-    _close(s1["m"], [0.02, -0.01, 0.0])
-    _close(s1["v"], [4e-4, 1e-4, 0.0])
+    _close(s1["opt.m"], [0.02, -0.01, 0.0])
+    _close(s1["opt.v"], [4e-4, 1e-4, 0.0])
     _close(x1, [4 / 3, 0.75, 1.0])
     assert n1[0] == pytest.approx(math.sqrt((1 / 3) ** 2 + 0.25 ** 2))
     # the documented zero-init first step: eta (1 - b1) D / (sqrt(1 - b2) |D| + tau)
@@ -117,8 +118,8 @@ def test_fedadam_one_and_two_steps_by_hand():
     #   m2 = 0.9 m1 + 0.1 D2 = [0.018 + 0.01, -0.009 + 0.03, 0 - 0.02] = [0.028, 0.021, -0.02]
     #   v2 = 0.99 v1 + 0.01 D2^2 = [3.96e-4 + 1e-4, 0.99e-4 + 9e-4, 0 + 4e-4] = [4.96e-4, 9.99e-4, 4e-4]
     x2, s2, _ = _rounds(algo, [1.0, 1.0, 1.0], [[(10, [0.2, -0.1, 0.0])], [(10, [0.1, 0.3, -0.2])]])
-    _close(s2["m"], [0.028, 0.021, -0.02])
-    _close(s2["v"], [4.96e-4, 9.99e-4, 4e-4])
+    _close(s2["opt.m"], [0.028, 0.021, -0.02])
+    _close(s2["opt.v"], [4.96e-4, 9.99e-4, 4e-4])
     _close(x2, [4 / 3 + 0.5 * 0.028 / (math.sqrt(4.96e-4) + 0.01),
                 0.75 + 0.5 * 0.021 / (math.sqrt(9.99e-4) + 0.01),
                 1.0 - 0.5 * 0.02 / (0.02 + 0.01)])
@@ -130,7 +131,7 @@ def test_fedyogi_sign_of_v_minus_d2_matters():
     #   m1 = [0.02, -0.01, 0.01];  v1 = 0.01 D1^2 = [4e-4, 1e-4, 1e-4]
     #   x1 = 1 + 0.5 m1 / (sqrt(v1) + 0.01) = [1 + 0.01/0.03, 1 - 0.005/0.02, 1 + 0.005/0.02] = [4/3, 0.75, 1.25]
     x1, s1, _ = _rounds(algo, [1.0, 1.0, 1.0], [[(10, [0.2, -0.1, 0.1])]])
-    _close(s1["v"], [4e-4, 1e-4, 1e-4])
+    _close(s1["opt.v"], [4e-4, 1e-4, 1e-4])
     _close(x1, [4 / 3, 0.75, 1.25])
     # step 2, D2 = [0.01, 0.3, 0], D2^2 = [1e-4, 9e-2, 0]:
     #   coord 0: v1 = 4e-4 > 1e-4 -> sign +1: v2 = 4e-4 - 0.01 * 1e-4 = 3.99e-4   (Adam: 3.97e-4)
@@ -139,13 +140,13 @@ def test_fedyogi_sign_of_v_minus_d2_matters():
     #   m2 = 0.9 m1 + 0.1 D2 = [0.018 + 0.001, -0.009 + 0.03, 0.009] = [0.019, 0.021, 0.009]
     rounds = [[(10, [0.2, -0.1, 0.1])], [(10, [0.01, 0.3, 0.0])]]
     x2, s2, _ = _rounds(algo, [1.0, 1.0, 1.0], rounds)
-    _close(s2["v"], [3.99e-4, 1e-3, 1e-4])
-    _close(s2["m"], [0.019, 0.021, 0.009])
+    _close(s2["opt.v"], [3.99e-4, 1e-3, 1e-4])
+    _close(s2["opt.m"], [0.019, 0.021, 0.009])
     _close(x2, [4 / 3 + 0.5 * 0.019 / (math.sqrt(3.99e-4) + 0.01),
                 0.75 + 0.5 * 0.021 / (math.sqrt(1e-3) + 0.01),
                 1.25 + 0.5 * 0.009 / (0.01 + 0.01)])
     _, adam_state, _ = _rounds(FedAdam(B1, B2, TAU, "weighted", ETA), [1.0, 1.0, 1.0], rounds)
-    _close(adam_state["v"], [3.97e-4, 9.99e-4, 0.99e-4])
+    _close(adam_state["opt.v"], [3.97e-4, 9.99e-4, 0.99e-4])
 
 
 def test_fedadagrad_accumulates_and_ignores_beta2():
@@ -154,15 +155,15 @@ def test_fedadagrad_accumulates_and_ignores_beta2():
     #   step 2: m2 = [0.018 + 0.01, -0.009 + 0.03] = [0.028, 0.021], v2 = v1 + D2^2 = [0.05, 0.1]
     rounds = [[(10, [0.2, -0.1])], [(10, [0.1, 0.3])]]
     x2, s2, _ = _rounds(FedAdagrad(B1, 0.5, TAU, "weighted", ETA), [0.0, 0.0], rounds)
-    _close(s2["v"], [0.05, 0.1])
-    _close(s2["m"], [0.028, 0.021])
+    _close(s2["opt.v"], [0.05, 0.1])
+    _close(s2["opt.m"], [0.028, 0.021])
     _close(x2, [0.01 / 0.21 + 0.5 * 0.028 / (math.sqrt(0.05) + 0.01),
                 -0.005 / 0.11 + 0.5 * 0.021 / (math.sqrt(0.1) + 0.01)])
     x2b, _, _ = _rounds(FedAdagrad(B1, 0.99, TAU, "weighted", ETA), [0.0, 0.0], rounds)
     assert torch.equal(x2, x2b)
     # v only grows: a third round with D = 0 leaves v unchanged
     _, s3, _ = _rounds(FedAdagrad(B1, 0.99, TAU, "weighted", ETA), [0.0, 0.0], rounds + [[(10, [0.0, 0.0])]])
-    _close(s3["v"], [0.05, 0.1])
+    _close(s3["opt.v"], [0.05, 0.1])
 
 
 @pytest.mark.parametrize("cls", [FedAdam, FedYogi, FedAdagrad])
@@ -174,12 +175,12 @@ def test_adaptive_pseudo_gradient_uses_fedavg_weights(cls):
     a, sa = two.aggregate(x, two.init_server_state(x.global_flat), [_update(0, 10, [4.0, 8.0]),
                                                                    _update(1, 30, [-4.0, 0.0])])
     b, sb = one.aggregate(x, one.init_server_state(x.global_flat), [_update(0, 1, [-2.0, 2.0])])
-    assert torch.allclose(a, b) and torch.allclose(sa["v"], sb["v"])
+    assert torch.allclose(a, b) and torch.allclose(sa["opt.v"], sb["opt.v"])
     # uniform: D = ([4,8] + [-4,0]) / 2 = [0, 4]
     uni = cls(B1, B2, TAU, "uniform", ETA)
     _, sc = uni.aggregate(x, uni.init_server_state(x.global_flat), [_update(0, 10, [4.0, 8.0]),
                                                                    _update(1, 30, [-4.0, 0.0])])
-    _close(sc["m"], [0.0, 0.4])
+    _close(sc["opt.m"], [0.0, 0.4])
 
 
 @pytest.mark.parametrize("cls", [FedAdam, FedYogi, FedAdagrad])
@@ -195,7 +196,7 @@ def test_adaptive_state_keeps_the_global_dtype(cls):
 def test_adaptive_names_and_arguments():
     assert FedAdam().describe() == "fedadam[eta_g=1,beta1=0.9,beta2=0.99,tau=0.001]"
     assert FedAdagrad().describe() == "fedadagrad[eta_g=1,beta1=0.9,tau=0.001]"
-    assert (FedAdam.name, FedYogi.name, FedAdagrad.name) == ("fedadam", "fedyogi", "fedadagrad")
+    assert (FedAdam().name, FedYogi().name, FedAdagrad().name) == ("fedadam", "fedyogi", "fedadagrad")
     with pytest.raises(ValueError, match="tau"):
         FedAdam(tau=0.0)
     with pytest.raises(ValueError, match="beta2"):

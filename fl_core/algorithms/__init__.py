@@ -19,11 +19,12 @@ from .fednova import FedNova, normalizer
 from .fedlogits import FedLC, FedRS
 from .fednlr import FedNLR, mu_schedule, neuron_scales
 from .ccvr import CCVR
-from .serveropt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from .serveropt import Adaptive, FedAdagrad, FedAdam, FedAvgM, FedYogi, Momentum, ServerOptimized
 from .feddc import FedDC
 from .fedbcgd import FedBCGD, FedBCGDPlus, assign_blocks, block_partition
 from .compression import QSGD, TopK
 from .fedbug import FedBug, unfrozen_units
+from .moon import Moon, contrastive_loss
 
 
 def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
@@ -42,4 +43,5 @@ __all__ = ["Algorithm", "Wrapper", "InfeasibleSetting", "ClientContext", "Client
            "FedProx", "FedBug", "FedDyn", "FedExP", "FedDecorr", "decorrelation_loss", "unfrozen_units", "Scaffold",
            "FedNova", "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC",
            "FedBCGD", "FedBCGDPlus", "assign_blocks", "block_partition", "FedAvgM", "FedAdam", "FedYogi",
-           "FedAdagrad", "TopK", "QSGD", "build_algorithm", "registry"]
+           "FedAdagrad", "Momentum", "Adaptive", "ServerOptimized", "TopK", "QSGD", "Moon", "contrastive_loss",
+           "build_algorithm", "registry"]

@@ -1,16 +1,29 @@
-"""The algorithm interface: an algorithm is a small object of hooks the engine calls.
+"""The algorithm interface: a rule is a small object of hooks the engine calls, grouped in five parts.
 
-The engine never branches on algorithm names. One local step of client i at step k
-(1-indexed, counted across epochs; docs/algorithms.md, One local step) is::
+The engine never branches on rule names. The parts and their hooks (docs/architecture.md, "The parts of a rule"):
 
-    loss  = CE(model(x), y) + algo.local_loss(ctx, params, logits, features, y)
+- client objective: ``train_logits`` (the logits the cross-entropy sees) and ``local_loss`` (extra loss terms);
+- local update: ``transform_grads`` (gradient transforms), ``update_mask`` (which tensors move),
+  ``ctx.lr_scale`` (per-element step sizes, set in ``client_begin``);
+- message: ``finish_client`` (what the client uploads, ``ClientUpdate.sent`` counts it; client state);
+- aggregator: ``pseudo_gradient`` (the server's direction D from the messages) or a whole ``aggregate``;
+- server optimiser: ``algorithm.server_opt`` (:mod:`.serveropt`), composed over any rule that has a
+  pseudo-gradient; the plain step is ``theta <- theta + eta_g D``.
+
+One local step of client i at step k (1-indexed, counted across epochs; docs/algorithms.md, One local step)::
+
+    loss  = CE(algo.train_logits(ctx, model(x)), y) + algo.local_loss(ctx, params, logits, features, y)
     grads = algo.transform_grads(ctx, k, params, grads)
     mask  = algo.update_mask(ctx, k)        # which parameter tensors may move (None: all)
-    clip over trainable params (if configured); SGD step with weight decay on trainable params only
+    clip over trainable params (if configured); SGD step (times ctx.lr_scale) with weight decay on trainable params
 
-and after the K_i steps the client sends ``algo.client_message(...)``; the server calls
-``algo.aggregate(...)``. Wrappers (FedBug, ...) hold a base algorithm and override only
-the hooks they change, so FedBug(FedProx) composes without either knowing the other.
+Executor services a rule asks for by declaring them (both executors provide each): ``needs_full_gradient``
+(full-batch gradient at the received model), ``needs_anchor_gradient`` (the step's batch gradient at the
+received model), ``forward_of`` (a forward pass of another parameter vector on the step's batch), the
+``probe`` of ``client_begin`` (activation statistics) and ``post_training`` (a step after the last round).
+
+Wrappers (FedBug, ...) hold a base algorithm and override only the hooks they change, so FedBug(FedProx)
+composes without either knowing the other.
 """
 
 from __future__ import annotations
@@ -68,6 +81,9 @@ class ClientContext:
     # set by the executor when the algorithm asks for them (FedBCGD+, docs/algorithms.md, FedBCGD+):
     full_grad: Optional[torch.Tensor] = None  # [d] (vectorised: [C, d]) full-batch gradient at the received model
     anchor_grads: Optional[Dict[str, torch.Tensor]] = None  # this step's batch gradient at the received model
+    # set by the executor before every local_loss when the rule names vectors in ``forward_of``:
+    # name -> (logits [B, C], features [B, f]) of that parameter vector on this step's batch (no gradient)
+    reference_outputs: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 @dataclass
@@ -113,6 +129,11 @@ class Algorithm:
     # same step's mini-batch, same augmentation, at the received model) before every ``transform_grads``.
     needs_full_gradient = False
     needs_anchor_gradient = False
+    # executor service "forward pass of another parameter vector": each entry names a vector, ``global`` (the
+    # received model) or ``state:<key>`` (the vector ``ctx.state[<key>]`` [d] of the client's state); before every
+    # ``local_loss`` the executor sets ``ctx.reference_outputs[entry] = (logits, features)`` of that vector on the
+    # step's batch (same augmentation, eval mode, no gradient; MOON's global and previous local model)
+    forward_of: Tuple[str, ...] = ()
     # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that
     # an uplink quantiser (QSGD) compresses too (FedBCGD+'s Delta c)
     compressed_extras: Tuple[str, ...] = ()
@@ -160,10 +181,21 @@ class Algorithm:
     def aggregation_weights(self, updates: List[ClientUpdate]) -> torch.Tensor:
         raise NotImplementedError
 
+    def pseudo_gradient(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
+                        updates: List[ClientUpdate]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The aggregator: the server's update direction D [d] from the round's messages (FedAvg: the weighted
+        mean of the Delta_i) and the rule's new server state (SCAFFOLD's c). A server optimiser
+        (:mod:`.serveropt`, ``algorithm.server_opt``) turns D into the new model; the plain server step is
+        ``theta <- theta + eta_g D`` (:meth:`aggregate`). Rules whose server step is not a step along one
+        direction (FedDyn, FedExP, FedDC, FedBCGD) override :meth:`aggregate` instead and have none."""
+        raise NotImplementedError(f"{self.describe()} has no pseudo-gradient (it does not take algorithm.server_opt)")
+
     def aggregate(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
                   updates: List[ClientUpdate]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """Return the new global model [d] and the new server state."""
-        raise NotImplementedError
+        """Return the new global model [d] and the new server state: by default the plain server step
+        ``theta <- theta + eta_g D`` on :meth:`pseudo_gradient` (``self.eta_g``, 1 if the rule has none)."""
+        direction, state = self.pseudo_gradient(rctx, server_state, updates)
+        return rctx.global_flat + getattr(self, "eta_g", 1.0) * direction, state
 
     def comm_floats(self, d: int) -> Tuple[float, float]:
         """The closed form of the floats sent (up, down) per participating client per round (docs/algorithms.md,
@@ -228,6 +260,10 @@ class Wrapper(Algorithm):
     def compressed_extras(self) -> Tuple[str, ...]:  # type: ignore[override]
         return self.base.compressed_extras
 
+    @property
+    def forward_of(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return self.base.forward_of
+
     def describe(self) -> str:
         return f"{self.name}({self.base.describe()})"
 
@@ -263,6 +299,9 @@ class Wrapper(Algorithm):
 
     def aggregation_weights(self, updates):
         return self.base.aggregation_weights(updates)
+
+    def pseudo_gradient(self, rctx, server_state, updates):
+        return self.base.pseudo_gradient(rctx, server_state, updates)
 
     def aggregate(self, rctx, server_state, updates):
         return self.base.aggregate(rctx, server_state, updates)

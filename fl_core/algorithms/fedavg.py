@@ -1,6 +1,7 @@
 """FedAvg (McMahan et al. 2017; docs/algorithms.md, FedAvg).
 
-Client: K_i plain SGD steps from the broadcast model. Server (Option I)::
+Client: K_i plain SGD steps from the broadcast model. Server (Option I; the plain server step on the
+pseudo-gradient D, any ``algorithm.server_opt`` replaces it)::
 
     weighted:  theta <- theta + eta_g * sum_i (n_i / n_S) * Delta_i
     uniform:   theta <- theta + (eta_g / |S|) * sum_i Delta_i      (FedBug's Alg. 1 line 13)
@@ -36,11 +37,11 @@ class FedAvg(Algorithm):
             return torch.full((len(updates),), 1.0 / len(updates), dtype=torch.float64)
         return n / n.sum()
 
-    def aggregate(self, rctx, server_state, updates):
+    def pseudo_gradient(self, rctx, server_state, updates):
+        """D = sum_i p_i Delta_i [d]; the server state passes through."""
         p = self.aggregation_weights(updates).to(rctx.global_flat.device, rctx.global_flat.dtype)
         deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
-        mean_delta = p @ deltas
-        return rctx.global_flat + self.eta_g * mean_delta, server_state
+        return p @ deltas, server_state
 
 
 register(Rule(

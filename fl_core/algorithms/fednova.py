@@ -53,14 +53,23 @@ class FedNova(FedAvg):
         update.sent["a"] = 1.0
         return update
 
-    def aggregate(self, rctx, server_state, updates):
+    def _normalised(self, updates):
+        """(tau_eff, sum_i p_i d_i [d]): the effective step count and the normalised mean update."""
         p = self.aggregation_weights(updates)  # [|S|] float64
         a = torch.stack([u.extra["a"] for u in updates])
-        tau_eff = float((p * a).sum())
         live = a > 0  # a client with no local step contributes nothing
         d = torch.stack([u.delta for u in updates])
         coef = torch.where(live, p / a.clamp_min(1e-12), torch.zeros_like(p)).to(d)
-        return rctx.global_flat + self.eta_g * tau_eff * (coef @ d), server_state
+        return float((p * a).sum()), coef @ d
+
+    def pseudo_gradient(self, rctx, server_state, updates):
+        """D = tau_eff * sum_i p_i d_i [d] (what a server optimiser receives)."""
+        tau_eff, mean = self._normalised(updates)
+        return tau_eff * mean, server_state
+
+    def aggregate(self, rctx, server_state, updates):
+        tau_eff, mean = self._normalised(updates)  # (eta_g tau_eff) as one scalar, as Eq. (7) is written
+        return rctx.global_flat + self.eta_g * tau_eff * mean, server_state
 
     def comm_floats(self, d):
         return float(d) + 1.0, float(d)

@@ -4,14 +4,19 @@ Everything that lists rules is derived from here, so adding a rule is its file, 
 
 - the ``algorithm`` section of the config schema: one sub-section per registered parameter dataclass
   (:func:`sections`; :mod:`fl_core.config` builds ``AlgorithmConfig`` from it),
-- the allowed values of ``algorithm.name`` and ``algorithm.wrappers`` and the checks of every section
+- the allowed values of ``algorithm.name``, ``algorithm.server_opt`` and ``algorithm.wrappers`` and the checks of
+  every section
   (:func:`check_algorithm`),
 - ``fl-train --help`` (:func:`help_lines`), the rule table of ``docs/algorithms.md`` (checked by a test),
   the report's labels (:func:`label`), the MLflow params of a run (:func:`stack_sections`),
 - the conformance tests (``tests/test_conformance.py`` runs every base, every wrapper over every base).
 
-A rule declares which of the shared keys ``algorithm.aggregation`` and ``algorithm.eta_g`` it honours;
-a value it would ignore is refused with one line (no key is accepted and then ignored).
+A rule declares which of the shared keys ``algorithm.aggregation``, ``algorithm.eta_g`` and ``algorithm.server_opt``
+it honours; a value it would ignore is refused with one line (no key is accepted and then ignored).
+
+Three kinds of rule compose into one stack: a ``base`` (``algorithm.name``: trains the clients and aggregates), a
+``server`` optimiser (``algorithm.server_opt``: the server step on the base's pseudo-gradient; ``sgd`` is the base's
+own) and any number of ``wrapper`` rules (``algorithm.wrappers``, innermost first).
 """
 
 from __future__ import annotations
@@ -55,12 +60,15 @@ class Rule:
     """One rule as the rest of the project sees it.
 
     Attributes:
-        name: the config value (``algorithm.name=<name>`` for a base, ``algorithm.wrappers=[<name>]`` for a wrapper).
-        kind: ``base`` (trains the clients and aggregates) or ``wrapper`` (wraps any base and changes some parts).
+        name: the config value (``algorithm.name=<name>`` for a base, ``algorithm.server_opt=<name>`` for a server
+            optimiser, ``algorithm.wrappers=[<name>]`` for a wrapper).
+        kind: ``base`` (trains the clients and aggregates), ``server`` (the server step on a base's pseudo-gradient)
+            or ``wrapper`` (wraps any base and changes some parts).
         label: the name the papers use (``FedProx``), shown in reports and plots.
         citation: the source of the update rule (paper, venue, equation or algorithm).
         summary: one line: what the rule does.
-        build: base: ``build(params, ctx) -> Algorithm``; wrapper: ``build(base, params, ctx) -> Algorithm``, with
+        build: base: ``build(params, ctx) -> Algorithm``; server and wrapper: ``build(base, params, ctx) -> Algorithm``,
+            with
             ``params`` the rule's section (``algorithm.<section>``; None without one) and ``ctx`` a
             :class:`BuildContext`.
         params: the dataclass of the rule's parameters (fields made with :func:`fl_core.schema.param`), or None.
@@ -68,14 +76,17 @@ class Rule:
             ``fedbcgd_plus``): the registry checks that they share the same dataclass.
         aggregation: the values of ``algorithm.aggregation`` the rule honours, its default first (wrappers:
             ignored, the base decides). ``algorithm.aggregation=null`` (the wrappers' presets) means the default.
-        eta_g: whether the rule honours ``algorithm.eta_g`` (the server step size); a rule that does not refuses
-            any value but 1.
+        eta_g: whether the rule honours ``algorithm.eta_g`` (the server step size) and ``algorithm.server_opt`` (it has
+            a pseudo-gradient); a rule that does not refuses any value but 1 and ``sgd``.
         check: optional cross-field check ``check(algorithm_node, prefix)`` raising :class:`ConfigError`, run for
             the rules of the stack.
         neutral: overrides under which the rule equals its reference (FedProx: ``algorithm.fedprox.mu=0``; FedBug:
             ``algorithm.fedbug.gu_percentage=0``), or ``()`` if it has none. The conformance tests check it.
         reference: what ``neutral`` makes a base equal (overrides; default FedAvg with its weighted mean); a
-            wrapper's reference is always its base.
+            wrapper's and a server optimiser's reference is always its base.
+        preset: the file ``conf/algorithm/<preset>.yaml`` that configures the rule (default: ``name``); a server
+            optimiser's preset is the published rule it makes over FedAvg (``momentum``: ``fedavgm``), and the
+            report labels that name with the rule's ``label``.
     """
 
     name: str
@@ -91,10 +102,19 @@ class Rule:
     check: Optional[Callable[[Any, str], None]] = None
     neutral: Tuple[str, ...] = ()
     reference: Tuple[str, ...] = ("algorithm.name=fedavg", "algorithm.aggregation=weighted")
+    preset: Optional[str] = None
 
     @property
     def config_section(self) -> Optional[str]:
         return (self.section or self.name) if self.params is not None else None
+
+    @property
+    def preset_name(self) -> str:
+        return self.preset or self.name
+
+
+KINDS = ("base", "server", "wrapper")
+NO_SERVER_OPT = "sgd"  # algorithm.server_opt of the base's own server step
 
 
 _RULES: Dict[str, Rule] = {}
@@ -107,8 +127,8 @@ def register(rule: Rule) -> Rule:
         ValueError: a second rule of the same name, an unknown kind, or a section shared with another
             parameter dataclass.
     """
-    if rule.kind not in ("base", "wrapper"):
-        raise ValueError(f"rule {rule.name!r}: kind must be base or wrapper, got {rule.kind!r}")
+    if rule.kind not in KINDS:
+        raise ValueError(f"rule {rule.name!r}: kind must be one of {', '.join(KINDS)}, got {rule.kind!r}")
     if rule.name in _RULES:
         raise ValueError(f"rule {rule.name!r} is registered twice")
     if rule.params is not None and not is_dataclass(rule.params):
@@ -144,8 +164,10 @@ def get(name: str) -> Rule:
 
 
 def label(name: str) -> str:
-    """The paper name of rule ``name`` (``fedbcgd_plus`` -> ``FedBCGD+``), or ``name`` if unknown."""
-    r = _RULES.get(str(name).lower())
+    """The paper name of rule or preset ``name`` (``fedbcgd_plus`` -> ``FedBCGD+``, ``fedavgm`` -> ``FedAvgM``), or
+    ``name`` if unknown."""
+    key = str(name).lower()
+    r = _RULES.get(key) or next((r for r in _RULES.values() if r.preset == key), None)
     return r.label if r else name
 
 
@@ -158,8 +180,28 @@ def sections() -> Dict[str, type]:
     return out
 
 
+def _key(a: Any, key: str, default: Any = None) -> Any:
+    """``a.<key>`` of an ``algorithm`` node given as a dict, a DictConfig or a dataclass."""
+    return a.get(key, default) if hasattr(a, "get") else getattr(a, key, default)
+
+
+def stack(a: Any) -> List[str]:
+    """The rule names of the ``algorithm`` node ``a`` (a dict, DictConfig or dataclass): the base, the server
+    optimiser unless it is ``sgd`` (the base's own step), then the wrappers innermost first."""
+    opt = _key(a, "server_opt") or NO_SERVER_OPT
+    return [_key(a, "name")] + ([opt] if opt != NO_SERVER_OPT else []) + list(_key(a, "wrappers") or [])
+
+
+def trim_sections(a: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``algorithm`` container ``a`` (a plain dict) with only the sections of the rules in its :func:`stack`:
+    the shared keys and what the stack reads, i.e. what determines a run's numbers (MLflow params, fingerprints)."""
+    names = stack(a)
+    keep = set(stack_sections(names)) | set(names)
+    return {k: v for k, v in a.items() if not isinstance(v, dict) or k in keep}
+
+
 def stack_sections(stack: List[str]) -> List[str]:
-    """The config sections the rules of ``stack`` (base first, then wrappers) read, without repeats."""
+    """The config sections the rules of ``stack`` (base, server optimiser, wrappers) read, without repeats."""
     out: List[str] = []
     for name in stack:
         r = _RULES.get(name)
@@ -178,6 +220,8 @@ def check_algorithm(a: Any) -> None:
     """
     if a.name not in names("base"):
         raise ConfigError(f"algorithm.name must be one of {', '.join(names('base'))}, got {a.name!r}")
+    if a.server_opt not in names("server"):
+        raise ConfigError(f"algorithm.server_opt must be one of {', '.join(names('server'))}, got {a.server_opt!r}")
     for i, w in enumerate(a.wrappers):
         if w not in names("wrapper"):
             raise ConfigError(f"algorithm.wrappers[{i}] must be one of {', '.join(names('wrapper'))}, got {w!r}")
@@ -186,7 +230,7 @@ def check_algorithm(a: Any) -> None:
     check_range("algorithm.eta_g", a.eta_g, 0, lo_open=True)
     for sec, schema in sections().items():
         check_fields(schema, getattr(a, sec), f"algorithm.{sec}")
-    for name in [a.name, *a.wrappers]:
+    for name in stack(a):
         r = _RULES[name]
         if r.check is not None:
             r.check(a, f"algorithm.{r.config_section or r.name}")
@@ -198,6 +242,10 @@ def check_algorithm(a: Any) -> None:
     if not base.eta_g and float(a.eta_g) != 1.0:
         raise ConfigError(f"algorithm.eta_g={fmt(float(a.eta_g))} is not used by {a.name}, whose server step has "
                           f"no server learning rate ({base.citation}); leave algorithm.eta_g=1")
+    if not base.eta_g and a.server_opt != NO_SERVER_OPT:
+        raise ConfigError(f"algorithm.server_opt={a.server_opt} does not compose with {a.name}, whose server step is "
+                          f"not a step along a pseudo-gradient ({base.citation}); leave algorithm.server_opt="
+                          f"{NO_SERVER_OPT}")
 
 
 def aggregation(a: Any) -> str:
@@ -209,8 +257,8 @@ def aggregation(a: Any) -> str:
 
 
 def build(a: Any, spec: ParamSpec, model: Any = None):
-    """The algorithm stack of the ``algorithm`` node ``a``: its base, wrapped by ``a.wrappers`` in order (first =
-    innermost).
+    """The algorithm stack of the ``algorithm`` node ``a``: its base, with the server optimiser ``a.server_opt``,
+    wrapped by ``a.wrappers`` in order (first = innermost).
 
     Raises:
         ConfigError: unknown names, or a shared key the base does not honour (:func:`check_algorithm`).
@@ -223,8 +271,8 @@ def build(a: Any, spec: ParamSpec, model: Any = None):
 
     base = _RULES[a.name]
     algo = base.build(section(base), ctx)
-    for w in a.wrappers:
-        rule = _RULES[w]
+    for name in stack(a)[1:]:
+        rule = _RULES[name]
         algo = rule.build(algo, section(rule), ctx)
     return algo
 
@@ -232,7 +280,9 @@ def build(a: Any, spec: ParamSpec, model: Any = None):
 def help_lines() -> List[str]:
     """``fl-train --help``'s rule list: one line per rule, and one per parameter with its range and meaning."""
     out = []
-    for kind, title in (("base", "algorithm.name (base rules)"), ("wrapper", "algorithm.wrappers (wrap any base)")):
+    for kind, title in (("base", "algorithm.name (base rules)"),
+                        ("server", "algorithm.server_opt (server optimiser over a base with a pseudo-gradient)"),
+                        ("wrapper", "algorithm.wrappers (wrap any base)")):
         out.append(f"  {title}:")
         for r in rules(kind):
             out.append(f"    {r.name:<13} {r.label}: {r.summary}")

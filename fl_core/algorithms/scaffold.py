@@ -73,11 +73,11 @@ class Scaffold(Algorithm):
         ctx.state["c"] = c_new
         return update
 
-    def aggregate(self, rctx, server_state, updates):
+    def pseudo_gradient(self, rctx, server_state, updates):
+        """D = mean_i Delta y_i [d] (x <- x + eta_g D, or a server optimiser on D); c <- c + sum_i Delta c_i / N."""
         deltas = torch.stack([u.delta for u in updates])
-        new = rctx.global_flat + self.eta_g * deltas.mean(0)
         dc = torch.stack([u.extra["delta_c"] for u in updates]).sum(0)
-        return new, {"c": server_state["c"] + dc / rctx.num_clients}
+        return deltas.mean(0), {"c": server_state["c"] + dc / rctx.num_clients}
 
     def comm_floats(self, d):
         return 2.0 * d, 2.0 * d

@@ -1,9 +1,12 @@
-"""Server optimisers on the FedAvg pseudo-gradient (docs/algorithms.md, FedAvgM; FedAdam, FedYogi,
-FedAdagrad; Invariants 9).
+"""Server optimisers: the server part of a rule, chosen by ``algorithm.server_opt`` and composed over any rule that
+has a pseudo-gradient (docs/algorithms.md, Server optimisers; FedAvgM; FedAdam, FedYogi, FedAdagrad; Invariants 9).
 
-Clients train exactly as in FedAvg and send Delta_i. The server forms the pseudo-gradient
-``Delta_bar = sum_{i in S} p_i Delta_i`` (p_i = FedAvg's weights: n_i / n_S, or 1/|S| with
-``aggregation=uniform``) and feeds it to a stateful server rule instead of ``x <- x + eta_g Delta_bar``.
+The rule's clients train as the rule says and its aggregator forms the pseudo-gradient ``Delta_bar`` [d]
+(:meth:`~.base.Algorithm.pseudo_gradient`: FedAvg's ``sum_{i in S} p_i Delta_i`` with p_i = n_i / n_S, or 1/|S| with
+``aggregation=uniform``; SCAFFOLD's mean Delta y; FedNova's tau_eff-scaled normalised mean). ``server_opt=sgd`` keeps
+the plain step ``x <- x + eta_g Delta_bar``; the others feed Delta_bar to a stateful server rule. Over FedAvg they
+are the published rules FedAvgM, FedAdam, FedYogi and FedAdagrad (conf/algorithm/<name>.yaml are those presets);
+over FedProx, SCAFFOLD, FedNova, MOON, ... they compose the same way (``algorithm=fedprox algorithm.server_opt=adam``).
 
 FedAvgM (Hsu et al. 2019, "Measuring the effects of non-identical data distribution ...")::
 
@@ -32,22 +35,25 @@ up to eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g for every coordinate with |Del
 small (the conf files use 0.01). Yogi's v stays >= 0: it moves by exactly (1 - beta2) Delta_bar^2
 towards Delta_bar^2, so where it decreases (v > Delta_bar^2) it ends above beta2 Delta_bar^2.
 
-Every rule logs ``server_update_norm`` = ||x_new - x|| each round (kept in the server state).
-All arithmetic runs in the global vector's dtype and device; the state (d floats for FedAvgM, 2d for the
-adaptive rules) lives in the server state, so checkpoints resume it. Communication: d up, d down.
+Every server optimiser but sgd logs ``server_update_norm`` = ||x_new - x|| each round (kept in the server state).
+All arithmetic runs in the global vector's dtype and device; the optimiser's state (d floats for momentum, 2d for
+the adaptive rules) lives in the server state beside the rule's own (keys ``opt.<name>``), so checkpoints resume
+it. Communication: a server optimiser changes none (what the rule sends, up and down).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, Tuple
 
 import torch
 
 from ..schema import ConfigError, checked, param
-from .base import ClientUpdate, RoundContext
+from .base import Algorithm, Wrapper
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+OPT_PREFIX = "opt."  # server-state keys of the optimiser, beside the rule's own
 
 
 @dataclass
@@ -58,138 +64,175 @@ class FedAvgMParams:
 
 
 @dataclass
-class ServerOptParams:
-    beta1: float = param(0.9, "first-moment decay (FedAdam, FedYogi, FedAdagrad)", ge=0, lt=1)
-    beta2: float = param(0.99, "second-moment decay (FedAdam, FedYogi)", ge=0, lt=1)
+class AdaptiveParams:
+    beta1: float = param(0.9, "first-moment decay (adam, yogi, adagrad)", ge=0, lt=1)
+    beta2: float = param(0.99, "second-moment decay (adam, yogi)", ge=0, lt=1)
     tau: float = param(1.0e-3, "adaptivity: x <- x + eta_g m / (sqrt(v) + tau)", gt=0)
 
 
-def _check_fedavgm(a, prefix: str) -> None:
+def _check_momentum(a, prefix: str) -> None:
     if a.fedavgm.form == "ema" and a.eta_g is not None and float(a.eta_g) != 1.0:
-        raise ConfigError(f"algorithm.eta_g={float(a.eta_g):g} is not used by fedavgm with {prefix}.form=ema "
-                          f"(x <- x + m); use form=heavy_ball for a server learning rate, or leave algorithm.eta_g=1")
+        raise ConfigError(f"algorithm.eta_g={float(a.eta_g):g} is not used by server_opt=momentum with "
+                          f"{prefix}.form=ema (x <- x + m); use form=heavy_ball for a server learning rate, or leave "
+                          "algorithm.eta_g=1")
 
 
-def pseudo_gradient(algo: FedAvg, rctx: RoundContext, updates: List[ClientUpdate]) -> torch.Tensor:
-    """Delta_bar = sum_i p_i Delta_i [d] in the global vector's dtype (FedAvg's weights p_i)."""
-    g = rctx.global_flat
-    p = algo.aggregation_weights(updates).to(g.device, g.dtype)
-    deltas = torch.stack([u.delta for u in updates]).to(g.device, g.dtype)  # [|S|, d]
-    return p @ deltas
+class ServerOptimizer:
+    """One server optimiser: ``step(x, D, state) -> (x_new, state)`` with x, D [d] and a state of [d] tensors.
+
+    ``name`` is its ``algorithm.server_opt`` value, ``preset`` the name of the published rule it makes over plain
+    FedAvg (``fedavgm``, ``fedadam``, ...)."""
+
+    name = "server_opt"
+    preset = ""
+
+    def __init__(self, eta_g: float = 1.0):
+        self.eta_g = float(eta_g)
+
+    def init_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def step(self, x: torch.Tensor, direction: torch.Tensor,
+             state: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def params_text(self) -> str:
+        return ""
 
 
-class FedAvgM(FedAvg):
-    """FedAvg with server momentum (heavy-ball or EMA form, see the module docstring)."""
+class Momentum(ServerOptimizer):
+    """Server momentum (Hsu et al. 2019), heavy-ball or EMA form (module docstring)."""
 
-    name = "fedavgm"
+    name, preset = "momentum", "fedavgm"
 
-    def __init__(self, beta: float = 0.9, form: str = "heavy_ball", aggregation: str = "weighted",
-                 eta_g: float = 1.0):
-        super().__init__(aggregation, eta_g)
+    def __init__(self, beta: float = 0.9, form: str = "heavy_ball", eta_g: float = 1.0):
+        super().__init__(eta_g)
         p = checked(FedAvgMParams, "algorithm.fedavgm", beta=float(beta), form=form)
         self.beta, self.form = p.beta, p.form
 
-    def describe(self) -> str:
+    def params_text(self) -> str:
         lr = f",eta_g={self.eta_g:g}" if self.form == "heavy_ball" and self.eta_g != 1.0 else ""
-        return f"fedavgm[beta={self.beta:g},{self.form}{lr}]"
+        return f"beta={self.beta:g},{self.form}{lr}"
 
-    def init_server_state(self, global_flat):
-        return {"v": torch.zeros_like(global_flat),
-                "update_norm": torch.zeros((), dtype=global_flat.dtype, device=global_flat.device)}
+    def init_state(self, global_flat):
+        return {"v": torch.zeros_like(global_flat)}
 
-    def aggregate(self, rctx, server_state, updates):
-        g = rctx.global_flat
-        d = pseudo_gradient(self, rctx, updates)
-        v = server_state["v"].to(g.device, g.dtype)
+    def step(self, x, direction, state):
+        v = state["v"].to(x.device, x.dtype)
         if self.form == "heavy_ball":
-            v = self.beta * v + d
-            new = g + self.eta_g * v
-        else:
-            v = self.beta * v + (1.0 - self.beta) * d
-            new = g + v
-        return new, {"v": v, "update_norm": torch.linalg.vector_norm(new - g)}
-
-    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        return {"server_update_norm": float(server_state["update_norm"])}
+            v = self.beta * v + direction
+            return x + self.eta_g * v, {"v": v}
+        v = self.beta * v + (1.0 - self.beta) * direction
+        return x + v, {"v": v}
 
 
-class FedAdaptive(FedAvg):
-    """Reddi et al.'s adaptive server optimisers; ``rule`` in {adam, yogi, adagrad}."""
+class Adaptive(ServerOptimizer):
+    """Reddi et al.'s adaptive server optimisers; ``rule`` in {adam, yogi, adagrad} (module docstring)."""
 
-    name = "fedadaptive"
     RULES = ("adam", "yogi", "adagrad")
 
-    def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
-                 aggregation: str = "weighted", eta_g: float = 1.0):
-        super().__init__(aggregation, eta_g)
+    def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, eta_g: float = 1.0):
+        super().__init__(eta_g)
         if rule not in self.RULES:
-            raise ValueError(f"server optimiser rule must be one of {', '.join(self.RULES)}, got {rule!r}")
-        self.rule = rule
-        p = checked(ServerOptParams, "algorithm.server_opt", beta1=float(beta1), beta2=float(beta2), tau=float(tau))
+            raise ValueError(f"algorithm.server_opt must be one of {', '.join(self.RULES)} here, got {rule!r}")
+        self.name, self.preset = rule, f"fed{rule}"
+        p = checked(AdaptiveParams, "algorithm.adaptive", beta1=float(beta1), beta2=float(beta2), tau=float(tau))
         self.beta1, self.beta2, self.tau = p.beta1, p.beta2, p.tau
 
-    def describe(self) -> str:
-        b2 = "" if self.rule == "adagrad" else f",beta2={self.beta2:g}"
-        return f"{self.name}[eta_g={self.eta_g:g},beta1={self.beta1:g}{b2},tau={self.tau:g}]"
+    def params_text(self) -> str:
+        b2 = "" if self.name == "adagrad" else f",beta2={self.beta2:g}"
+        return f"eta_g={self.eta_g:g},beta1={self.beta1:g}{b2},tau={self.tau:g}"
 
-    def init_server_state(self, global_flat):
-        return {"m": torch.zeros_like(global_flat), "v": torch.zeros_like(global_flat),
-                "update_norm": torch.zeros((), dtype=global_flat.dtype, device=global_flat.device)}
+    def init_state(self, global_flat):
+        return {"m": torch.zeros_like(global_flat), "v": torch.zeros_like(global_flat)}
 
-    def aggregate(self, rctx, server_state, updates):
-        g = rctx.global_flat
-        d = pseudo_gradient(self, rctx, updates)
-        d2 = d * d
-        m = self.beta1 * server_state["m"].to(g.device, g.dtype) + (1.0 - self.beta1) * d
-        v = server_state["v"].to(g.device, g.dtype)
-        if self.rule == "adam":
+    def step(self, x, direction, state):
+        d2 = direction * direction
+        m = self.beta1 * state["m"].to(x.device, x.dtype) + (1.0 - self.beta1) * direction
+        v = state["v"].to(x.device, x.dtype)
+        if self.name == "adam":
             v = self.beta2 * v + (1.0 - self.beta2) * d2
-        elif self.rule == "yogi":
+        elif self.name == "yogi":
             v = v - (1.0 - self.beta2) * d2 * torch.sign(v - d2)
         else:
             v = v + d2
-        new = g + self.eta_g * m / (v.sqrt() + self.tau)
-        return new, {"m": m, "v": v, "update_norm": torch.linalg.vector_norm(new - g)}
+        return x + self.eta_g * m / (v.sqrt() + self.tau), {"m": m, "v": v}
+
+
+class ServerOptimized(Wrapper):
+    """``base`` with its plain server step replaced by ``opt`` on the base's pseudo-gradient; every client-side part
+    is the base's. Over plain FedAvg it is the published rule ``opt.preset`` (FedAvgM, FedAdam, ...)."""
+
+    def __init__(self, base: Algorithm, opt: ServerOptimizer):
+        super().__init__(base)
+        self.opt = opt
+        self.name = opt.preset if base.describe() == "fedavg" else opt.name
+
+    def describe(self) -> str:
+        own = f"{self.name}[{self.opt.params_text()}]"
+        return own if self.name == self.opt.preset else f"{own}({self.base.describe()})"
+
+    def init_server_state(self, global_flat):
+        state = dict(self.base.init_server_state(global_flat))
+        state.update({OPT_PREFIX + k: v for k, v in self.opt.init_state(global_flat).items()})
+        state[OPT_PREFIX + "update_norm"] = torch.zeros((), dtype=global_flat.dtype, device=global_flat.device)
+        return state
+
+    def aggregate(self, rctx, server_state, updates):
+        own = {k: v for k, v in server_state.items() if not k.startswith(OPT_PREFIX)}
+        opt = {k[len(OPT_PREFIX):]: v for k, v in server_state.items() if k.startswith(OPT_PREFIX)}
+        direction, own = self.base.pseudo_gradient(rctx, own, updates)
+        g = rctx.global_flat
+        new, opt = self.opt.step(g, direction.to(g.device, g.dtype), opt)
+        opt["update_norm"] = torch.linalg.vector_norm(new - g)
+        return new, {**own, **{OPT_PREFIX + k: v for k, v in opt.items()}}
+
+    def pseudo_gradient(self, rctx, server_state, updates):
+        raise NotImplementedError(f"{self.describe()} already has a server optimiser")
 
     def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        return {"server_update_norm": float(server_state["update_norm"])}
+        return {**self.base.round_metrics(rctx, server_state, updates),
+                "server_update_norm": float(server_state[OPT_PREFIX + "update_norm"])}
 
 
-class FedAdam(FedAdaptive):
-    name = "fedadam"
+# the published FedAvg + server optimiser rules, as Python presets (conf/algorithm/<name>.yaml are the config ones)
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
-                 eta_g: float = 1.0):
-        super().__init__("adam", beta1, beta2, tau, aggregation, eta_g)
-
-
-class FedYogi(FedAdaptive):
-    name = "fedyogi"
-
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
-                 eta_g: float = 1.0):
-        super().__init__("yogi", beta1, beta2, tau, aggregation, eta_g)
+def FedAvgM(beta: float = 0.9, form: str = "heavy_ball", aggregation: str = "weighted",  # noqa: N802
+            eta_g: float = 1.0) -> ServerOptimized:
+    """FedAvgM: FedAvg with server momentum."""
+    return ServerOptimized(FedAvg(aggregation, eta_g), Momentum(beta, form, eta_g))
 
 
-class FedAdagrad(FedAdaptive):
-    name = "fedadagrad"
+def _adaptive_preset(rule: str):
+    def make(beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
+             eta_g: float = 1.0) -> ServerOptimized:
+        return ServerOptimized(FedAvg(aggregation, eta_g), Adaptive(rule, beta1, beta2, tau, eta_g))
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
-                 eta_g: float = 1.0):
-        super().__init__("adagrad", beta1, beta2, tau, aggregation, eta_g)
+    make.__name__ = make.__qualname__ = f"Fed{rule.capitalize()}"
+    make.__doc__ = f"Fed{rule.capitalize()}: FedAvg with the adaptive server optimiser {rule} (Reddi et al. 2021)."
+    return make
+
+
+FedAdam, FedYogi, FedAdagrad = (_adaptive_preset(r) for r in Adaptive.RULES)
 
 
 register(Rule(
-    name="fedavgm", kind="base", label="FedAvgM", citation="Hsu et al., arXiv:1909.06335, 2019, Sec. 3",
-    summary="FedAvg with server momentum on the mean update (heavy-ball or EMA form)",
-    params=FedAvgMParams, check=_check_fedavgm,
-    neutral=("algorithm.fedavgm.beta=0", "algorithm.fedavgm.form=heavy_ball"),
-    build=lambda p, ctx: FedAvgM(p.beta, p.form, ctx.aggregation, ctx.eta_g)))
+    name="sgd", kind="server", label="server SGD", citation="McMahan et al., AISTATS 2017, Alg. 1",
+    summary="the rule's own server step (x <- x + eta_g D for the rules with a pseudo-gradient D)",
+    build=lambda base, p, ctx: base))
 
-for _name, _cls, _label in (("fedadam", FedAdam, "FedAdam"), ("fedyogi", FedYogi, "FedYogi"),
-                            ("fedadagrad", FedAdagrad, "FedAdagrad")):
+register(Rule(
+    name="momentum", kind="server", label="FedAvgM", citation="Hsu et al., arXiv:1909.06335, 2019, Sec. 3",
+    summary="server momentum on the pseudo-gradient (heavy-ball or EMA form); over FedAvg: FedAvgM",
+    params=FedAvgMParams, section="fedavgm", check=_check_momentum, preset="fedavgm",
+    neutral=("algorithm.fedavgm.beta=0", "algorithm.fedavgm.form=heavy_ball"),
+    build=lambda base, p, ctx: ServerOptimized(base, Momentum(p.beta, p.form, ctx.eta_g))))
+
+for _rule in Adaptive.RULES:
     register(Rule(
-        name=_name, kind="base", label=_label, citation="Reddi et al., ICLR 2021, Alg. 2",
-        summary=f"FedAvg with the adaptive server optimiser {_label[3:]} on the mean update",
-        params=ServerOptParams, section="server_opt",
-        build=lambda p, ctx, _cls=_cls: _cls(p.beta1, p.beta2, p.tau, ctx.aggregation, ctx.eta_g)))
+        name=_rule, kind="server", label=f"Fed{_rule.capitalize()}", citation="Reddi et al., ICLR 2021, Alg. 2",
+        summary=f"the adaptive server optimiser {_rule.capitalize()} on the pseudo-gradient; over FedAvg: "
+                f"Fed{_rule.capitalize()}",
+        params=AdaptiveParams, section="adaptive", preset=f"fed{_rule}",
+        build=lambda base, p, ctx, _rule=_rule: ServerOptimized(base, Adaptive(_rule, p.beta1, p.beta2, p.tau,
+                                                                               ctx.eta_g))))

@@ -126,6 +126,32 @@ class ClientData:
         return int(self.indices[client_id].numel())
 
 
+class _FeatureForward(torch.nn.Module):
+    """Exposes ``model.forward_features`` as ``forward`` for ``torch.func.functional_call``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model.forward_features(x)
+
+
+def reference_vector(entry: str, rctx: RoundContext, state: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The parameter vector a ``forward_of`` entry names: ``global`` -> the received model [d];
+    ``state:<key>`` -> the client's ``state[<key>]`` ([d], or stacked [C, d] in the vectorised executor).
+
+    Raises:
+        ValueError: an entry of another form, or a state key the client's state does not hold.
+    """
+    if entry == "global":
+        return rctx.global_flat
+    if entry.startswith("state:") and state is not None and entry[6:] in state:
+        return state[entry[6:]]
+    raise ValueError(f"forward_of entry {entry!r}: expected 'global' or 'state:<key>' of the client's state "
+                     f"(keys: {', '.join(state or {}) or 'none'})")
+
+
 class Executor:
     """What every executor shares: the model, the algorithm stack, the data and the local-step settings."""
 
@@ -150,6 +176,27 @@ class Executor:
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
         self.seed = seed
+        self._fwd = _FeatureForward(model)
+
+    @torch.no_grad()
+    def forward_at(self, spec, flat: torch.Tensor, x: torch.Tensor):
+        """(logits, features) of the model with parameters ``flat`` [d] on ``x`` [B, ...] (eval mode, no gradient;
+        the model's own parameters are untouched): the executor service behind ``Algorithm.forward_of``."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            views = {f"model.{n}": v for n, v in spec.views(flat).items()}
+            return torch.func.functional_call(self._fwd, views, (x,))
+        finally:
+            self.model.train(training)
+
+    def reference_outputs(self, ctx: ClientContext, x: torch.Tensor):
+        """``ctx.reference_outputs`` of this step's batch ``x``: entry -> (logits, features) for every entry of
+        ``algo.forward_of`` (:func:`reference_vector`), or None when the rule names none."""
+        if not self.algo.forward_of:
+            return None
+        return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x)
+                for e in self.algo.forward_of}
 
     def client_context(self, rctx: RoundContext, cid: int, store: ClientStateStore) -> ClientContext:
         """Client ``cid``'s context for the round, with its stored state (or the algorithm's initial one)."""
@@ -224,6 +271,7 @@ class SequentialExecutor(Executor):
             aug = self.augment_params(rctx, ctx.client_id, k)
             if aug is not None:
                 x = augment.apply(x, aug, self.crop_padding)
+            ctx.reference_outputs = self.reference_outputs(ctx, x)
             logits, feats = model.forward_features(x)
             loss = F.cross_entropy(algo.train_logits(ctx, logits), y)
             extra = algo.local_loss(ctx, params, logits, feats, y)
@@ -271,17 +319,6 @@ class SequentialExecutor(Executor):
 EXECUTORS = {"sequential": SequentialExecutor}
 
 
-class _FeatureForward(torch.nn.Module):
-    """Exposes ``model.forward_features`` as ``forward`` for ``torch.func.functional_call``."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model.forward_features(x)
-
-
 class VectorizedExecutor(Executor):
     """Trains the sampled clients of a round together: one ``torch.func.vmap``'ed grad step per local step.
 
@@ -312,7 +349,6 @@ class VectorizedExecutor(Executor):
                          weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, augmentation=augmentation,
                          crop_padding=crop_padding, local_steps=local_steps)
         self.max_parallel_clients = max_parallel_clients
-        self._fwd = _FeatureForward(model)
         self._names = [n for n, _ in model.named_parameters()]
         self._cpu_indices = [ix.cpu() for ix in data.indices]
         # randomness="different": each client draws its own dropout masks (VGG-9); with dropout the two
@@ -325,7 +361,7 @@ class VectorizedExecutor(Executor):
         logits, feats = torch.func.functional_call(self._fwd, {f"model.{n}": p for n, p in params.items()}, (x,))
         ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                             num_steps=client["num_steps"], label_counts=client["label_counts"],
-                            state=client["state"], sample_weight=w)
+                            state=client["state"], sample_weight=w, reference_outputs=client.get("reference_outputs"))
         ce = F.cross_entropy(self.algo.train_logits(ctx, logits), y, reduction="none")
         loss = (ce * w).sum() / w.sum().clamp_min(1.0)
         extra = self.algo.local_loss(ctx, params, logits, feats, y)
@@ -354,6 +390,19 @@ class VectorizedExecutor(Executor):
                 w[c, k, :len(b)] = 1.0
         dev = self.data.x.device
         return pos.to(dev), w.to(dev), kmax
+
+    def _stacked_reference_outputs(self, batched_ctx: ClientContext, x: torch.Tensor):
+        """:meth:`reference_outputs` of every client of the chunk at once: x [C, B, ...] -> entry -> (logits
+        [C, B, K], features [C, B, f]), each client's from its own vector (the global one is shared)."""
+        rctx = batched_ctx.round
+        out = {}
+        for e in self.algo.forward_of:
+            vec = reference_vector(e, rctx, batched_ctx.state)
+            if vec.dim() == 1:  # one vector for all clients
+                out[e] = torch.func.vmap(lambda xb, v=vec: self.forward_at(rctx.spec, v, xb))(x)
+            else:
+                out[e] = torch.func.vmap(lambda v, xb: self.forward_at(rctx.spec, v, xb))(vec, x)
+        return out
 
     def _train_chunk(self, rctx: RoundContext, ids: List[int], store: ClientStateStore) -> List[ClientUpdate]:
         data, algo, dev = self.data, self.algo, self.data.x.device
@@ -396,6 +445,8 @@ class VectorizedExecutor(Executor):
             if self.augmentation != "none":
                 aug = augment.stack([self.augment_params(rctx, ctx.client_id, k + 1) for ctx in ctxs])
                 x = augment.apply(x, aug, self.crop_padding)
+            if algo.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
+                client["reference_outputs"] = self._stacked_reference_outputs(batched_ctx, x)
             grads, loss = self._grad_fn(params, x, y, w[:, k], client, rctx)
             active = k < steps  # [C]
             masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]

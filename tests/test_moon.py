@@ -1,0 +1,162 @@
+"""MOON (docs/algorithms.md, MOON) and the executor service it uses (``forward_of``), and the two rules the
+interface was proven with: MOON and a server Adam over FedProx, alone and under FedBug, from the CLI too."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fl_core.algorithms import Moon, contrastive_loss
+from fl_core.algorithms.base import ClientContext, RoundContext
+from fl_core.engine.executors import reference_vector
+from fl_core.engine.state import flatten_params, load_flat
+from fl_core.params import ParamSpec
+
+from conftest import ROOT, run_sim
+
+
+# ------------------------------------------------------------------------------------ the contrastive loss
+
+def test_contrastive_loss_by_hand():
+    # z = [1, 0]; z_glob = [1, 1] (cos = 1/sqrt 2); z_prev = [0, 1] (cos = 0); tau = 0.5
+    # l = -log(e^(sqrt2) / (e^(sqrt2) + e^0)) = log(1 + e^(-sqrt2))
+    z = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    got = contrastive_loss(z, torch.tensor([[1.0, 1.0]], dtype=torch.float64),
+                           torch.tensor([[0.0, 1.0]], dtype=torch.float64), 0.5)
+    assert got.shape == (1,)
+    assert float(got) == pytest.approx(math.log(1.0 + math.exp(-math.sqrt(2.0))), rel=1e-12)
+
+
+def test_contrastive_loss_is_log_two_without_gradient_when_previous_equals_global():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    loss = contrastive_loss(z, ref, ref, 0.3)
+    assert torch.allclose(loss, torch.full((5,), math.log(2.0), dtype=torch.float64))
+    (g,) = torch.autograd.grad(loss.sum(), z)
+    assert float(g.abs().max()) < 1e-12
+
+
+def test_moon_loss_weighs_out_padding_samples():
+    algo = Moon(mu=2.0, tau=0.5)
+    gen = torch.Generator().manual_seed(1)
+    z, zg, zp = (torch.randn(4, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    ctx = ClientContext(round=None, client_id=0, num_samples=3, num_steps=1,
+                        sample_weight=torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64),
+                        reference_outputs={"global": (None, zg), "state:prev": (None, zp)})
+    got = algo.local_loss(ctx, {}, None, z, None)
+    want = 2.0 * contrastive_loss(z[:3], zg[:3], zp[:3], 0.5).mean()
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    assert Moon(mu=0.0).local_loss(ctx, {}, None, z, None) is None
+
+
+def test_moon_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"^algorithm.moon.tau must be > 0, got 0"):
+        Moon(tau=0.0)
+    with pytest.raises(ValueError, match=r"^algorithm.moon.mu must be >= 0, got -1"):
+        Moon(mu=-1.0)
+
+
+# ------------------------------------------------------------------------------------ the executor service
+
+def test_forward_of_entries_name_the_global_model_or_a_state_vector():
+    g = torch.arange(3.0)
+    rctx = RoundContext(round=1, lr=0.1, global_flat=g, spec=None)
+    assert reference_vector("global", rctx, None) is g
+    prev = torch.ones(3)
+    assert reference_vector("state:prev", rctx, {"prev": prev}) is prev
+    with pytest.raises(ValueError, match=r"^forward_of entry 'state:c': expected 'global' or 'state:<key>' of the "
+                                         r"client's state \(keys: prev\)$"):
+        reference_vector("state:c", rctx, {"prev": prev})
+
+
+def test_forward_at_is_the_model_at_that_vector_and_leaves_the_model_alone(digits):
+    sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8")
+    model, ex = sim.model, sim.executor
+    spec = ParamSpec.from_model(model)
+    before = flatten_params(model).clone()
+    other = before + 0.01 * torch.randn(before.shape, generator=torch.Generator().manual_seed(0))
+    x = ex.data.x[:7]
+    logits, feats = ex.forward_at(spec, other, x)
+    assert torch.equal(flatten_params(model), before) and model.training
+    load_flat(model, other)
+    model.eval()
+    want_logits, want_feats = model.forward_features(x)
+    model.train()
+    assert torch.allclose(logits, want_logits, atol=1e-6) and torch.allclose(feats, want_feats, atol=1e-6)
+    assert not logits.requires_grad
+
+
+# ------------------------------------------------------------------------------------ MOON end to end
+
+PARTIAL = ["model=mlp", "partition=dirichlet", "partition.variant=per_class", "partition.alpha=0.5",
+           "partition.min_size=5", "partition.num_clients=6",
+           "train.participation=0.5", "train.rounds=3", "engine.dtype=float64"]
+
+
+def test_moon_sequential_equals_vectorized_with_partial_participation_and_unequal_clients(digits):
+    seq_sim, seq = run_sim(digits, "algorithm=moon", "algorithm.moon.mu=5", *PARTIAL, "engine.executor=sequential")
+    _, vec = run_sim(digits, "algorithm=moon", "algorithm.moon.mu=5", *PARTIAL, "engine.executor=vectorized")
+    sizes = {seq_sim.executor.data.size(i) for i in range(6)}
+    assert len(sizes) > 1  # unequal step counts: the vectorised executor pads batches
+    assert float((seq.final_flat - vec.final_flat).abs().max()) <= 1e-9
+
+
+def test_moon_with_a_weight_differs_from_fedavg(digits):
+    # mu = 0 equals FedAvg to the bit (conformance suite); mu = 5 must change the model
+    _, moon = run_sim(digits, "algorithm=moon", "algorithm.moon.mu=5", *PARTIAL)
+    _, avg = run_sim(digits, "algorithm=fedavg", *PARTIAL)
+    assert float((moon.final_flat - avg.final_flat).abs().max()) > 1e-4
+
+
+def test_moon_state_is_the_model_the_client_trained(digits):
+    from fl_core.engine.state import ClientStateStore
+
+    sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8",
+                     "engine.dtype=float64")
+    ex, g = sim.executor, flatten_params(sim.model).detach().clone()
+    rctx = RoundContext(round=2, lr=0.05, global_flat=g, spec=sim.spec, sampled=(0, 1))
+    store = ClientStateStore("cpu")
+    updates = ex.run_round(rctx, [0, 1], store)
+    for u in updates:
+        assert torch.equal(store.get(u.client_id, lambda: None)["prev"], g + u.delta)
+
+
+# ------------------------------------------------------------------------------------ from the CLI
+
+def _cli(args, cwd):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
+    return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,name,algorithm", [
+    (["algorithm=fedbug", "algorithm.name=moon"], "fedbug-p0.2-moon_shards-s2_digits",
+     "fedbug[P=0.2](moon[mu=1,tau=0.5])"),
+    (["algorithm=fedbug", "algorithm.name=fedprox", "algorithm.server_opt=adam", "algorithm.eta_g=0.01"],
+     "fedbug-p0.2-adam-fedprox_shards-s2_digits",
+     "fedbug[P=0.2](adam[eta_g=0.01,beta1=0.9,beta2=0.99,tau=0.001](fedprox))"),
+])
+def test_moon_and_server_adam_fedprox_run_from_the_cli_under_fedbug(tmp_path, args, name, algorithm):
+    proc = _cli([*args, "train.rounds=2", "train.local_epochs=1", "train.batch_size=64", "seed=1",
+                 "engine.progress=false"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / "results" / name / "experiment.json").read_text())
+    assert info["algorithm"] == algorithm
+    metrics = json.loads((tmp_path / "results" / name / "metrics.json").read_text())
+    assert metrics["rounds"] == 2 and 0.0 < metrics["final_acc_mean"] <= 1.0
+
+
+def test_presets_of_the_published_server_rules_are_fedavg_with_the_optimiser():
+    from fl_core.config import compose
+
+    for preset, opt in (("fedavgm", "momentum"), ("fedadam", "adam"), ("fedyogi", "yogi"), ("fedadagrad", "adagrad")):
+        a = compose([f"algorithm={preset}"]).algorithm
+        assert (a.name, a.server_opt) == ("fedavg", opt)
+    assert (ROOT / "conf" / "algorithm" / "moon.yaml").exists()
