@@ -335,21 +335,7 @@ def summary_markdown(s: Dict[str, Any], top: List[Any], objectives: List[str]) -
         lines.append(f"**Stopped by an error**: {s.get('error', 'see the log')}. The trials done are kept in the "
                      "study; run the same command to continue.")
     lines.append("")
-    b = s.get("best")
-    if b is None:
-        lines.append("No complete trial yet.")
-    else:
-        test = s.get("best_test_acc")
-        head = f"**Best trial {b['trial']}**: val_acc {b['val_acc']:.4f}"
-        if "uplink" in objectives:
-            head += f", uplink {b['uplink_d']:.2f} d"
-        head += f", test accuracy (best_test_acc) {test:.4f}" if test is not None else ", test accuracy not measured"
-        lines += [head, "", f"- algorithm: `{b.get('algorithm')}`", f"- params: {_fmt_params(b['params'])}",
-                  f"- overrides: `{' '.join(b.get('overrides') or [])}`"]
-        cmds = s.get("commands") or {}
-        if cmds:
-            lines += ["- from the project root:", f"  - pipeline: `{cmds['train']}`",
-                      f"  - same, one seed: `{cmds['overrides']}`", f"  - DVC grid: `{cmds['dvc']}`"]
+    lines += _best_markdown(s, objectives)
     for key in [k for k in s if k.startswith("best_per_")]:
         lines += ["", f"Best per `{key[len('best_per_'):]}`:", "", "| value | trial | val_acc | params |",
                   "|---|---:|---:|---|"]
@@ -370,6 +356,25 @@ def summary_markdown(s: Dict[str, Any], top: List[Any], objectives: List[str]) -
     return "\n".join(lines) + "\n"
 
 
+def _best_markdown(s: Dict[str, Any], objectives: List[str]) -> List[str]:
+    """The summary's lines on the best trial (values, algorithm, params, commands to rerun it)."""
+    b = s.get("best")
+    if b is None:
+        return ["No complete trial yet."]
+    test = s.get("best_test_acc")
+    head = f"**Best trial {b['trial']}**: val_acc {b['val_acc']:.4f}"
+    if "uplink" in objectives:
+        head += f", uplink {b['uplink_d']:.2f} d"
+    head += f", test accuracy (best_test_acc) {test:.4f}" if test is not None else ", test accuracy not measured"
+    lines = [head, "", f"- algorithm: `{b.get('algorithm')}`", f"- params: {_fmt_params(b['params'])}",
+             f"- overrides: `{' '.join(b.get('overrides') or [])}`"]
+    cmds = s.get("commands") or {}
+    if cmds:
+        lines += ["- from the project root:", f"  - pipeline: `{cmds['train']}`",
+                  f"  - same, one seed: `{cmds['overrides']}`", f"  - DVC grid: `{cmds['dvc']}`"]
+    return lines
+
+
 def finish_study(study, settings: Settings, space: Space, out: Path, t_start: float, *, status: str,
                  run_test: bool, tracking=None, error: Optional[str] = None) -> Tuple[Dict[str, Any], str]:
     """After the trials: test the best configuration (``run_test``; else a cached result is reported),
@@ -388,6 +393,24 @@ def finish_study(study, settings: Settings, space: Space, out: Path, t_start: fl
         was interrupted or failed).
     """
     best = best_trial(study, settings)
+    test, status, error = _best_test(study, settings, best, run_test, tracking, status, error)
+    summary = summarize(study, settings, space, best, test, time.perf_counter() - t_start, status)
+    if error:
+        summary["error"] = error
+    plots, notes = _write_outputs(study, settings, out, summary, best, test)
+    for n in notes:
+        print(f"note: plot {n}", file=sys.stderr)
+    print(f"outputs: {display_path(out)}/", file=sys.stderr)
+    if tracking is not None and settings.parent_run_id:
+        status = _end_parent_run(tracking, settings, study, summary, best, test, out, plots, status)
+    return summary, status
+
+
+def _best_test(study, settings: Settings, best, run_test: bool, tracking, status: str,
+               error: Optional[str]) -> Tuple[Optional[Dict[str, Any]], str, Optional[str]]:
+    """(the best trial's test result or None, status, error): the cached result, else (``run_test`` and
+    status finished) a test run; Ctrl-C in it makes status interrupted, an error makes it failed with
+    that error (printed on stderr)."""
     test = cached_test(study, settings, best) if best is not None else None
     if best is not None and test is None and run_test and status == "finished":
         try:
@@ -398,9 +421,13 @@ def finish_study(study, settings: Settings, space: Space, out: Path, t_start: fl
             reason, where = error_reason(err)
             print(f"error: test run of the best configuration: {reason} (at {where})", file=sys.stderr)
             status, error = "failed", f"test run of trial {best.number}: {reason}"
-    summary = summarize(study, settings, space, best, test, time.perf_counter() - t_start, status)
-    if error:
-        summary["error"] = error
+    return test, status, error
+
+
+def _write_outputs(study, settings: Settings, out: Path, summary: Dict[str, Any], best,
+                   test: Optional[Dict]) -> Tuple[List[Path], List[str]]:
+    """Write best.yaml (with a best trial), the plots, trials.csv, summary.md and summary.json into ``out``
+    (``summary`` gains ``commands``, ``plots``, ``plot_notes``) and print summary.md; (plot files, plot notes)."""
     if best is not None:
         acc = best.values[settings.objectives.index("acc")]
         summary["commands"] = write_best_yaml(out / "best.yaml", settings, best, f"val_acc {acc:.4f}", test)
@@ -417,22 +444,25 @@ def finish_study(study, settings: Settings, space: Space, out: Path, t_start: fl
     write_text(out / "summary.md", md)
     write_text(out / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     print(md, end="")
-    for n in notes:
-        print(f"note: plot {n}", file=sys.stderr)
-    print(f"outputs: {display_path(out)}/", file=sys.stderr)
-    if tracking is not None and settings.parent_run_id:
+    return plots, notes
+
+
+def _end_parent_run(tracking, settings: Settings, study, summary: Dict[str, Any], best, test, out: Path,
+                    plots: List[Path], status: str) -> str:
+    """Log the outputs to the MLflow parent run and end it (:func:`_log_parent`); returns ``status``, or
+    failed if MLflow failed (then the parent run is ended FAILED if it still can be)."""
+    try:
+        _log_parent(tracking, settings, study, summary, best, test, out, plots, status)
+    except Exception as err:  # the files are written: say so and end with an error
+        reason, where = error_reason(err)
+        print(f"error: MLflow parent run {settings.parent_run_id}: {reason} (at {where}); the outputs in "
+              f"{display_path(out)}/ are complete", file=sys.stderr)
+        status = "failed"
         try:
-            _log_parent(tracking, settings, study, summary, best, test, out, plots, status)
-        except Exception as err:  # the files are written: say so and end with an error
-            reason, where = error_reason(err)
-            print(f"error: MLflow parent run {settings.parent_run_id}: {reason} (at {where}); the outputs in "
-                  f"{display_path(out)}/ are complete", file=sys.stderr)
-            status = "failed"
-            try:
-                tracking.end_parent(settings.parent_run_id, "FAILED")
-            except Exception:
-                pass
-    return summary, status
+            tracking.end_parent(settings.parent_run_id, "FAILED")
+        except Exception:
+            pass
+    return status
 
 
 def _log_parent(tracking, settings: Settings, study, summary: Dict[str, Any], best, test, out: Path,

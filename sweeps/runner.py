@@ -448,16 +448,49 @@ class TrialRunner:
         import optuna
 
         from fl_core.engine.simulator import RunFailed
-        from fl_core.tracking import run_params
 
-        s = self.settings
         t0 = time.perf_counter()
+        overrides = self._trial_overrides(trial)
+        logger = self._logger(trial, overrides)
+        on_config, on_round = self._callbacks(trial, logger)
+        try:
+            res = train_seeds(overrides, self.settings.seeds, self.cache, on_round=on_round, on_config=on_config)
+        except optuna.TrialPruned as err:
+            return self._finish(trial, logger, t0, Outcome("PRUNED", reason=f"pruned: {err}"), "KILLED")
+        except RunFailed as err:
+            return self._finish(trial, logger, t0, Outcome("PRUNED", reason=f"diverged: {err}"), "KILLED")
+        except InfeasibleConfig as err:
+            return self._finish(trial, logger, t0, Outcome("PRUNED", reason=f"infeasible: {err}"), "KILLED")
+        except KeyboardInterrupt:
+            self._finish(trial, logger, t0, Outcome("FAIL", reason="interrupted (Ctrl-C)"), "KILLED")
+            raise
+        except Exception as err:  # not a property of the configuration: FAIL, and the study goes on
+            reason, where = error_reason(err)
+            print(f"{'w%d ' % self.worker if self.worker else ''}trial {trial.number}: {reason} (at {where})",
+                  file=sys.stderr, flush=True)
+            return self._finish(trial, logger, t0, Outcome("FAIL", reason=reason), "FAILED", f" (at {where})")
+        return self._finish(trial, logger, t0, self._completed(trial, logger, res), "FINISHED")
+
+    def _trial_overrides(self, trial) -> List[str]:
+        """Tag ``trial`` with this process (host, pid, worker), then sample its experiment overrides
+        (also stored as the user attribute ``overrides``)."""
         trial.set_user_attr("host", HOST)  # first: tells a stale trial from a running one (fail_stale_trials)
         trial.set_user_attr("pid", os.getpid())
         trial.set_user_attr("worker", self.worker)
         overrides = self.experiment_overrides(trial)
         trial.set_user_attr("overrides", overrides)
-        logger = self._logger(trial, overrides)
+        return overrides
+
+    def _callbacks(self, trial, logger) -> Tuple[Callable[[Dict[str, Any], str], None],
+                                                 Callable[[int, int, Dict[str, float]], None]]:
+        """:func:`train_seeds`'s ``on_config`` (algorithm and run params to the trial and MLflow) and
+        ``on_round`` (round metrics to MLflow; validation accuracy reported for pruning at
+        ``step = seed_index * rounds + round``, raising ``optuna.TrialPruned`` when the pruner says so)."""
+        import optuna
+
+        from fl_core.tracking import run_params
+
+        s = self.settings
         rounds = {"R": 1}
 
         def on_config(cfg: Dict[str, Any], algo: str) -> None:
@@ -477,40 +510,33 @@ class TrialRunner:
                     raise optuna.TrialPruned(f"val_acc {row['test_acc']:.4f} at seed {s.seeds[i]} round {r} "
                                              f"(step {step})")
 
-        def finish(outcome: Outcome, status: str, detail: str = "") -> Outcome:
-            trial.set_user_attr("duration_s", round(time.perf_counter() - t0, 3))
-            if outcome.reason:
-                trial.set_user_attr("reason", outcome.reason)
-            if logger is not None:
-                self.tracking.client.set_tag(logger.run_id, "optuna_state", outcome.state)
-                if outcome.reason:  # the documented tag of every non-COMPLETE trial, whatever close() tags
-                    self.tracking.client.set_tag(logger.run_id, "failure_reason", (outcome.reason + detail)[:5000])
-                logger.close(status, (outcome.reason + detail) or None)
-            return outcome
+        return on_config, on_round
 
-        try:
-            res = train_seeds(overrides, s.seeds, self.cache, on_round=on_round, on_config=on_config)
-        except optuna.TrialPruned as err:
-            return finish(Outcome("PRUNED", reason=f"pruned: {err}"), "KILLED")
-        except RunFailed as err:
-            return finish(Outcome("PRUNED", reason=f"diverged: {err}"), "KILLED")
-        except InfeasibleConfig as err:
-            return finish(Outcome("PRUNED", reason=f"infeasible: {err}"), "KILLED")
-        except KeyboardInterrupt:
-            finish(Outcome("FAIL", reason="interrupted (Ctrl-C)"), "KILLED")
-            raise
-        except Exception as err:  # not a property of the configuration: FAIL, and the study goes on
-            reason, where = error_reason(err)
-            print(f"{'w%d ' % self.worker if self.worker else ''}trial {trial.number}: {reason} (at {where})",
-                  file=sys.stderr, flush=True)
-            return finish(Outcome("FAIL", reason=reason), "FAILED", f" (at {where})")
+    def _completed(self, trial, logger, res: SeedsResult) -> Outcome:
+        """The COMPLETE outcome of a trained trial (objective values in ``settings.objectives`` order);
+        its per-seed accuracies and uplink go to the trial's user attributes and MLflow summary."""
+        s = self.settings
         trial.set_user_attr("val_acc_per_seed", res.final_acc)
         trial.set_user_attr("uplink_d", res.uplink_d)
         values = [res.mean_acc if o == "acc" else res.uplink_d for o in s.objectives]
         if logger is not None:
             logger.log_summary({"objective_val_acc": res.mean_acc, "uplink_d": res.uplink_d,
                                 **{f"val_acc_final_seed{sd}": a for sd, a in zip(s.seeds, res.final_acc)}})
-        return finish(Outcome("COMPLETE", values), "FINISHED")
+        return Outcome("COMPLETE", values)
+
+    def _finish(self, trial, logger, t0: float, outcome: Outcome, status: str, detail: str = "") -> Outcome:
+        """Record how ``trial`` ended (``duration_s`` since ``t0``, ``reason``) and close its MLflow run
+        with ``status`` (FINISHED | KILLED | FAILED; ``detail`` is appended to the reason there); returns
+        ``outcome``."""
+        trial.set_user_attr("duration_s", round(time.perf_counter() - t0, 3))
+        if outcome.reason:
+            trial.set_user_attr("reason", outcome.reason)
+        if logger is not None:
+            self.tracking.client.set_tag(logger.run_id, "optuna_state", outcome.state)
+            if outcome.reason:  # the documented tag of every non-COMPLETE trial, whatever close() tags
+                self.tracking.client.set_tag(logger.run_id, "failure_reason", (outcome.reason + detail)[:5000])
+            logger.close(status, (outcome.reason + detail) or None)
+        return outcome
 
 
 # =========================================================================== the trial loop and workers

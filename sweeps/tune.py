@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +37,14 @@ from sweeps.runner import (EXIT_INTERRUPTED, METRIC_NAMES, OBJECTIVES, SAMPLERS,
 from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
+_EPILOG = ("Examples:\n"
+           "  python sweeps/tune.py --space fedbug --n-trials 20\n"
+           "  python sweeps/tune.py --space cross --n-trials 60 --workers 2 --objectives acc,uplink\n"
+           "  python sweeps/tune.py --space lr --n-trials 30 --seeds 3 partition.alpha=0.1 train.rounds=40\n"
+           "The sweep fixes dataset.validation_fraction, seed, engine.checkpoint_every, engine.progress and\n"
+           "tracking.enabled (overriding them is refused). See docs/sweeps.md.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python sweeps/tune.py",
@@ -44,12 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "train.final_window rounds, mean over --seeds) per trial, per-round pruning, parallel "
                     "workers, MLflow (a parent run per study, a nested run per trial). Running the same "
                     "command again resumes the study. Options and KEY=VALUE overrides may come in any order.",
-        epilog="Examples:\n"
-               "  python sweeps/tune.py --space fedbug --n-trials 20\n"
-               "  python sweeps/tune.py --space cross --n-trials 60 --workers 2 --objectives acc,uplink\n"
-               "  python sweeps/tune.py --space lr --n-trials 30 --seeds 3 partition.alpha=0.1 train.rounds=40\n"
-               "The sweep fixes dataset.validation_fraction, seed, engine.checkpoint_every, engine.progress and\n"
-               "tracking.enabled (overriding them is refused). See docs/sweeps.md.",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--space", required=True, help=f"search space: a name ({', '.join(space_names())}) or a YAML file")
     p.add_argument("--n-trials", type=int, required=True, metavar="N",
@@ -104,8 +107,41 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _main(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_intermixed_args(argv)
     t_start = time.perf_counter()
-    import optuna
+    objectives = _check_args(args)
+    space, base_cfg = _load_space(args)
+    if len(objectives) > 1 and args.pruner not in (None, "none"):
+        print("note: multi-objective studies cannot prune; --pruner ignored", file=sys.stderr)
+    settings = _settings(args, space, base_cfg, objectives)
+    study, cache = _open_study(settings, space, base_cfg)
+    _check_signature(study, settings, space)
+    if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
+        _fail_stale(study)
+    tracking = None
+    if settings.experiment:
+        from fl_core.tracking import Tracking
 
+        tracking = Tracking(settings.experiment)
+        _end_orphaned_runs(tracking)
+    from sweeps.outputs import ensure_parent_run
+
+    settings.parent_run_id = ensure_parent_run(study, settings, space, tracking)
+    out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
+    print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in {shown_storage(settings.storage)}; "
+          f"space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
+    previous_threads = set_threads(settings.threads)
+    try:
+        status, error = _run_trials(args, study, settings, tracking, cache)
+        if error:
+            print(f"error: {error}; writing the outputs of the trials done", file=sys.stderr)
+        status = _finish_sweep(args, study, settings, space, out, t_start, status, error, tracking)
+    finally:
+        set_threads(previous_threads)
+    return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+
+
+def _check_args(args: argparse.Namespace) -> List[str]:
+    """The objectives of ``--objectives`` (e.g. ["acc", "uplink"]) once the overrides and numeric options are
+    valid; else one line on stderr and exit 2."""
     from pipeline.common import fail
 
     bad = [o for o in args.overrides if "=" not in o and not o.startswith("~")]
@@ -120,6 +156,14 @@ def _main(argv: Optional[List[str]]) -> int:
             fail(f"{name} must be >= {lo}, got {value}")
     if args.timeout is not None and args.timeout <= 0:
         fail(f"--timeout must be > 0, got {args.timeout:g}")
+    return objectives
+
+
+def _load_space(args: argparse.Namespace):
+    """(the search space, the base experiment's composed config with the overrides), ``--pruner`` checked;
+    a bad pruner, space or override: one line on stderr and exit 2."""
+    from pipeline.common import fail
+
     try:
         if args.pruner is not None:
             parse_pruner(args.pruner)
@@ -127,28 +171,49 @@ def _main(argv: Optional[List[str]]) -> int:
         base_cfg = check_space(space, args.overrides)
     except (SpaceError, ValueError) as err:
         fail(str(err))
-    if len(objectives) > 1 and args.pruner not in (None, "none"):
-        print("note: multi-objective studies cannot prune; --pruner ignored", file=sys.stderr)
+    return space, base_cfg
+
+
+def _settings(args: argparse.Namespace, space, base_cfg, objectives: List[str]) -> Settings:
+    """The sweep's :class:`Settings` from the command line, the space and the base config."""
     study_name = args.study_name or space.name
-    settings = Settings(space=str(space.path.resolve()), overrides=list(args.overrides),
-                        seeds=list(range(1, args.seeds + 1)), objectives=objectives, study_name=study_name,
-                        storage=args.storage or default_storage(study_name), rounds=int(base_cfg.train.rounds),
-                        sampler=args.sampler, sampler_seed=args.sampler_seed, pruner=args.pruner or "median",
-                        experiment=None if args.no_mlflow else (args.experiment or
-                                                               f"{base_cfg.tracking.experiment}-sweeps"),
-                        threads=args.threads, timeout=args.timeout, quiet=args.quiet)
+    return Settings(space=str(space.path.resolve()), overrides=list(args.overrides),
+                    seeds=list(range(1, args.seeds + 1)), objectives=objectives, study_name=study_name,
+                    storage=args.storage or default_storage(study_name), rounds=int(base_cfg.train.rounds),
+                    sampler=args.sampler, sampler_seed=args.sampler_seed, pruner=args.pruner or "median",
+                    experiment=None if args.no_mlflow else (args.experiment or
+                                                           f"{base_cfg.tracking.experiment}-sweeps"),
+                    threads=args.threads, timeout=args.timeout, quiet=args.quiet)
+
+
+def _open_study(settings: Settings, space, base_cfg):
+    """(the Optuna study, created or loaded from ``settings.storage``; the process's :class:`DataCache`,
+    holding the base config's data). A bad sampler/pruner, missing data or a storage failure: one line on
+    stderr and exit 2."""
+    import optuna
+
+    from pipeline.common import fail
+
     quiet_optuna()
     try:
         kwargs = sampler_and_pruner(settings, space)
         cache = DataCache()
         cache.get(base_cfg)  # missing data files stop the sweep here, with one line
         storage = open_storage(settings.storage)
-        study = optuna.create_study(study_name=study_name, storage=storage, directions=settings.directions(),
-                                    load_if_exists=True, **kwargs)
+        study = optuna.create_study(study_name=settings.study_name, storage=storage,
+                                    directions=settings.directions(), load_if_exists=True, **kwargs)
     except (ValueError, RuntimeError) as err:
         fail(str(err).strip().splitlines()[0])
     except Exception as err:  # the storage failed after opening (e.g. the server went away)
         fail(f"--storage {shown_storage(settings.storage)}: {type(err).__name__}: {str(err).splitlines()[0]}")
+    return study, cache
+
+
+def _check_signature(study, settings: Settings, space) -> None:
+    """Record the settings that define the study (space, base, overrides, seeds, objectives) in a new study;
+    an existing study created with other settings: one line on stderr and exit 2."""
+    from pipeline.common import fail
+
     signature = {"space": space.name, "base": space.base, "overrides": settings.overrides, "seeds": settings.seeds,
                  "objectives": settings.objectives}
     old = study.user_attrs.get("signature")
@@ -158,61 +223,61 @@ def _main(argv: Optional[List[str]]) -> int:
         study.set_metric_names([METRIC_NAMES[o] for o in settings.objectives])
     elif old != signature:
         diff = next(k for k in signature if old.get(k) != signature[k])
-        fail(f"study {study_name!r} in {shown_storage(settings.storage)} was created with {diff}={old.get(diff)!r}; "
-             f"this command has {signature[diff]!r}: use another --study-name or the same settings")
-    if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
-        stale = fail_stale_trials(study)
-        if stale:
-            print(f"note: trial(s) {', '.join(map(str, stale))} were left RUNNING by a process that is gone: "
-                  "marked FAIL (stale)", file=sys.stderr)
-    tracking = None
-    if settings.experiment:
-        from fl_core.tracking import Tracking
+        fail(f"study {settings.study_name!r} in {shown_storage(settings.storage)} was created with "
+             f"{diff}={old.get(diff)!r}; this command has {signature[diff]!r}: use another --study-name or the same "
+             "settings")
 
-        tracking = Tracking(settings.experiment)
-        _end_orphaned_runs(tracking)
-    from sweeps.outputs import ensure_parent_run, finish_study
 
-    settings.parent_run_id = ensure_parent_run(study, settings, space, tracking)
-    out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / study_name
-    print(f"study {study_name!r}: {len(study.trials)} trial(s) so far in {shown_storage(settings.storage)}; "
-          f"space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
+def _fail_stale(study) -> None:
+    """Mark FAIL the trials left RUNNING by a process that is gone (:func:`sweeps.runner.fail_stale_trials`),
+    with one line on stderr."""
+    stale = fail_stale_trials(study)
+    if stale:
+        print(f"note: trial(s) {', '.join(map(str, stale))} were left RUNNING by a process that is gone: "
+              "marked FAIL (stale)", file=sys.stderr)
 
-    status, error = "finished", None
-    previous_threads = set_threads(settings.threads)
+
+def _run_trials(args: argparse.Namespace, study, settings: Settings, tracking,
+                cache: DataCache) -> Tuple[str, Optional[str]]:
+    """Run ``--n-trials`` trials, in this process or in ``--workers`` processes; (status: finished |
+    interrupted | failed, the one-line error or None). Ctrl-C and errors end the trials, not the sweep."""
+    error = None
     try:
-        try:
-            if args.workers == 1:
-                interrupted = _run_in_process(study, TrialRunner(settings, tracking, 0, cache), args.n_trials)
-            else:
-                interrupted, errors = run_workers(study, settings, args.n_trials, args.workers)
-                if errors:
-                    error = f"{errors} worker process(es) ended with an error (traceback above)"
-            status = "failed" if error else "interrupted" if interrupted else "finished"
-        except KeyboardInterrupt:
-            status = "interrupted"
-        except Exception as err:  # a bug or a storage/MLflow failure: keep what is done
-            traceback.print_exc()
-            reason, where = error_reason(err)
-            status, error = "failed", f"{reason} (at {where})"
-        if error:
-            print(f"error: {error}; writing the outputs of the trials done", file=sys.stderr)
-        try:
-            _, status = finish_study(study, settings, space, out, t_start, status=status,
-                                     run_test=not args.no_test, tracking=tracking, error=error)
-        except KeyboardInterrupt:  # while writing the outputs: write them again, without a test run
-            _, status = finish_study(study, settings, space, out, t_start, status="interrupted", run_test=False,
-                                     tracking=tracking, error=error)
-        except Exception:  # the trials stay in the study; end the parent run so that it does not stay RUNNING
-            traceback.print_exc()
-            print(f"error: writing the outputs failed (above); the trials are kept in "
-                  f"{shown_storage(settings.storage)}: run with --n-trials 0 to write them again", file=sys.stderr)
-            if tracking is not None and settings.parent_run_id:
-                tracking.end_parent(settings.parent_run_id, "FAILED")
-            status = "failed"
-    finally:
-        set_threads(previous_threads)
-    return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+        if args.workers == 1:
+            interrupted = _run_in_process(study, TrialRunner(settings, tracking, 0, cache), args.n_trials)
+        else:
+            interrupted, errors = run_workers(study, settings, args.n_trials, args.workers)
+            if errors:
+                error = f"{errors} worker process(es) ended with an error (traceback above)"
+        return ("failed" if error else "interrupted" if interrupted else "finished"), error
+    except KeyboardInterrupt:
+        return "interrupted", error
+    except Exception as err:  # a bug or a storage/MLflow failure: keep what is done
+        traceback.print_exc()
+        reason, where = error_reason(err)
+        return "failed", f"{reason} (at {where})"
+
+
+def _finish_sweep(args: argparse.Namespace, study, settings: Settings, space, out: Path, t_start: float,
+                  status: str, error: Optional[str], tracking) -> str:
+    """Write the outputs of the trials done (:func:`sweeps.outputs.finish_study`); returns the final status.
+    Ctrl-C while writing: written again without a test run; an error: the parent run is ended FAILED."""
+    from sweeps.outputs import finish_study
+
+    try:
+        _, status = finish_study(study, settings, space, out, t_start, status=status,
+                                 run_test=not args.no_test, tracking=tracking, error=error)
+    except KeyboardInterrupt:  # while writing the outputs: write them again, without a test run
+        _, status = finish_study(study, settings, space, out, t_start, status="interrupted", run_test=False,
+                                 tracking=tracking, error=error)
+    except Exception:  # the trials stay in the study; end the parent run so that it does not stay RUNNING
+        traceback.print_exc()
+        print(f"error: writing the outputs failed (above); the trials are kept in "
+              f"{shown_storage(settings.storage)}: run with --n-trials 0 to write them again", file=sys.stderr)
+        if tracking is not None and settings.parent_run_id:
+            tracking.end_parent(settings.parent_run_id, "FAILED")
+        status = "failed"
+    return status
 
 
 def _end_orphaned_runs(tracking) -> None:
