@@ -209,26 +209,8 @@ def _legend_rows(n: int, labels: Sequence[str], width: float) -> int:
 CurveSpec = Tuple[str, str, Optional[Mapping]]
 
 
-def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
-    """The comparison figure of a grid, before saving.
-
-    Args:
-        curves: ``(method, panel, data)`` triples, one per experiment. ``method`` is the legend label
-            (e.g. ``"FedBug P=0.2 (FedAvg)"``), ``panel`` the partition label the panel is titled with
-            (e.g. ``"Dirichlet α=0.3"``): both shown as given (the report passes its row and column
-            labels; use :func:`pipeline.report.algorithm_label` / :func:`partition_title` for raw
-            names). ``data`` is what :func:`pipeline.report.read_curves` returns: arrays ``acc_round``,
-            ``acc_mean``, ``acc_min``, ``acc_max`` (accuracy as fractions, drawn in %), ``loss_round``
-            and ``loss_mean``; None (or missing/empty arrays) draws nothing for that experiment.
-            Methods and panels keep their order of first appearance; styles follow the method order.
-        title: an optional title above the panels (none by default: a draft has its caption).
-        max_cols: panels per row; more partitions wrap onto further (accuracy, loss) row pairs.
-
-    Layout: per partition a column with test accuracy (mean line, min-max band over seeds) above
-    training loss (mean); every accuracy panel shares one y-axis (in %), every loss panel another,
-    all panels share the round axis (integer ticks); one legend below the panels.
-    """
-    curves = list(curves)
+def _methods_and_panels(curves: Sequence[CurveSpec]) -> Tuple[List[str], List[str]]:
+    """The methods and the panels of ``curves``, each in order of first appearance."""
     methods: List[str] = []
     panels: List[str] = []
     for method, panel, _ in curves:
@@ -236,26 +218,23 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
             methods.append(method)
         if panel not in panels:
             panels.append(panel)
-    styles = method_styles(methods)
-    many = len(methods) > 6
+    return methods, panels
 
-    ncol = max(1, min(len(panels), max_cols))
-    nblock = max(1, math.ceil(len(panels) / ncol))
-    width = max(6.4, 3.6 * ncol + 0.8)
-    n_legend = len({m for m, _, d in curves if d is not None})
-    height = 5.2 * nblock + 0.3 + 0.22 * _legend_rows(n_legend, methods or [""], width) + (0.3 if title else 0)
-    fig = _new_figure(width, height)
+
+def _comparison_axes(fig: Figure, n_panels: int, ncol: int, nblock: int) -> Tuple[List, List]:
+    """(accuracy axes, loss axes), one pair per panel in ``nblock`` row pairs of ``ncol`` columns (one pair
+    when there is no panel); unused slots removed, the y-axes shared per kind, the round axis by all."""
     grid = fig.subplots(2 * nblock, ncol, squeeze=False)
     acc_axes, loss_axes = [], []
-    for j, _ in enumerate(panels):
+    for j in range(n_panels):
         b, c = divmod(j, ncol)
         acc_axes.append(grid[2 * b][c])
         loss_axes.append(grid[2 * b + 1][c])
-    for j in range(max(1, len(panels)), nblock * ncol):  # unused slots of the last row pair
+    for j in range(max(1, n_panels), nblock * ncol):  # unused slots of the last row pair
         b, c = divmod(j, ncol)
         grid[2 * b][c].remove()
         grid[2 * b + 1][c].remove()
-    if not panels:
+    if not n_panels:
         acc_axes, loss_axes = [grid[0][0]], [grid[1][0]]
     for ax in acc_axes[1:]:
         ax.sharey(acc_axes[0])
@@ -263,7 +242,15 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
         ax.sharey(loss_axes[0])
     for ax in acc_axes[1:] + loss_axes:
         ax.sharex(acc_axes[0])
+    return acc_axes, loss_axes
 
+
+def _draw_curves(curves: Sequence[CurveSpec], panels: List[str], styles: Dict[str, Style], many: bool,
+                 acc_axes: List, loss_axes: List) -> Tuple[Dict[str, Line2D], float, float]:
+    """Draw every experiment's accuracy (mean line, min-max band, in %) and loss (mean line) in its panel.
+
+    Returns the legend handle of each method drawn and the range of the finite accuracy values drawn
+    (in %; ``inf, -inf`` when there are none)."""
     drawn: Dict[str, Line2D] = {}
     lo, hi = math.inf, -math.inf
     for method, panel, data in curves:
@@ -287,13 +274,20 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
         if len(lr) and len(lr) == len(lm):
             loss_axes[j].plot(lr, lm, label=method, **kw)
             drawn.setdefault(method, Line2D([], [], **{**kw, "markevery": None}))
+    return drawn, lo, hi
 
+
+def _accuracy_limits(ax, lo: float, hi: float) -> None:
+    """The shared accuracy y-axis: the drawn range ``lo..hi`` (%) padded, within 0..100; 0..100 when empty."""
     if math.isfinite(lo):
         pad = max(1.0, 0.04 * (hi - lo))
-        acc_axes[0].set_ylim(max(0.0, lo - pad), min(100.0, hi + pad) if hi < 100 else hi + 0.5)
+        ax.set_ylim(max(0.0, lo - pad), min(100.0, hi + pad) if hi < 100 else hi + 0.5)
     else:
-        acc_axes[0].set_ylim(0, 100)
+        ax.set_ylim(0, 100)
 
+
+def _label_panels(acc_axes: List, loss_axes: List, panels: List[str], ncol: int) -> None:
+    """Titles, axis labels (y only in the first column), integer round ticks, and a note in empty panels."""
     for j, (a_ax, l_ax) in enumerate(zip(acc_axes, loss_axes)):
         c = j % ncol
         a_ax.set_title(panels[j] if panels else "", fontsize=10)
@@ -312,6 +306,42 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
         for ax in (a_ax, l_ax):
             _integer_ticks(ax.xaxis)
             _tidy(ax)
+
+
+def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
+    """The comparison figure of a grid, before saving.
+
+    Args:
+        curves: ``(method, panel, data)`` triples, one per experiment. ``method`` is the legend label
+            (e.g. ``"FedBug P=0.2 (FedAvg)"``), ``panel`` the partition label the panel is titled with
+            (e.g. ``"Dirichlet α=0.3"``): both shown as given (the report passes its row and column
+            labels; use :func:`pipeline.report.algorithm_label` / :func:`partition_title` for raw
+            names). ``data`` is what :func:`pipeline.report.read_curves` returns: arrays ``acc_round``,
+            ``acc_mean``, ``acc_min``, ``acc_max`` (accuracy as fractions, drawn in %), ``loss_round``
+            and ``loss_mean``; None (or missing/empty arrays) draws nothing for that experiment.
+            Methods and panels keep their order of first appearance; styles follow the method order.
+        title: an optional title above the panels (none by default: a draft has its caption).
+        max_cols: panels per row; more partitions wrap onto further (accuracy, loss) row pairs.
+
+    Layout: per partition a column with test accuracy (mean line, min-max band over seeds) above
+    training loss (mean); every accuracy panel shares one y-axis (in %), every loss panel another,
+    all panels share the round axis (integer ticks); one legend below the panels.
+    """
+    curves = list(curves)
+    methods, panels = _methods_and_panels(curves)
+    styles = method_styles(methods)
+    many = len(methods) > 6
+
+    ncol = max(1, min(len(panels), max_cols))
+    nblock = max(1, math.ceil(len(panels) / ncol))
+    width = max(6.4, 3.6 * ncol + 0.8)
+    n_legend = len({m for m, _, d in curves if d is not None})
+    height = 5.2 * nblock + 0.3 + 0.22 * _legend_rows(n_legend, methods or [""], width) + (0.3 if title else 0)
+    fig = _new_figure(width, height)
+    acc_axes, loss_axes = _comparison_axes(fig, len(panels), ncol, nblock)
+    drawn, lo, hi = _draw_curves(curves, panels, styles, many, acc_axes, loss_axes)
+    _accuracy_limits(acc_axes[0], lo, hi)
+    _label_panels(acc_axes, loss_axes, panels, ncol)
     labels = [m for m in methods if m in drawn]
     _legend_below(fig, [drawn[m] for m in labels], labels, width)
     if title:

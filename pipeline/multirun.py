@@ -254,6 +254,82 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001  (signal handler signa
     raise KeyboardInterrupt
 
 
+def _sweep_hydra() -> Any:
+    """Hydra's main object for ``conf/``, which runs the sweep; Hydra's global state is left cleared."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fl_core.paths import conf_dir
+
+    hydra = Hydra.create_main_hydra2(task_name=TASK_NAME,
+                                     config_search_path=create_config_search_path(str(conf_dir())))
+    # the sweep needs only this object; compose() (our validation, in here and in the jobs) initializes
+    # Hydra's global state itself and refuses to when it is already set
+    GlobalHydra.instance().clear()
+    return hydra
+
+
+def _validated_job_count(parsed: List[Any], user_keys: set, seeds: Optional[List[int]]) -> str:
+    """How many jobs the sweep runs, as the announcement says it (``"4 job(s)"``, ``"the sweeper's jobs"``).
+
+    With Hydra's basic sweeper the jobs are the product of the swept lists, each composed and validated here
+    (:func:`_check_jobs`); another sweeper decides its jobs itself, and they validate when they run.
+
+    Raises:
+        ConfigError: the first bad job's one-line message.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    if "hydra/sweeper" not in user_keys:  # the basic sweeper: its jobs are the product of the lists
+        task = [o for o in parsed if not o.is_hydra_override()]
+        jobs = [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+        _check_jobs(jobs, seeds)
+        _keep_task_name()
+        return f"{len(jobs)} job(s)"
+    from fl_core.config import compose
+
+    compose([])  # registers the config schema that conf/config.yaml builds on
+    _keep_task_name()
+    return "the sweeper's jobs"
+
+
+def _launch(hydra: Any, args: List[str]) -> Any:
+    """Check the sweep of ``args`` (its seed list, jobs and Hydra's own settings), say on stderr what runs,
+    and run it with ``hydra`` (Hydra's main object); returns what Hydra's sweeper returns (:func:`_statuses`).
+
+    Raises:
+        ConfigError, HydraException, OmegaConfBaseException, ValueError: bad input, before any job runs.
+    """
+    from hydra.types import RunMode
+
+    overrides, seeds = split_seeds(args, sweep_ok=True, config_loader=hydra.config_loader)
+    parsed = _parse(overrides, hydra.config_loader)
+    user_keys = {o.key_or_group for o in parsed}
+    count = _validated_job_count(parsed, user_keys, seeds)
+    hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
+    # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
+    sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
+    _keep_task_name()
+    seeds_text = f"seeds {','.join(map(str, seeds))}" if seeds else "the config's seed"
+    launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
+    print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
+          f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
+    return hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds),
+                          overrides=hydra_args)
+
+
+def _sweep_status(returns: Any) -> int:
+    """Say on stderr which jobs failed and how many succeeded; returns the worst job's exit status (0: none
+    failed)."""
+    results = _statuses(returns)
+    failed = [(n, o, s) for n, o, s in results if s != 0]
+    for num, ovr, status in failed:
+        print(f"{PROG}: job #{num} ({' '.join(ovr) or 'defaults'}) exited with status {status}", file=sys.stderr)
+    print(f"{PROG}: {len(results) - len(failed)} of {len(results)} job(s) succeeded", file=sys.stderr)
+    return max((s for _, _, s in failed), default=0)
+
+
 def multirun(args: Sequence[str]) -> int:
     """``fl-train -m OVERRIDES``: one experiment per combination of the swept values, launched by Hydra.
 
@@ -269,15 +345,9 @@ def multirun(args: Sequence[str]) -> int:
         SystemExit(2): bad input, with one ``error:`` line, before any job runs.
     """
     from hydra import version
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
-
-    from fl_core.paths import conf_dir
 
     from .common import fail
 
@@ -290,37 +360,9 @@ def multirun(args: Sequence[str]) -> int:
         GlobalHydra.instance().clear()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        hydra = Hydra.create_main_hydra2(task_name=TASK_NAME,
-                                         config_search_path=create_config_search_path(str(conf_dir())))
-        # the sweep needs only this object; compose() (our validation, in here and in the jobs) initializes
-        # Hydra's global state itself and refuses to when it is already set
-        GlobalHydra.instance().clear()
+        hydra = _sweep_hydra()
         try:
-            overrides, seeds = split_seeds(args, sweep_ok=True, config_loader=hydra.config_loader)
-            parsed = _parse(overrides, hydra.config_loader)
-            user_keys = {o.key_or_group for o in parsed}
-            if "hydra/sweeper" not in user_keys:  # the basic sweeper: its jobs are the product of the lists
-                task = [o for o in parsed if not o.is_hydra_override()]
-                jobs = [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
-                _check_jobs(jobs, seeds)
-                _keep_task_name()
-                count = f"{len(jobs)} job(s)"
-            else:  # another sweeper decides the jobs; they validate when they run
-                from fl_core.config import compose
-
-                compose([])  # registers the config schema that conf/config.yaml builds on
-                _keep_task_name()
-                count = "the sweeper's jobs"
-            hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
-            # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
-            sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
-            _keep_task_name()
-            seeds_text = f"seeds {','.join(map(str, seeds))}" if seeds else "the config's seed"
-            launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
-            print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
-                  f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
-            returns = hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds),
-                                     overrides=hydra_args)
+            returns = _launch(hydra, args)
         except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as err:
             fail(_missing_plugin(_first_line(err)))
     except KeyboardInterrupt:
@@ -330,9 +372,4 @@ def multirun(args: Sequence[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         GlobalHydra.instance().clear()
-    results = _statuses(returns)
-    failed = [(n, o, s) for n, o, s in results if s != 0]
-    for num, ovr, status in failed:
-        print(f"{PROG}: job #{num} ({' '.join(ovr) or 'defaults'}) exited with status {status}", file=sys.stderr)
-    print(f"{PROG}: {len(results) - len(failed)} of {len(results)} job(s) succeeded", file=sys.stderr)
-    return max((s for _, _, s in failed), default=0)
+    return _sweep_status(returns)

@@ -639,6 +639,120 @@ def fedbug_layout(exps: List[Experiment]) -> List[str]:
     return out
 
 
+def _common_target(ms: List[Dict]) -> Optional[float]:
+    """The target accuracy (fraction) when every experiment has the same one, else None."""
+    target = _num(ms[0].get("target_acc")) if ms else None
+    targets = {_num(m.get("target_acc")) for m in ms}
+    return target if target is not None and len(targets) == 1 else None
+
+
+def _header_lines(grid: Grid, exps_all: List[Experiment], exps: List[Experiment], params_name: str,
+                  target: Optional[float]) -> List[str]:
+    """The title and the one-paragraph description of the grid (seeds, dataset, model, rounds, target)."""
+    ms = [e.metrics for e in exps]
+    return ["# Federated learning results", "",
+            f"Produced by `python -m pipeline.report` from `{params_name}`: {len(exps_all)} experiment(s) "
+            f"({len(exps)} with results), seeds {', '.join(map(str, grid.seeds))} ({len(grid.seeds)} per experiment), "
+            f"dataset {_join_values([m.get('dataset') for m in ms])}, "
+            f"model {_join_values([m.get('model') for m in ms])}, "
+            f"{_join_values([m.get('rounds') for m in ms])} rounds"
+            + (f", target accuracy {100 * target:g}%." if target is not None else "."),
+            ""]
+
+
+def _experiments_section(exps: List[Experiment], target: Optional[float]) -> List[str]:
+    """The "All experiments" table: one row per experiment with results, its numbers as mean ± std over seeds."""
+    rows = []
+    for e in exps:
+        m = e.metrics
+        rows.append([f"`{e.name}`", e.row_label, e.col_label,
+                     "FAILED" if e.failed else fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
+                     fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
+                     fmt_pct(m.get("final_client_acc_mean_mean"), m.get("final_client_acc_mean_std")),
+                     fmt_pct(m.get("final_client_acc_worst10_mean"), m.get("final_client_acc_worst10_std")),
+                     fmt_rounds(m),
+                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
+                     fmt_floats_d(m)])
+    tgt = f" ({100 * target:g}%)" if target is not None else ""
+    return ["## All experiments", "",
+            _table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
+                    "client acc (%)", "worst 10% clients (%)",
+                    f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
+                   rows, "lllrrrrrrr"),
+            ""]
+
+
+def _comparison_section(exps: List[Experiment]) -> List[str]:
+    """The "Comparison" table: algorithm x partition, final accuracy, the best per column in bold."""
+    row_labels, col_labels, cells = comparison(exps)
+    rows = accuracy_cells(row_labels, col_labels, cells)
+    return ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
+            "is in bold.", "",
+            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
+            ""]
+
+
+def _curves_section(curves_name: str) -> List[str]:
+    """The "Curves" section: the figure (PNG, relative to the report) and a link to its PDF."""
+    pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
+    return ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
+            f"The same figure as PDF, for a draft: [{pdf_name}]({pdf_name}).", ""]
+
+
+def _final_window_text(ms: List[Dict]) -> str:
+    """When *final acc* is taken, from the experiments' ``final_window`` (evaluations averaged)."""
+    windows = {int(w) for w in (_num(m.get("final_window")) for m in ms) if w is not None}
+    if len(windows) > 1:
+        return "the mean over each experiment's last `train.final_window` evaluations"
+    if windows and windows != {1}:
+        return f"the mean over the last {next(iter(windows))} evaluations"
+    return "after the last round"
+
+
+def _how_to_read_section(ms: List[Dict], target: Optional[float]) -> List[str]:
+    """The "How to read" notes: what each column of the tables and the curves show."""
+    window = _final_window_text(ms)
+    return ["## How to read", "",
+            f"- *final acc*: test accuracy of the global model, {window}; *best acc*: the "
+            "highest test accuracy over all rounds. Both in %, as mean \u00b1 std over seeds "
+            "(std is the sample standard deviation, ddof = 1; 0 for a single seed).",
+            "- *rounds to target*: the first round whose test accuracy is >= the target accuracy"
+            + (f" ({100 * target:g}%)" if target is not None else "")
+            + "; mean \u00b1 std over the seeds that reached it, with how many did "
+            f"(k/n seeds); {DASH} if none did.",
+            "- *client acc*: accuracy of the final global model on each client's own label distribution "
+            "(the test set reweighted by the client's label histogram), mean over all clients; *worst 10% "
+            "clients*: the mean over the tenth of clients where it is lowest. Both mean \u00b1 std over seeds.",
+            "- *final train loss*: mean training loss of the participating clients in the last round.",
+            "- *uplink to target*: floats each participating client has uploaded (cumulative, mean over the "
+            "seeds that reached the target) when the target is first reached, in units of the model size d "
+            "(FedAvg: 1d per round; FedBCGD about d/N; QSGD/Top-k as float equivalents).",
+            "- Curves: mean over seeds; the shaded band spans the minimum and maximum over seeds.",
+            "- `summary.csv` holds the numbers of the first table as plain fractions.",
+            ""]
+
+
+def _problem_sections(exps: List[Experiment], missing: List[Experiment]) -> List[str]:
+    """The "Failed", "Notes" and "Missing" sections: experiments whose every seed failed, that lost seeds, or
+    that have no results; each section only when it has entries."""
+    out: List[str] = []
+    failed = [e for e in exps if e.failed]
+    if failed:
+        out += ["## Failed", "", "Experiments whose every seed failed (the reason as the run recorded it):", ""]
+        out += [f"- `{e.name}`: FAILED: {_cell(e.failed)}" for e in failed]
+        out.append("")
+    noted = [e for e in exps if e.notes]
+    if noted:
+        out += ["## Notes", ""]
+        out += [f"- `{e.name}`: {'; '.join(e.notes)}" for e in noted]
+        out.append("")
+    if missing:
+        out += ["## Missing", "", "Experiments of the grid without results (run `dvc repro`):", ""]
+        out += [f"- `{e.name}`: {e.problem}" for e in missing]
+        out.append("")
+    return out
+
+
 def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Experiment]] = None,
                  params_name: str = "params.yaml", curves_name: str = "curves.png") -> str:
     """The markdown report of ``grid``'s experiments under ``results_dir``.
@@ -654,93 +768,17 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     exps = [e for e in exps_all if e.metrics is not None]
     missing = [e for e in exps_all if e.metrics is None]
     ms = [e.metrics for e in exps]
-    target = _num(ms[0].get("target_acc")) if ms else None
-    targets = {_num(m.get("target_acc")) for m in ms}
+    target = _common_target(ms)
 
-    out: List[str] = ["# Federated learning results", ""]
-    out.append(
-        f"Produced by `python -m pipeline.report` from `{params_name}`: {len(exps_all)} experiment(s) "
-        f"({len(exps)} with results), seeds {', '.join(map(str, grid.seeds))} ({len(grid.seeds)} per experiment), "
-        f"dataset {_join_values([m.get('dataset') for m in ms])}, "
-        f"model {_join_values([m.get('model') for m in ms])}, "
-        f"{_join_values([m.get('rounds') for m in ms])} rounds"
-        + (f", target accuracy {100 * target:g}%." if target is not None and len(targets) == 1 else "."))
-    out.append("")
-
-    out += ["## All experiments", ""]
-    rows = []
-    for e in exps:
-        m = e.metrics
-        rows.append([f"`{e.name}`", e.row_label, e.col_label,
-                     "FAILED" if e.failed else fmt_pct(m.get("final_acc_mean"), m.get("final_acc_std")),
-                     fmt_pct(m.get("best_acc_mean"), m.get("best_acc_std")),
-                     fmt_pct(m.get("final_client_acc_mean_mean"), m.get("final_client_acc_mean_std")),
-                     fmt_pct(m.get("final_client_acc_worst10_mean"), m.get("final_client_acc_worst10_std")),
-                     fmt_rounds(m),
-                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
-                     fmt_floats_d(m)])
-    tgt = f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else ""
-    out.append(_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
-                       "client acc (%)", "worst 10% clients (%)",
-                       f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
-                      rows, "lllrrrrrrr"))
-    out.append("")
-
-    out += ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
-            "is in bold.", ""]
-    row_labels, col_labels, cells = comparison(exps)
-    rows = accuracy_cells(row_labels, col_labels, cells)
-    out.append(_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)))
-    out.append("")
-
+    out = _header_lines(grid, exps_all, exps, params_name, target)
+    out += _experiments_section(exps, target)
+    out += _comparison_section(exps)
     out += differences_section(exps)
     out += fedbug_layout(exps)
     out += communication_layout(exps)
-
-    pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
-    out += ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
-            f"The same figure as PDF, for a draft: [{pdf_name}]({pdf_name}).", ""]
-
-    out += ["## How to read", ""]
-    windows = {int(w) for w in (_num(m.get("final_window")) for m in ms) if w is not None}
-    if len(windows) > 1:
-        window = "the mean over each experiment's last `train.final_window` evaluations"
-    elif windows and windows != {1}:
-        window = f"the mean over the last {next(iter(windows))} evaluations"
-    else:
-        window = "after the last round"
-    out.append(f"- *final acc*: test accuracy of the global model, {window}; *best acc*: the "
-               "highest test accuracy over all rounds. Both in %, as mean \u00b1 std over seeds "
-               "(std is the sample standard deviation, ddof = 1; 0 for a single seed).")
-    out.append("- *rounds to target*: the first round whose test accuracy is >= the target accuracy"
-               + (f" ({100 * target:g}%)" if target is not None and len(targets) == 1 else "")
-               + "; mean \u00b1 std over the seeds that reached it, with how many did "
-               f"(k/n seeds); {DASH} if none did.")
-    out.append("- *client acc*: accuracy of the final global model on each client's own label distribution "
-               "(the test set reweighted by the client's label histogram), mean over all clients; *worst 10% "
-               "clients*: the mean over the tenth of clients where it is lowest. Both mean \u00b1 std over seeds.")
-    out.append("- *final train loss*: mean training loss of the participating clients in the last round.")
-    out.append("- *uplink to target*: floats each participating client has uploaded (cumulative, mean over the "
-               "seeds that reached the target) when the target is first reached, in units of the model size d "
-               "(FedAvg: 1d per round; FedBCGD about d/N; QSGD/Top-k as float equivalents).")
-    out.append("- Curves: mean over seeds; the shaded band spans the minimum and maximum over seeds.")
-    out.append("- `summary.csv` holds the numbers of the first table as plain fractions.")
-    out.append("")
-
-    failed = [e for e in exps if e.failed]
-    if failed:
-        out += ["## Failed", "", "Experiments whose every seed failed (the reason as the run recorded it):", ""]
-        out += [f"- `{e.name}`: FAILED: {_cell(e.failed)}" for e in failed]
-        out.append("")
-    noted = [e for e in exps if e.notes]
-    if noted:
-        out += ["## Notes", ""]
-        out += [f"- `{e.name}`: {'; '.join(e.notes)}" for e in noted]
-        out.append("")
-    if missing:
-        out += ["## Missing", "", "Experiments of the grid without results (run `dvc repro`):", ""]
-        out += [f"- `{e.name}`: {e.problem}" for e in missing]
-        out.append("")
+    out += _curves_section(curves_name)
+    out += _how_to_read_section(ms, target)
+    out += _problem_sections(exps, missing)
     return "\n".join(out)
 
 

@@ -563,7 +563,74 @@ def train_one(overrides: List[str], seeds: Optional[List[int]] = None) -> int:
         return err.code if isinstance(err.code, int) else 1
 
 
+def _grid_configs(argv: List[str]) -> List:
+    """The composed configs (one per seed) of ``--grid NAME [--params FILE]``; exits 2 (:func:`fail`) for a
+    missing name or file, or any further argument."""
+    from .grid import load_grid
+
+    if len(argv) < 2:
+        fail("--grid needs an experiment name")
+    params = Path("params.yaml")
+    rest = argv[2:]
+    if rest[:1] == ["--params"]:
+        if len(rest) < 2:
+            fail("--params needs a file")
+        params = Path(rest[1])
+        rest = rest[2:]
+    if rest:
+        fail(f"unexpected argument {rest[0]!r} after --grid NAME (grid runs take their settings "
+             "from params.yaml)")
+    return load_grid(params).compose_all(argv[1])
+
+
+def _override_configs(argv: List[str]) -> List:
+    """The composed configs (one per seed of a ``seed=`` list, else one) of Hydra overrides; exits 2
+    (:func:`fail`) for an option."""
+    bad = [a for a in argv if a.startswith("-")]
+    if bad:
+        fail(f"unknown option {bad[0]} (see --help)")
+    from .multirun import split_seeds
+
+    overrides, seeds = split_seeds(argv)  # seed=1,2,3 / seed=range(1,4): one experiment, these seeds
+    return [compose(overrides + [f"seed={s}"]) for s in seeds] if seeds else [compose(overrides)]
+
+
+def _train(cfgs: List) -> Optional[Dict]:
+    """:func:`run_experiment` with SIGTERM taken as Ctrl-C; None when interrupted (said on stderr). Bad inputs
+    and a busy experiment exit 2 (:func:`fail`)."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        return run_experiment(cfgs)
+    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy) as err:
+        fail(str(err))
+    except Interrupted as err:
+        print(f"interrupted at round {err.round}; run the same command again to resume", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:  # before training started: nothing to resume
+        print("interrupted before training started", file=sys.stderr)
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _outcome(summary: Dict, cfg, grid: bool) -> int:
+    """Print the experiment's result (final accuracy, or why it failed) and return the exit status: 1 when a
+    seed failed in a single run, else 0."""
+    out = Path(cfg.results_dir) / summary["experiment"]
+    if summary.get("status") == "failed":
+        reasons = "; ".join(f"seed {s}: {r}" for s, r in (summary.get("failures") or {}).items())
+        print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/{EXPERIMENT_FILE}", file=sys.stderr)
+        return 0 if grid else 1  # a grid stage completes so that the other experiments and the report run
+    fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
+    print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
+          f"seed(s); results in {out}/")
+    if summary.get("failed_seeds"):
+        return 0 if grid else 1
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry point (see :func:`usage` and the module docstring); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
@@ -576,30 +643,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = [a for a in argv if a != "--cfg"]
     grid = bool(argv) and argv[0] == "--grid"
     try:
-        if grid:
-            from .grid import load_grid
-
-            if len(argv) < 2:
-                fail("--grid needs an experiment name")
-            params = Path("params.yaml")
-            rest = argv[2:]
-            if rest[:1] == ["--params"]:
-                if len(rest) < 2:
-                    fail("--params needs a file")
-                params = Path(rest[1])
-                rest = rest[2:]
-            if rest:
-                fail(f"unexpected argument {rest[0]!r} after --grid NAME (grid runs take their settings "
-                     "from params.yaml)")
-            cfgs = load_grid(params).compose_all(argv[1])
-        else:
-            bad = [a for a in argv if a.startswith("-")]
-            if bad:
-                fail(f"unknown option {bad[0]} (see --help)")
-            from .multirun import split_seeds
-
-            overrides, seeds = split_seeds(argv)  # seed=1,2,3 / seed=range(1,4): one experiment, these seeds
-            cfgs = [compose(overrides + [f"seed={s}"]) for s in seeds] if seeds else [compose(overrides)]
+        cfgs = _grid_configs(argv) if grid else _override_configs(argv)
         if show_cfg:
             from omegaconf import OmegaConf
 
@@ -608,30 +652,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolve_device(cfgs[0].engine.device)
     except (ConfigError, ValueError) as err:
         fail(str(err))
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    try:
-        summary = run_experiment(cfgs)
-    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy) as err:
-        fail(str(err))
-    except Interrupted as err:
-        print(f"interrupted at round {err.round}; run the same command again to resume", file=sys.stderr)
+    summary = _train(cfgs)
+    if summary is None:
         return 130
-    except KeyboardInterrupt:  # before training started: nothing to resume
-        print("interrupted before training started", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    out = Path(cfgs[0].results_dir) / summary["experiment"]
-    if summary.get("status") == "failed":
-        reasons = "; ".join(f"seed {s}: {r}" for s, r in (summary.get("failures") or {}).items())
-        print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/{EXPERIMENT_FILE}", file=sys.stderr)
-        return 0 if grid else 1  # a grid stage completes so that the other experiments and the report run
-    fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
-    print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
-          f"seed(s); results in {out}/")
-    if summary.get("failed_seeds"):
-        return 0 if grid else 1
-    return 0
+    return _outcome(summary, cfgs[0], grid)
 
 
 if __name__ == "__main__":
