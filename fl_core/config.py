@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from .algorithms import registry
-from .schema import (AUGMENTATIONS, DATASETS, DIRICHLET_VARIANTS, EXECUTORS, MODELS, PARTITIONS, SAMPLERS,
-                     ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig, TrackingConfig,
-                     TrainConfig)
-from .schema import check_choice as _choice
+from .schema import (SECTIONS, ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig,
+                     TrackingConfig, TrainConfig, check_fields)
 from .schema import check_finite_positive as _finite_positive
-from .schema import check_range as _range
 
 AGGREGATIONS = registry.AGGREGATIONS
 BASE_ALGORITHMS = registry.names("base")
@@ -73,53 +70,22 @@ class ExperimentConfig:
 def validate(cfg: Any) -> None:
     """Check ranges and choices of a composed config (DictConfig or ExperimentConfig).
 
+    Every field of the non-rule sections declares its allowed values (:func:`fl_core.schema.param`) and is
+    checked from that declaration, the ``algorithm`` section from the rule registry; what a declaration cannot
+    say (a finite Dirichlet alpha, the device string, the experiment name) is checked here.
+
     Raises:
         ConfigError: one line, naming the first offending key and the allowed range.
     """
-    d, p, m, a, t, e = cfg.dataset, cfg.partition, cfg.model, cfg.algorithm, cfg.train, cfg.engine
-    _choice("dataset.name", d.name, DATASETS)
-    _range("dataset.test_fraction", d.test_fraction, 0, 1, lo_open=True, hi_open=True)
-    _range("dataset.validation_fraction", d.validation_fraction, 0, 1, hi_open=True)
-    _choice("partition.name", p.name, PARTITIONS)
-    _range("partition.num_clients", p.num_clients, 1)
-    _finite_positive("partition.alpha", p.alpha, "use partition=iid for an IID split")
-    _choice("partition.variant", p.variant, DIRICHLET_VARIANTS)
-    _range("partition.min_size", p.min_size, 0)
-    _range("partition.samples_per_client", p.samples_per_client, 1)
-    _range("partition.classes_per_client", p.classes_per_client, 1)
-    _choice("partition.shards_variant", p.shards_variant, ("label_S", "mcmahan_sort_shard"))
-    _range("partition.size_sigma", p.size_sigma, 0)
-    _choice("model.name", m.name, MODELS)
-    _choice("model.vgg_init", m.vgg_init, ("kaiming", "torch"))
-    _range("model.hidden", m.hidden, 1)
-    _range("model.norm_groups", m.norm_groups, 1)
-    registry.check_algorithm(a)
-    _range("train.rounds", t.rounds, 1)
-    _range("train.participation", t.participation, 0, 1, lo_open=True)
-    _choice("train.sampler", t.sampler, SAMPLERS)
-    _range("train.local_epochs", t.local_epochs, 1)
-    _range("train.local_steps", t.local_steps, 0)
-    _range("train.batch_size", t.batch_size, 1)
-    _range("train.lr", t.lr, 0, lo_open=True)
-    _range("train.lr_decay", t.lr_decay, 0, 1, lo_open=True)
-    _range("train.weight_decay", t.weight_decay, 0)
-    if t.grad_clip is not None:
-        _range("train.grad_clip", t.grad_clip, 0, lo_open=True)
-    _choice("train.augmentation", t.augmentation, AUGMENTATIONS)
-    _range("train.crop_padding", t.crop_padding, 0)
-    _range("train.eval_every", t.eval_every, 1)
-    _range("train.target_acc", t.target_acc, 0, 1)
-    _range("train.final_window", t.final_window, 1)
-    _choice("engine.executor", e.executor, EXECUTORS)
-    if not (e.device in ("cpu", "cuda", "auto") or str(e.device).startswith("cuda:")):
-        raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {e.device!r}")
-    _choice("engine.dtype", e.dtype, ("float32", "float64"))
-    _range("engine.checkpoint_every", e.checkpoint_every, 0)
-    _range("engine.max_parallel_clients", e.max_parallel_clients, 0)
-    _range("engine.eval_batch_size", e.eval_batch_size, 1)
-    _range("tracking.log_every", cfg.tracking.log_every, 1)
-    _range("tracking.neuron_drift_samples", cfg.tracking.neuron_drift_samples, 0)
-    _range("tracking.client_loss_trace", cfg.tracking.client_loss_trace, 0)
+    for name in ("dataset", "partition", "model"):
+        check_fields(SECTIONS[name], getattr(cfg, name), name)
+    _finite_positive("partition.alpha", cfg.partition.alpha, "use partition=iid for an IID split")
+    registry.check_algorithm(cfg.algorithm)
+    for name in ("train", "engine", "tracking"):
+        check_fields(SECTIONS[name], getattr(cfg, name), name)
+    device = str(cfg.engine.device)
+    if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
+        raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
 

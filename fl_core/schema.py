@@ -28,90 +28,6 @@ EXECUTORS = ("sequential", "vectorized", "auto")
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
 
 
-@dataclass
-class DatasetConfig:
-    """Where the data comes from. ``name`` picks a source of :mod:`fl_core.data.sources`."""
-
-    name: str = "digits"
-    root: str = "data/raw"  # official files of CIFAR/MNIST live here (relative: to the project root)
-    download: bool = False  # let torchvision download into root (needs a network)
-    verify: bool = True  # check the official archives' MD5 sums where torchvision knows them
-    test_fraction: float = 0.25  # digits only: held-out share (stratified, fixed split)
-    split_seed: int = 0  # digits only: seed of the train/test split
-    # > 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it instead
-    # of the test set; every test_* metric is then a validation metric (tuning, sweeps/tune.py)
-    validation_fraction: float = 0.0
-
-
-@dataclass
-class PartitionConfig:
-    """How the training set is split across clients (docs/algorithms.md, Data)."""
-
-    name: str = "iid"
-    num_clients: int = 10  # N
-    alpha: float = 0.3  # Dirichlet concentration
-    # dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | fixed_size_reuse (B, FedBCGD: each client
-    # draws samples_per_client labels from its prior; a class list is reshuffled and reused when exhausted)
-    variant: str = "per_client"
-    samples_per_client: int = 500  # dirichlet fixed_size_reuse (B) only
-    min_size: int = 10  # dirichlet per_class: redraw until every client has this many samples
-    classes_per_client: int = 2  # shards: S classes per client (#label-S)
-    shards_variant: str = "label_S"  # label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)
-    size_sigma: float = 0.0  # lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client
-    seed: int = 0  # partition seed: one partition serves every training seed (as in Acar/FedBug)
-
-
-@dataclass
-class ModelConfig:
-    name: str = "auto"  # auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn (Tiny-ImageNet)
-    hidden: int = 200  # mlp width
-    units: str = "default"  # FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6
-    norm_groups: int = 2  # ResNets: GroupNorm(norm_groups, C) in place of BatchNorm
-    vgg_init: str = "kaiming"  # vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)
-
-
-@dataclass
-class TrainConfig:
-    rounds: int = 30  # R communication rounds
-    participation: float = 0.5  # client participation rate p
-    sampler: str = "bernoulli"  # bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients
-    local_epochs: int = 3  # E
-    local_steps: int = 0  # > 0: exactly this many local steps K per client per round (LocalSGD), instead of E epochs
-    batch_size: int = 16  # B
-    lr: float = 0.05  # eta_l
-    lr_decay: float = 1.0  # eta_l(r) = lr * lr_decay**(r-1)
-    weight_decay: float = 0.0  # L2 added to the gradient of trainable parameters
-    grad_clip: Optional[float] = None  # max global grad norm over trainable params; None = off
-    augmentation: str = "none"  # none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | flip
-    crop_padding: int = 4  # zero padding of the random crop, pixels
-    eval_every: int = 1  # evaluate the global model every this many rounds (and at the last round)
-    target_acc: float = 0.9  # report: rounds to reach this test accuracy
-    final_window: int = 5  # report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)
-
-
-@dataclass
-class EngineConfig:
-    executor: str = "sequential"  # sequential (reference) | vectorized (torch.func) | auto
-    max_parallel_clients: int = 0  # vectorized: clients trained at once (0 = all sampled clients)
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto
-    dtype: str = "float32"  # float32 | float64 (slow; for numerical checks)
-    checkpoint_every: int = 10  # rounds; 0 = never
-    checkpoint_dir: str = "checkpoints"
-    eval_batch_size: int = 1024
-    progress: bool = True
-
-
-@dataclass
-class TrackingConfig:
-    enabled: bool = True
-    experiment: str = "fl-pipeline"  # MLflow experiment
-    log_every: int = 10  # flush buffered per-round metrics every this many rounds
-    log_model: bool = True  # final state_dict as an artifact
-    neuron_drift_samples: int = 0  # > 0: per-round neuron-drift probe on this many test samples (FedNLR sec. 4)
-    layer_cosine: bool = False  # per-round cosine similarity of client updates per layer, mean over client pairs
-    client_loss_trace: int = 0  # > 0: log the local training loss of clients 0..n-1 every round they train
-
-
 # --------------------------------------------------------------------------- checks
 
 
@@ -211,3 +127,103 @@ def check_fields(schema: type, node: Any, prefix: str) -> None:
             lo = m["ge"] if m.get("ge") is not None else m.get("gt")
             hi = m["le"] if m.get("le") is not None else m.get("lt")
             check_range(key, value, lo, hi, lo_open=m.get("gt") is not None, hi_open=m.get("lt") is not None)
+
+
+# --------------------------------------------------------------------------- the sections that are not rules
+
+@dataclass
+class DatasetConfig:
+    """Where the data comes from. ``name`` picks a source of :mod:`fl_core.data.sources`."""
+
+    name: str = param("digits", "data source", choices=DATASETS)
+    root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
+    download: bool = param(False, "let torchvision download into root (needs a network)")
+    verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them")
+    test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1)
+    split_seed: int = param(0, "digits only: seed of the train/test split")
+    validation_fraction: float = param(
+        0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
+        "instead of the test set; every test_* metric is then a validation metric (tuning)", ge=0, lt=1)
+
+
+@dataclass
+class PartitionConfig:
+    """How the training set is split across clients (docs/algorithms.md, Data)."""
+
+    name: str = param("iid", "client split", choices=PARTITIONS)
+    num_clients: int = param(10, "N, the number of clients", ge=1)
+    alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)")
+    variant: str = param("per_client", "dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | "
+                         "fixed_size_reuse (B, FedBCGD: each client draws samples_per_client labels from its prior; a "
+                         "class list is reshuffled and reused when exhausted)", choices=DIRICHLET_VARIANTS)
+    samples_per_client: int = param(500, "dirichlet fixed_size_reuse (B) only", ge=1)
+    min_size: int = param(10, "dirichlet per_class: redraw until every client has this many samples", ge=0)
+    classes_per_client: int = param(2, "shards: S classes per client (#label-S)", ge=1)
+    shards_variant: str = param("label_S", "label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)",
+                                choices=("label_S", "mcmahan_sort_shard"))
+    size_sigma: float = param(0.0, "lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client", ge=0)
+    seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)")
+
+
+@dataclass
+class ModelConfig:
+    name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn "
+                      "(Tiny-ImageNet)", choices=MODELS)
+    hidden: int = param(200, "mlp width", ge=1)
+    units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
+    norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1)
+    vgg_init: str = param("kaiming", "vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)",
+                          choices=("kaiming", "torch"))
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = param(30, "R communication rounds", ge=1)
+    participation: float = param(0.5, "client participation rate p", gt=0, le=1)
+    sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
+                         choices=SAMPLERS)
+    local_epochs: int = param(3, "E", ge=1)
+    local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
+                             "E epochs", ge=0)
+    batch_size: int = param(16, "B", ge=1)
+    lr: float = param(0.05, "eta_l", gt=0)
+    lr_decay: float = param(1.0, "eta_l(r) = lr * lr_decay**(r-1)", gt=0, le=1)
+    weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0)
+    grad_clip: Optional[float] = param(None, "max global grad norm over trainable params; None = off", gt=0)
+    augmentation: str = param("none", "none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | "
+                              "flip", choices=AUGMENTATIONS)
+    crop_padding: int = param(4, "zero padding of the random crop, pixels", ge=0)
+    eval_every: int = param(1, "evaluate the global model every this many rounds (and at the last round)", ge=1)
+    target_acc: float = param(0.9, "report: rounds to reach this test accuracy", ge=0, le=1)
+    final_window: int = param(5, "report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)",
+                              ge=1)
+
+
+@dataclass
+class EngineConfig:
+    executor: str = param("sequential", "sequential (reference) | vectorized (torch.func) | auto", choices=EXECUTORS)
+    max_parallel_clients: int = param(0, "vectorized: clients trained at once (0 = all sampled clients)", ge=0)
+    device: str = param("cpu", "cpu | cuda | cuda:N | auto (checked in validate)")
+    dtype: str = param("float32", "float32 | float64 (slow; for numerical checks)", choices=("float32", "float64"))
+    checkpoint_every: int = param(10, "rounds; 0 = never", ge=0)
+    checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
+    eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)
+    progress: bool = param(True, "a progress bar per experiment")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = param(True, "log to MLflow")
+    experiment: str = param("fl-pipeline", "MLflow experiment")
+    log_every: int = param(10, "flush buffered per-round metrics every this many rounds", ge=1)
+    log_model: bool = param(True, "final state_dict as an artifact")
+    neuron_drift_samples: int = param(0, "> 0: per-round neuron-drift probe on this many test samples (FedNLR "
+                                      "sec. 4)", ge=0)
+    layer_cosine: bool = param(False, "per-round cosine similarity of client updates per layer, mean over client "
+                               "pairs")
+    client_loss_trace: int = param(0, "> 0: log the local training loss of clients 0..n-1 every round they train",
+                                   ge=0)
+
+
+SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig, "train": TrainConfig,
+            "engine": EngineConfig, "tracking": TrackingConfig}  # the sections that are not rules, in check order

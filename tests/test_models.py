@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fl_core.config import MODELS as CONFIG_MODELS
+from fl_core.schema import MODELS as CONFIG_MODELS
 from fl_core.config import ModelConfig
 from fl_core.models import AUTO_MODEL, MODELS, build_model, unit_layouts
 from fl_core.models.cnn import TinyCNN
