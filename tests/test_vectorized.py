@@ -75,6 +75,9 @@ STACKS = {
     "fedbcgd_freezing": ["algorithm=fedbcgd", "algorithm.fedbcgd.blocks=2", "algorithm.fedbcgd.freezing=true"],
     "fedbug_code_schedule": ["algorithm=fedbug", "algorithm.fedbug.schedule=code",
                              "algorithm.fedbug.gu_percentage=0.8"],
+    # the forward_of service (global and per-client previous model) on augmented, padded batches
+    "fedbug_moon_crop_flip": ["algorithm=fedbug", "algorithm.name=moon", "algorithm.moon.mu=5",
+                              "train.augmentation=crop_flip", "train.crop_padding=2"],
 }
 
 
