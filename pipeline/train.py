@@ -76,7 +76,7 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   partition={opts("partition")}   partition.num_clients  partition.alpha  partition.variant
   model={opts("model")}
   algorithm={opts("algorithm")}   (presets of the rules below)
-    algorithm.name (a wrapper's base)  algorithm.wrappers  algorithm.eta_g (server learning rate)
+    algorithm.name (a wrapper's base)  algorithm.wrappers  algorithm.eta_g (server learning rate)  algorithm.server_opt
     algorithm.aggregation=weighted|uniform|null (null: the base rule's own; a rule refuses one it would ignore)
 {rules}
   +experiment={opts("experiment")}

@@ -241,3 +241,17 @@ def test_run_begun_with_plain_names_keeps_them_on_resume(tracking):
     hist = tracking.client.get_metric_history(lg.run_id, "test_acc")
     assert sorted(m.step for m in hist) == [1, 2, 3]
     assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"test_acc", "2_loss/train_loss"}
+
+
+def test_fingerprint_depends_on_the_sections_of_the_stack_only():
+    """A rule's section changes the fingerprint of the experiments that use the rule and of no other, so
+    registering a new rule (a new section) leaves every existing experiment's fingerprint, and results, in place."""
+    from pipeline.train import experiment_fingerprint
+
+    fp = lambda *o: experiment_fingerprint(tiny_cfg(*o))  # noqa: E731
+    assert fp() == fp("algorithm.moon.mu=3", "algorithm.fedprox.mu=0.5", "algorithm.adaptive.tau=0.1")
+    assert fp("algorithm=moon") != fp("algorithm=moon", "algorithm.moon.mu=3")
+    assert fp("algorithm=fedprox", "algorithm.server_opt=adam") != fp("algorithm=fedprox", "algorithm.server_opt=adam",
+                                                                     "algorithm.adaptive.tau=0.1")
+    assert fp("algorithm=fedprox") != fp("algorithm=fedprox", "algorithm.server_opt=adam")
+    assert fp("seed=1") == fp("seed=2")
