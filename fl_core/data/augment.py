@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..schema import AUGMENTATIONS
 from ..seeding import torch_generator
 
-MODES = ("none", "crop_flip", "fedbug", "flip")
+MODES = AUGMENTATIONS  # train.augmentation's choices, declared once in the schema
 
 
 @dataclass
