@@ -36,8 +36,13 @@ POINTS: Dict[str, str] = {
     "outputs_swap": "the old results/<name> is renamed aside, the staged outputs not yet renamed into place",
     "after_outputs": "results/<name> holds the new outputs, the MLflow parent run is not yet ended",
 }
+#: Points that only a worker rank of ``engine.executor=distributed`` reaches (tests/test_distributed.py kills there);
+#: the rank 0 of such a run reaches the points above.
+WORKER_POINTS: Dict[str, str] = {
+    "worker_task": "a worker rank of engine.executor=distributed received a round's clients, not yet trained them",
+}
 
-__doc__ += "\n".join(f"\n- ``{k}``: {v}." for k, v in POINTS.items())
+__doc__ += "\n".join(f"\n- ``{k}``: {v}." for k, v in {**POINTS, **WORKER_POINTS}.items())
 
 _hits: Dict[str, int] = {}
 
@@ -46,9 +51,9 @@ def point(name: str) -> None:
     """Mark the named point; SIGKILL the own process if ``FL_FAULT`` selects this hit of it.
 
     Raises:
-        KeyError: ``name`` is not one of :data:`POINTS`.
+        KeyError: ``name`` is not one of :data:`POINTS` or :data:`WORKER_POINTS`.
     """
-    if name not in POINTS:
+    if name not in POINTS and name not in WORKER_POINTS:
         raise KeyError(f"unknown fault point {name!r}")
     spec = os.environ.get(ENV)
     if not spec:

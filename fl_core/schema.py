@@ -24,7 +24,8 @@ PARTITIONS = ("iid", "dirichlet", "shards")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
 AGGREGATIONS = ("weighted", "uniform")
-EXECUTORS = ("sequential", "vectorized", "auto")
+EXECUTORS = ("sequential", "vectorized", "auto", "distributed")
+RANK_EXECUTORS = ("sequential", "vectorized", "auto")  # what each rank of engine.executor=distributed runs
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
 
 
@@ -201,7 +202,10 @@ class TrainConfig:
 
 @dataclass
 class EngineConfig:
-    executor: str = param("sequential", "sequential (reference) | vectorized (torch.func) | auto", choices=EXECUTORS)
+    executor: str = param("sequential", "sequential (reference) | vectorized (torch.func) | auto | distributed "
+                          "(the round's clients over the ranks of a torchrun start)", choices=EXECUTORS)
+    rank_executor: str = param("sequential", "engine.executor=distributed: the executor each rank trains its share "
+                               "with", choices=RANK_EXECUTORS)
     max_parallel_clients: int = param(0, "vectorized: clients trained at once (0 = all sampled clients)", ge=0)
     device: str = param("cpu", "cpu | cuda | cuda:N | auto (checked in validate)")
     dtype: str = param("float32", "float32 | float64 (slow; for numerical checks)", choices=("float32", "float64"))

@@ -649,13 +649,62 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(OmegaConf.to_yaml(cfgs[0]))
             return 0
-        resolve_device(cfgs[0].engine.device)
+        device = resolve_device(cfgs[0].engine.device)
+        rank = _join_ranks(cfgs[0], device)
     except (ConfigError, ValueError) as err:
         fail(str(err))
-    summary = _train(cfgs)
+    if rank > 0:
+        return _serve(cfgs, device)
+    try:
+        summary = _train(cfgs)
+    finally:
+        _release_ranks(cfgs[0])
     if summary is None:
         return 130
     return _outcome(summary, cfgs[0], grid)
+
+
+def _join_ranks(cfg, device) -> int:
+    """``engine.executor=distributed``: join torchrun's process group; this process's rank (0 otherwise)."""
+    if cfg.engine.executor != "distributed":
+        return 0
+    from fl_core.engine import distributed
+
+    return distributed.init(distributed.rank_device(device))[0]
+
+
+def _release_ranks(cfg) -> None:
+    """Rank 0 of ``engine.executor=distributed``: end the workers' loops and leave the group."""
+    if cfg.engine.executor == "distributed":
+        from fl_core.engine import distributed
+
+        distributed.stop_workers()
+        distributed.shutdown()
+
+
+def _serve(cfgs: List, device) -> int:
+    """A worker rank of ``engine.executor=distributed``: build this rank's executor for each seed rank 0 runs and
+    train the clients it hands over (:func:`fl_core.engine.distributed.serve`); writes nothing, logs nothing."""
+    from fl_core.engine import distributed
+    from fl_core.engine.factory import job_key
+
+    device = distributed.rank_device(device)
+    by_job = {job_key(c): c for c in cfgs}
+    ds = dataset_for(cfgs[0], write_cache=False)
+    part = partition_for(cfgs[0], ds, write_cache=False)
+    data = client_data(ds, part, device, DTYPES[cfgs[0].engine.dtype])
+
+    def executor_for(job):
+        if job not in by_job:
+            raise RuntimeError(f"rank 0 runs {job}, which this rank's command does not define (same command on "
+                               "every rank?)")
+        return build_simulator(by_job[job], ds, part, device=device, data=data).executor
+
+    try:
+        distributed.serve(executor_for, on_task=lambda: faults.point("worker_task"))
+    finally:
+        distributed.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 from ..algorithms import build_algorithm
 from ..models import build_model
 from .executors import EXECUTORS, ClientData
-from .simulator import RunLogger, Simulator
+from .simulator import RunLogger, Simulator, config_fingerprint
 from ..params import ParamSpec
 
 
@@ -54,6 +54,25 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     return "vectorized", "auto: CUDA device and every hook supports vmap"
 
 
+def job_key(cfg) -> Tuple[str, int]:
+    """What identifies one seed's run to the ranks of ``engine.executor=distributed``: (hash of the sections that
+    determine the numbers, seed). Every rank composes the same command, so every rank computes the same key."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    return config_fingerprint({k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train")}), int(cfg.seed)
+
+
+def _distribute(inner, cfg):
+    """``engine.executor=distributed``: on rank 0 the :class:`~.distributed.DistributedExecutor` around this rank's
+    executor ``inner``; on a worker rank ``inner`` itself (it serves rank 0's tasks, :func:`~.distributed.serve`)."""
+    from . import distributed
+
+    rank, size, _ = distributed.world()
+    inner.reason = f"engine.executor=distributed over {size} rank(s); each rank: {inner.name} ({inner.reason})"
+    return distributed.DistributedExecutor(inner, job_key(cfg)) if rank == 0 else inner
+
+
 def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
                     data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
                     checkpoint_path: Optional[Path] = None,
@@ -76,7 +95,9 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
     algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model), model)
     t = cfg.train
-    name, reason = choose_executor(cfg.engine.executor, algo, model, device)
+    distributed = cfg.engine.executor == "distributed"
+    name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
+                                   device)
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
                   crop_padding=t.crop_padding, local_steps=t.local_steps)
@@ -84,6 +105,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
     executor.reason = reason
+    if distributed:
+        executor = _distribute(executor, cfg)
     return Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
