@@ -213,6 +213,9 @@ class EngineConfig:
     checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
     eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)
     progress: bool = param(True, "a progress bar per experiment")
+    client_state: str = param("auto", "where per-client rule states live: memory | disk (beside the checkpoint, only "
+                              "the round's clients in memory) | auto (disk when all N clients' states exceed 4 GiB)",
+                              choices=("memory", "disk", "auto"))
 
 
 @dataclass

@@ -248,7 +248,8 @@ class _Experiment:
                      "experiment": self.name,
                      # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out split
                      "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test",
-                     "executor": self.probe.executor.name, "executor_reason": self.probe.executor.reason}
+                     "executor": self.probe.executor.name, "executor_reason": self.probe.executor.reason,
+                     "client_state": f"{self.probe.client_state}: {self.probe.client_state_reason}"}
 
     def _preflight(self):
         """Build seed 1's simulator and push one training sample through the model, before anything is

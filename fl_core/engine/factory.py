@@ -9,6 +9,7 @@ import torch
 
 from ..algorithms import build_algorithm
 from ..models import build_model
+from . import diskstate
 from .executors import EXECUTORS, ClientData
 from .simulator import RunLogger, Simulator, config_fingerprint
 from ..params import ParamSpec
@@ -107,7 +108,10 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     executor.reason = reason
     if distributed:
         executor = _distribute(executor, cfg)
-    return Simulator(model=model, algorithm=algo, executor=executor,
+    init = algo.init_client_state(torch.zeros(ParamSpec.from_model(model).d, dtype=dtype, device=device))
+    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients,
+                                           sum(v.numel() * v.element_size() for v in (init or {}).values()))
+    sim = Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
                      rounds=t.rounds, lr=t.lr, lr_decay=t.lr_decay, eval_every=t.eval_every,
@@ -116,4 +120,6 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      logger=logger, callbacks=callbacks,
                      neuron_drift_samples=cfg.tracking.neuron_drift_samples,
                      layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace,
-                     client_label_counts=torch.stack(data.label_counts).cpu())
+                     client_label_counts=torch.stack(data.label_counts).cpu(), client_state=store)
+    sim.client_state_reason = store_reason
+    return sim

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from .. import durable, faults
 from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
+from . import diskstate
 from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
 from .probes import neuron_drift
@@ -187,6 +189,8 @@ class Simulator:
             label distribution (test set reweighted by the client's label histogram, as FLGo / PFLlib
             report), summarised over clients (:func:`evaluate`); the post-training step logs them as
             ``post_client_acc_*``.
+        client_state: ``engine.client_state``: where per-client states live, ``memory``, ``disk``
+            (:mod:`~.diskstate`, beside the checkpoint) or ``auto`` (by their total size).
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -196,7 +200,7 @@ class Simulator:
                  logger: Optional[RunLogger] = None,
                  callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
                  neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0,
-                 client_label_counts=None):
+                 client_label_counts=None, client_state: str = "memory"):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -209,6 +213,8 @@ class Simulator:
         self.checkpoint_every = checkpoint_every
         self.logger = logger or NullLogger()
         self.callbacks = list(callbacks or [])
+        self.client_state = client_state  # memory | disk | auto (diskstate.choose)
+        self.client_state_reason = ""
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
         self.client_loss_trace = int(client_loss_trace)
@@ -299,8 +305,7 @@ class Simulator:
         """
         resumed_from = self.restore()
         st, self._restored = self._restored, None
-        store = ClientStateStore("cpu")
-        store.load_state_dict(st["clients"])
+        store = self._open_store(st)
         self.logger.open(st.get("logger"))
         d = self.spec.d
         try:
@@ -348,6 +353,7 @@ class Simulator:
                 for cb in self.callbacks:
                     cb(r, row)
         except NonFiniteLossError as err:
+            getattr(store, "close", lambda: None)()
             self.logger.flush()
             self.logger.close("FAILED", str(err))
             self.discard_checkpoint()
@@ -370,9 +376,47 @@ class Simulator:
         result = RunResult(st["history"], final.detach().cpu().clone(),
                            {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                            resumed_from=resumed_from)
+        getattr(store, "close", lambda: None)()
         return result
 
     def discard_checkpoint(self) -> None:
-        """Remove the checkpoint and its ``.prev`` once the run's result is safely recorded."""
+        """Remove the checkpoint and its ``.prev`` (and a disk store's folder) once the run's result is safely
+        recorded."""
         if self.checkpoint_path is not None:
             durable.remove(self.checkpoint_path)
+            shutil.rmtree(self._states_folder(), ignore_errors=True)
+
+    def _states_folder(self) -> Optional[Path]:
+        """Where ``engine.client_state=disk`` keeps the states: beside the checkpoint (None without one)."""
+        return None if self.checkpoint_path is None else self.checkpoint_path.with_name(
+            self.checkpoint_path.name + ".states")
+
+    def _open_store(self, st: dict):
+        """The client-state store of ``engine.client_state`` (:func:`~.diskstate.choose`), holding the states of
+        ``st["clients"]`` (a checkpoint of either kind of store is read into either kind)."""
+        g = st["global"]
+        init = self.algo.init_client_state(g) if self.client_state != "memory" else None
+        per_client = sum(v.numel() * v.element_size() for v in (init or {}).values())
+        kind, reason = diskstate.choose(self.client_state, self.num_clients, per_client)
+        self.client_state_reason = self.client_state_reason or reason
+        saved = st["clients"]
+        on_disk = diskstate.DISK_KEY in saved
+        if kind == "disk":
+            store = diskstate.DiskClientStateStore(self.num_clients, self._states_folder())
+            if on_disk or not saved:
+                store.load_state_dict(saved)
+                return store
+        else:
+            store = ClientStateStore("cpu")
+            if not on_disk:
+                store.load_state_dict(saved)
+                return store
+        source = diskstate.DiskClientStateStore(self.num_clients, Path(saved[diskstate.DISK_KEY]["folder"])) \
+            if on_disk else None
+        if source is not None:
+            source.load_state_dict(saved)
+        for cid, state in (source.items() if source is not None else saved.items()):
+            store.put(int(cid), state)
+        if source is not None:
+            source.close()
+        return store
