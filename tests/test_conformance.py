@@ -3,7 +3,7 @@ registering it.
 
 For every base rule:
 - the sequential and the vectorised executor give the same model (float64, |diff| <= 1e-9), or the vectorised
-  one refuses the rule with one line;
+  one refuses the rule with one line, in this setting and with unequal clients and partial participation;
 - with its ``neutral`` overrides it equals its ``reference`` (FedProx with mu = 0 is FedAvg, ...);
 - the uplink and downlink counted from the messages equal the rule's closed form ``comm_floats`` (|S| a
   multiple of the block count, so FedBCGD's closed form is exact too);
@@ -44,6 +44,9 @@ WITH_PSEUDO_GRADIENT = tuple(b for b in BASES if registry.get(b).eta_g)
 SELECTING = ("topk",)
 TOL = 1e-9
 
+# unequal clients (padding, unequal K_i) and partial participation, for the executor comparison of every base
+UNEQUAL = ("partition=dirichlet", "partition.variant=per_class", "partition.alpha=0.5", "partition.min_size=5",
+           "partition.num_clients=6", "train.participation=0.5", "train.sampler=bernoulli", "train.batch_size=16")
 SETTING = ("model=mlp", "model.hidden=16", "partition=iid", "partition.num_clients=4", "train.participation=1.0",
            "train.sampler=fixed", "train.rounds=2", "train.local_epochs=1", "train.batch_size=64", "train.lr=0.05",
            "engine.dtype=float64", "engine.progress=false", "engine.checkpoint_every=0", "tracking.enabled=false")
@@ -106,6 +109,14 @@ def _sequential_equals_vectorized(stack: tuple) -> None:
 @pytest.mark.parametrize("base", BASES)
 def test_base_sequential_equals_vectorized(base):
     _sequential_equals_vectorized(_stack(base))
+    _sequential_equals_vectorized(_stack(base, extra=UNEQUAL))
+
+
+def test_the_unequal_setting_has_unequal_clients_and_partial_rounds():
+    sim = _sim(_stack("fedavg", extra=UNEQUAL))
+    sizes = {sim.executor.data.size(i) for i in range(6)}
+    hist = _run(_stack("fedavg", extra=UNEQUAL))[1]
+    assert len(sizes) > 2 and {h["num_clients"] for h in hist} != {6}
 
 
 @pytest.mark.parametrize("base", [b for b in BASES if registry.get(b).neutral])
