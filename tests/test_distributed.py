@@ -34,8 +34,9 @@ def _free_port() -> int:
 def _torchrun(args, cwd: Path, env_extra=None, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "FL_FAULT"}
     env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONPATH": str(ROOT), **(env_extra or {})})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), *args]
+    torchrun = Path(sys.executable).with_name("torchrun")  # the console script docs/scaling.md uses
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
