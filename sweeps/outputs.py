@@ -19,7 +19,8 @@ from fl_core.paths import project_root
 from pipeline.files import atomic_write, write_text
 from pipeline.grid import format_value
 
-from .runner import DataCache, Settings, error_reason, owner_tags, quiet_optuna, round_metrics, train_seeds
+from .runner import (DataCache, Settings, error_reason, owner_tags, quiet_optuna, round_metrics, shown_storage,
+                     train_seeds)
 from .spaces import (VALIDATION_FRACTION, Space, display_path, make_override, merge_overrides, override_key,
                      overrides_mapping)
 
@@ -56,7 +57,8 @@ def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Opti
                                      "base_overrides": " ".join(space.base), "overrides": " ".join(settings.overrides),
                                      "validation_fraction": VALIDATION_FRACTION})
         study.set_user_attr("mlflow_parent_run_id", run_id)
-    for k, v in {"sampler": settings.sampler, "pruner": settings.pruner, "storage": settings.storage}.items():
+    tags = {"sampler": settings.sampler, "pruner": settings.pruner, "storage": shown_storage(settings.storage)}
+    for k, v in tags.items():
         tracking.client.set_tag(run_id, k, v)
     return run_id
 
@@ -272,7 +274,8 @@ def summarize(study, settings: Settings, space: Space, best, test: Optional[Dict
     states = {s: sum(1 for t in trials if t.state.name == s) for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}
     out: Dict[str, Any] = {
         "study": settings.study_name, "space": space.name, "space_file": str(space.path),
-        "storage": settings.storage, "objectives": settings.objectives, "directions": settings.directions(),
+        "storage": shown_storage(settings.storage), "objectives": settings.objectives,
+        "directions": settings.directions(),
         "sampler": settings.sampler, "pruner": "none" if settings.multi else settings.pruner,
         "seeds": settings.seeds, "overrides": settings.overrides, "trials": len(trials),
         "complete": states["COMPLETE"], "pruned": states["PRUNED"], "failed": states["FAIL"],
@@ -378,7 +381,9 @@ def _best_markdown(s: Dict[str, Any], objectives: List[str]) -> List[str]:
 def finish_study(study, settings: Settings, space: Space, out: Path, t_start: float, *, status: str,
                  run_test: bool, tracking=None, error: Optional[str] = None) -> Tuple[Dict[str, Any], str]:
     """After the trials: test the best configuration (``run_test``; else a cached result is reported),
-    write best.yaml, plots, trials.csv and the summary, then log them to the MLflow parent run and end it.
+    write best.yaml, plots, trials.csv and the summary, then log them to the MLflow parent run and end it,
+    unless trials of the study are still RUNNING (other processes or machines on the same storage): then the
+    parent run stays RUNNING, for the process that finishes the last trial to end.
 
     Every file is written before MLflow is touched, and an error or Ctrl-C in the test run only
     drops the test accuracy, so nothing computed is lost.
@@ -449,8 +454,8 @@ def _write_outputs(study, settings: Settings, out: Path, summary: Dict[str, Any]
 
 def _end_parent_run(tracking, settings: Settings, study, summary: Dict[str, Any], best, test, out: Path,
                     plots: List[Path], status: str) -> str:
-    """Log the outputs to the MLflow parent run and end it (:func:`_log_parent`); returns ``status``, or
-    failed if MLflow failed (then the parent run is ended FAILED if it still can be)."""
+    """Log the outputs to the MLflow parent run and end it, unless trials still run (:func:`_log_parent`); returns
+    ``status``, or failed if MLflow failed (then the parent run is ended FAILED if it still can be)."""
     try:
         _log_parent(tracking, settings, study, summary, best, test, out, plots, status)
     except Exception as err:  # the files are written: say so and end with an error
@@ -467,6 +472,8 @@ def _end_parent_run(tracking, settings: Settings, study, summary: Dict[str, Any]
 
 def _log_parent(tracking, settings: Settings, study, summary: Dict[str, Any], best, test, out: Path,
                 plots: List[Path], status: str) -> None:
+    """Metrics (at step = number of trials), tags and the output files to the parent run, which then ends with
+    ``status`` (FINISHED | KILLED | FAILED), or stays RUNNING while ``summary["running"]`` trials run."""
     from mlflow.entities import Metric
 
     metrics = {"trials_complete": summary["complete"], "trials_pruned": summary["pruned"],
@@ -484,5 +491,10 @@ def _log_parent(tracking, settings: Settings, study, summary: Dict[str, Any], be
         tracking.client.set_tag(settings.parent_run_id, "failure_reason", summary["error"][:5000])
     files = [out / n for n in ("summary.md", "summary.json", "best.yaml", "trials.csv")] + plots
     tracking.log_artifacts(settings.parent_run_id, files)
+    if summary["running"]:  # trials of other processes (other machines) still run: the last one ends the run
+        print(f"note: {summary['running']} trial(s) of the study still RUNNING (other processes or machines, or "
+              "left by a killed one): the MLflow parent run stays RUNNING; the process that ends the last one "
+              "ends it", file=sys.stderr)
+        return
     tracking.end_parent(settings.parent_run_id,
                         {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED"))

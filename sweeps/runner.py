@@ -31,10 +31,11 @@ import time
 import traceback
 import warnings
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fl_core import procs
 from fl_core.config import ConfigError
@@ -90,12 +91,14 @@ class StorageError(RuntimeError):
 
 # the module SQLAlchemy 2.1 imports for a URL -> how to install it
 DRIVERS = {
-    "psycopg": "pip install 'psycopg[binary]' for postgresql://, or pip install psycopg2-binary and write "
-               "postgresql+psycopg2://",
+    "psycopg": "pip install 'psycopg[binary]' (a dependency of the project) for postgresql:// and "
+               "postgresql+psycopg://, or pip install psycopg2-binary and write postgresql+psycopg2://",
     "psycopg2": "pip install psycopg2-binary",
     "MySQLdb": "pip install mysqlclient for mysql://, or pip install pymysql and write mysql+pymysql://",
     "pymysql": "pip install pymysql",
 }
+SETUP_LOCK_TIMEOUT_S = 600.0  # the longest a process waits for another one's study setup (setup_lock)
+SETUP_LOCK_NAME = "fl-pipeline sweeps: study setup"  # hashed into PostgreSQL's advisory lock key
 
 
 def is_url(spec: str) -> bool:
@@ -120,10 +123,25 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def storage_error(spec: str, err: BaseException) -> StorageError:
+    """The one-line :class:`StorageError` naming ``spec`` for an error raised while opening it: a missing driver
+    (``ImportError``, with how to install it), else "cannot open the storage (<type>: <first line>)"."""
+    if isinstance(err, ImportError):  # Optuna re-raises SQLAlchemy's ModuleNotFoundError as ImportError
+        cause = err.__cause__ or err.__context__ or err
+        hint = DRIVERS.get(getattr(cause, "name", None) or "", "install the driver of the URL's dialect")
+        return StorageError(f"--storage {shown_storage(spec)}: the database driver is not installed "
+                            f"({_first_line(cause)}; {hint})")
+    return StorageError(f"--storage {shown_storage(spec)}: cannot open the storage "
+                        f"({type(err).__name__}: {_first_line(err)})")
+
+
 def open_storage(spec: str):
-    """An Optuna storage: an RDB URL (``postgresql://``, ``mysql://``, ``sqlite:///``) through
-    SQLAlchemy (the URL's driver must be installed, e.g. ``pip install psycopg2-binary`` for
-    PostgreSQL), else a journal file (parent folders created), safe for several processes on one machine.
+    """An Optuna storage: an RDB URL (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///``) through
+    SQLAlchemy (the URL's driver must be installed; psycopg 3 for PostgreSQL is a dependency), else a journal
+    file (parent folders created), safe for several processes on one machine.
+
+    A new database gets Optuna's tables on first open; processes that may open a new database at the same
+    time (several machines starting) hold :func:`setup_lock` around it.
 
     Raises:
         StorageError: a missing driver, an unreachable server, a bad URL or an unusable file (one line
@@ -141,14 +159,137 @@ def open_storage(spec: str):
         from optuna.storages.journal import JournalFileBackend
 
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-    except ImportError as err:  # Optuna re-raises SQLAlchemy's ModuleNotFoundError as ImportError
-        cause = err.__cause__ or err.__context__ or err
-        hint = DRIVERS.get(getattr(cause, "name", None) or "", "install the driver of the URL's dialect")
-        raise StorageError(f"--storage {shown_storage(spec)}: the database driver is not installed "
-                           f"({_first_line(cause)}; {hint})") from None
-    except Exception as err:  # SQLAlchemy: unreachable server, bad URL; OSError: the journal file
-        raise StorageError(f"--storage {shown_storage(spec)}: cannot open the storage "
-                           f"({type(err).__name__}: {_first_line(err)})") from None
+    except Exception as err:  # SQLAlchemy: no driver, unreachable server, bad URL; OSError: the journal file
+        raise storage_error(spec, err) from None
+
+
+@contextmanager
+def setup_lock(spec: str, timeout_s: float = SETUP_LOCK_TIMEOUT_S, poll_s: float = 0.2,
+               on_wait: Optional[Callable[[str], None]] = None) -> Iterator[str]:
+    """Hold the study-setup lock of storage ``spec`` while the ``with`` block runs: one process at a time, on
+    any machine, opens the storage (Optuna creates its tables in a new database), creates or loads a study,
+    records its signature and creates or reopens its MLflow parent run. Without it, processes started
+    together on a new PostgreSQL database fail creating the same tables (``UniqueViolation`` on
+    ``pg_type_typname_nsp_index``) and each creates its own parent run. Trials do not take it.
+
+    - PostgreSQL (``postgresql[+driver]://``): a session-level advisory lock (``pg_try_advisory_lock`` on a
+      key hashed from :data:`SETUP_LOCK_NAME`, tried every ``poll_s`` seconds) on a connection of its own;
+      it is released when the block ends, and by the server if this process dies;
+    - SQLite files and journal files (one machine): a file lock beside the file, ``<file>.setup.lock``
+      (a journal file's folder is created, as :func:`open_storage` does);
+    - other databases (MySQL, in-memory SQLite): no lock (processes must not start a new study together).
+
+    ``on_wait`` receives one line once if the lock is held by another process at the first try.
+
+    Yields:
+        How the lock is held: ``"advisory"``, ``"file"`` or ``"none"``.
+
+    Raises:
+        StorageError: the storage cannot be reached (as :func:`open_storage`), or another process held the
+            lock for ``timeout_s`` seconds (one line naming ``spec``).
+    """
+    if not is_url(spec):
+        with _file_lock(spec, Path(spec + ".setup.lock"), timeout_s, on_wait, mkdir=True):
+            yield "file"
+        return
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(spec)
+        backend = url.get_backend_name()
+    except Exception as err:  # not a URL SQLAlchemy can parse
+        raise storage_error(spec, err) from None
+    if backend == "postgresql":
+        with _advisory_lock(spec, timeout_s, poll_s, on_wait):
+            yield "advisory"
+    elif backend == "sqlite" and url.database not in (None, "", ":memory:"):
+        with _file_lock(spec, Path(url.database + ".setup.lock"), timeout_s, on_wait, mkdir=False):
+            yield "file"
+    else:
+        yield "none"
+
+
+def _lock_timeout(spec: str, timeout_s: float) -> StorageError:
+    return StorageError(f"--storage {shown_storage(spec)}: another process held the study-setup lock for "
+                        f"{timeout_s:g} s (a sweep stuck while it starts?)")
+
+
+@contextmanager
+def _file_lock(spec: str, path: Path, timeout_s: float, on_wait: Optional[Callable[[str], None]],
+               mkdir: bool) -> Iterator[None]:
+    """:func:`setup_lock` for a file: ``filelock.FileLock`` on ``path``; its folder is created with ``mkdir``, else
+    it must exist."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path))
+    try:
+        if mkdir:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif not path.parent.is_dir():  # FileLock would create it: SQLite itself does not
+            raise FileNotFoundError(f"no such folder: {path.parent}")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if on_wait is not None:
+                on_wait(f"another process is setting up a study in {shown_storage(spec)}: waiting for it "
+                        f"(at most {timeout_s:g} s)")
+            lock.acquire(timeout=timeout_s)
+    except Timeout:
+        raise _lock_timeout(spec, timeout_s) from None
+    except OSError as err:  # the folder does not exist (SQLite) or cannot be written
+        raise storage_error(spec, err) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
+def _advisory_lock(spec: str, timeout_s: float, poll_s: float,
+                   on_wait: Optional[Callable[[str], None]]) -> Iterator[None]:
+    """:func:`setup_lock` for PostgreSQL: a session advisory lock on a connection of its own (no pool)."""
+    import hashlib
+
+    import sqlalchemy
+
+    key = int.from_bytes(hashlib.sha256(SETUP_LOCK_NAME.encode()).digest()[:8], "big", signed=True)
+    try_lock = sqlalchemy.text("SELECT pg_try_advisory_lock(:key)")
+    engine = conn = None
+    try:
+        engine = sqlalchemy.create_engine(spec, poolclass=sqlalchemy.pool.NullPool)
+        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        deadline = time.monotonic() + timeout_s
+        held = bool(conn.execute(try_lock, {"key": key}).scalar())
+        if not held and on_wait is not None:
+            on_wait(f"another process is setting up a study in {shown_storage(spec)}: waiting for it "
+                    f"(at most {timeout_s:g} s)")
+        while not held and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            held = bool(conn.execute(try_lock, {"key": key}).scalar())
+    except Exception as err:  # no driver, unreachable server, bad URL
+        _close(conn, engine)
+        raise storage_error(spec, err) from None
+    if not held:
+        _close(conn, engine)
+        raise _lock_timeout(spec, timeout_s)
+    try:
+        yield
+    finally:
+        try:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+        except Exception:  # the connection is gone: the server released the lock with it
+            pass
+        _close(conn, engine)
+
+
+def _close(conn, engine) -> None:
+    """Close a connection and dispose of its engine, either of them None; errors are ignored."""
+    for close in ((conn.close if conn is not None else None), (engine.dispose if engine is not None else None)):
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass
 
 
 def make_sampler(name: str, seed: Optional[int], multi: bool, conditional: bool):

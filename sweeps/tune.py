@@ -23,6 +23,7 @@ import argparse
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -30,10 +31,10 @@ if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make t
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fl_core.paths import project_root
-from sweeps.runner import (EXIT_INTERRUPTED, METRIC_NAMES, OBJECTIVES, SAMPLERS, DataCache, Settings, TrialRunner,
-                           default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url, open_storage,
-                           optimize, parse_pruner, quiet_optuna, run_workers, sampler_and_pruner, set_threads,
-                           shown_storage)
+from sweeps.runner import (EXIT_INTERRUPTED, METRIC_NAMES, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
+                           TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url,
+                           open_storage, optimize, parse_pruner, quiet_optuna, run_workers, sampler_and_pruner,
+                           set_threads, setup_lock, shown_storage)
 from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
@@ -63,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parallel worker processes (default 1: trials run in this process)")
     p.add_argument("--storage", default=None, metavar="PATH|URL",
                    help="journal file (default sweeps/studies/<study>.log) or an RDB URL for many machines, "
-                        "e.g. postgresql://user@host/db. An RDB URL needs its driver, which is not installed: "
-                        "pip install 'psycopg[binary]' for postgresql:// (or psycopg2-binary with "
-                        "postgresql+psycopg2://), pymysql with mysql+pymysql://; sqlite:/// works as is")
+                        "e.g. postgresql+psycopg://user@host/db (psycopg 3 is installed with the project; "
+                        "postgresql+psycopg2:// needs pip install psycopg2-binary, mysql+pymysql:// pip install "
+                        "pymysql); sqlite:/// works as is. Run the same command on every machine: see "
+                        "docs/scaling.md")
     p.add_argument("--study-name", default=None, metavar="NAME", help="default: the space's name")
     p.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="default tpe (multivariate, constant liar)")
     p.add_argument("--sampler-seed", type=int, default=None, metavar="S",
@@ -112,19 +114,8 @@ def _main(argv: Optional[List[str]]) -> int:
     if len(objectives) > 1 and args.pruner not in (None, "none"):
         print("note: multi-objective studies cannot prune; --pruner ignored", file=sys.stderr)
     settings = _settings(args, space, base_cfg, objectives)
-    study, cache = _open_study(settings, space, base_cfg)
-    _check_signature(study, settings, space)
-    if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
-        _fail_stale(study)
-    tracking = None
-    if settings.experiment:
-        from fl_core.tracking import Tracking
-
-        tracking = Tracking(settings.experiment)
-        _end_orphaned_runs(tracking)
-    from sweeps.outputs import ensure_parent_run
-
-    settings.parent_run_id = ensure_parent_run(study, settings, space, tracking)
+    kwargs, cache = _sampler_and_data(settings, space, base_cfg)
+    study, tracking = _set_up(args, settings, space, kwargs)
     out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
     print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in {shown_storage(settings.storage)}; "
           f"space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
@@ -186,12 +177,9 @@ def _settings(args: argparse.Namespace, space, base_cfg, objectives: List[str]) 
                     threads=args.threads, timeout=args.timeout, quiet=args.quiet)
 
 
-def _open_study(settings: Settings, space, base_cfg):
-    """(the Optuna study, created or loaded from ``settings.storage``; the process's :class:`DataCache`,
-    holding the base config's data). A bad sampler/pruner, missing data or a storage failure: one line on
-    stderr and exit 2."""
-    import optuna
-
+def _sampler_and_data(settings: Settings, space, base_cfg):
+    """(the ``sampler`` / ``pruner`` keyword arguments of the study, the process's :class:`DataCache` holding the
+    base config's data). A bad sampler or missing data: one line on stderr and exit 2."""
     from pipeline.common import fail
 
     quiet_optuna()
@@ -199,14 +187,59 @@ def _open_study(settings: Settings, space, base_cfg):
         kwargs = sampler_and_pruner(settings, space)
         cache = DataCache()
         cache.get(base_cfg)  # missing data files stop the sweep here, with one line
-        storage = open_storage(settings.storage)
-        study = optuna.create_study(study_name=settings.study_name, storage=storage,
-                                    directions=settings.directions(), load_if_exists=True, **kwargs)
     except (ValueError, RuntimeError) as err:
         fail(str(err).strip().splitlines()[0])
+    return kwargs, cache
+
+
+def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
+    """(the study, the MLflow :class:`~fl_core.tracking.Tracking` or None): under the storage's setup lock
+    (:func:`sweeps.runner.setup_lock`: one process at a time, on any machine) open the storage, create or load
+    the study, check its signature, mark stale trials FAIL (``--fail-stale``), end orphaned MLflow runs and
+    create or reopen the parent run (``settings.parent_run_id``). A storage failure, a lock held too long or
+    another signature: one line on stderr and exit 2."""
+    from pipeline.common import fail
+
+    with ExitStack() as setup:
+        try:
+            setup.enter_context(setup_lock(settings.storage, on_wait=_note))
+        except StorageError as err:
+            fail(str(err))
+        study = _open_study(settings, kwargs)
+        _check_signature(study, settings, space)
+        if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
+            _fail_stale(study)
+        tracking = None
+        if settings.experiment:
+            from fl_core.tracking import Tracking
+
+            tracking = Tracking(settings.experiment)
+            _end_orphaned_runs(tracking)
+        from sweeps.outputs import ensure_parent_run
+
+        settings.parent_run_id = ensure_parent_run(study, settings, space, tracking)
+    return study, tracking
+
+
+def _open_study(settings: Settings, kwargs):
+    """The Optuna study, created or loaded from ``settings.storage`` (call it under :func:`setup_lock`). A storage
+    failure: one line naming ``--storage`` on stderr and exit 2."""
+    import optuna
+
+    from pipeline.common import fail
+
+    try:
+        storage = open_storage(settings.storage)
+        return optuna.create_study(study_name=settings.study_name, storage=storage,
+                                   directions=settings.directions(), load_if_exists=True, **kwargs)
+    except StorageError as err:
+        fail(str(err))
     except Exception as err:  # the storage failed after opening (e.g. the server went away)
         fail(f"--storage {shown_storage(settings.storage)}: {type(err).__name__}: {str(err).splitlines()[0]}")
-    return study, cache
+
+
+def _note(line: str) -> None:
+    print(f"note: {line}", file=sys.stderr, flush=True)
 
 
 def _check_signature(study, settings: Settings, space) -> None:

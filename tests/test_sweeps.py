@@ -170,18 +170,43 @@ def test_keys_the_sweep_fixes_cannot_be_overridden(tmp_path, capsys, override):
 
 
 @pytest.mark.parametrize("url,message", [
-    ("postgresql://sweeper@localhost/optuna", "driver is not installed (No module named 'psycopg'; "
-                                              "pip install 'psycopg[binary]'"),  # no PostgreSQL driver installed
+    ("postgresql://sweeper@localhost/optuna", "driver is not installed (import of psycopg halted; None in "
+                                              "sys.modules; pip install 'psycopg[binary]'"),  # psycopg hidden below
     ("postgresql+psycopg2://sweeper:pw@localhost/optuna", "pip install psycopg2-binary"),
     ("nosuchdialect://host/db", "cannot open the storage"),
     ("sqlite:////nonexistent-dir/x/optuna.db", "cannot open the storage"),
 ])
-def test_storage_errors_are_one_line_naming_the_storage(tmp_path, capsys, url, message):
+def test_storage_errors_are_one_line_naming_the_storage(tmp_path, capsys, monkeypatch, url, message):
+    """(PostgreSQL servers that cannot be reached: tests/test_postgres.py.)"""
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the dependency were missing: import raises
     tmp_space = tmp_path / "lr.yaml"
     tmp_space.write_text(LR_SPACE)
     assert tune.main(["--space", str(tmp_space), "--n-trials", "1", "--storage", url, "--no-mlflow"]) == 2
     err = _one_line_error(capsys)
     assert f"--storage {url.replace(':pw@', ':***@')}" in err and message in err
+    assert not Path("/nonexistent-dir").exists()
+
+
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_the_setup_lock_of_a_file_storage_has_one_holder_at_a_time(tmp_path, kind):
+    """Journal and SQLite files: a file lock beside the file (PostgreSQL's advisory lock: tests/test_postgres.py)."""
+    db = tmp_path / "studies" / ("s.log" if kind == "journal" else "s.db")
+    if kind == "sqlite":
+        db.parent.mkdir()
+    spec = str(db) if kind == "journal" else f"sqlite:///{db}"
+    waits = []
+    with runner.setup_lock(spec) as how:
+        assert how == "file" and (db.parent / f"{db.name}.setup.lock").exists()
+        with pytest.raises(runner.StorageError) as err:
+            with runner.setup_lock(spec, timeout_s=0.3, on_wait=waits.append):
+                pytest.fail("a second holder got the lock")
+        assert str(err.value) == (f"--storage {spec}: another process held the study-setup lock for 0.3 s "
+                                  "(a sweep stuck while it starts?)")
+        assert waits == [f"another process is setting up a study in {spec}: waiting for it (at most 0.3 s)"]
+    with runner.setup_lock(spec, timeout_s=0.3) as how:  # released at the end of the block
+        assert how == "file"
+    with runner.setup_lock("sqlite://") as how:  # in memory: one process, nothing to lock
+        assert how == "none"
 
 
 def test_overrides_precedence_and_conditional_sampling():
@@ -455,6 +480,28 @@ def test_two_workers_share_one_storage_without_duplicate_trials(sandbox, capfd):
     captured = capfd.readouterr()
     assert "w1 trial" in captured.err and "w2 trial" in captured.err  # trial lines on stderr, as in-process
     assert "w1 trial" not in captured.out and "w2 trial" not in captured.out
+
+
+def test_the_parent_run_stays_running_while_trials_of_other_machines_run(sandbox, capsys):
+    """Several machines on one storage: a process that finishes while other processes' trials run leaves the
+    MLflow parent run RUNNING; the one that finishes when none runs ends it."""
+    space, storage = sandbox / "lr.yaml", sandbox / "m.log"
+    space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-3").replace("1.0e+6", "0.5"))
+    study = optuna.create_study(study_name="m", storage=runner.open_storage(str(storage)), direction="maximize")
+    elsewhere = study.ask()  # a trial another machine runs (--fail-stale leaves it alone)
+    elsewhere.set_user_attr("host", "another-machine")
+    elsewhere.set_user_attr("pid", 1)
+    args = _args(space, storage, "m", sandbox / "out", "--pruner", "none", "--no-test")
+    assert tune.main(args + ["--n-trials", "1"]) == 0
+    assert "note: 1 trial(s) of the study still RUNNING" in capsys.readouterr().err
+    client, parents = _runs("m", "study")
+    assert [p.info.status for p in parents] == ["RUNNING"]
+    assert parents[0].data.metrics["trials_complete"] == 1  # its outputs are logged all the same
+    study.tell(elsewhere, state=optuna.trial.TrialState.PRUNED)  # the other machine is done (no value: never best)
+    assert tune.main(args + ["--n-trials", "1"]) == 0
+    assert "still RUNNING" not in capsys.readouterr().err
+    assert [p.info.status for p in _runs("m", "study")[1]] == ["FINISHED"]
+    assert client.get_run(parents[0].info.run_id).data.metrics["trials_complete"] == 2
 
 
 def test_multi_objective_study_has_a_pareto_front_and_no_pruning(sandbox):
