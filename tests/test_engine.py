@@ -127,3 +127,44 @@ def test_empty_clients_take_no_step():
     sched = batch_schedule(0, 1, 3, 37, 16, 2)
     assert [len(b) for b in sched] == [16, 16, 5, 16, 16, 5] and len(sched) == local_steps(37, 16, 2)
     assert sorted(torch.cat(sched[:3]).tolist()) == list(range(37))  # each epoch is a permutation
+
+
+def test_derive_seeds_equals_derive_seed_per_element():
+    import numpy as np
+
+    from fl_core.seeding import derive_seed, derive_seeds
+
+    xs = np.concatenate([np.random.default_rng(0).integers(0, 2**32, 300), [0, 1, 2**32 - 1]])
+    for keys in [("batches", 0, 1), ("batches", 12345, 678), (), ("a",), ("a", "b", 3, 4, 5, 6), ("x", 2**40)]:
+        assert derive_seeds(keys, xs).tolist() == [derive_seed(*keys, int(x)) for x in xs], keys
+    assert derive_seeds(("a",), [2**33]).tolist() == [derive_seed("a", 2**33)]  # two words: the per-element path
+    assert derive_seeds(("a",), []).tolist() == []
+
+
+@pytest.mark.parametrize("batch_size, epochs, steps", [(4, 1, 0), (4, 3, 0), (16, 2, 0), (5, 2, 3), (3, 1, 9)])
+def test_vectorized_schedule_is_every_clients_batch_schedule(batch_size, epochs, steps):
+    """The vectorised executor's [C, Kmax, B] schedule holds each client's batch_schedule, padded with weight 0
+    (empty clients, clients smaller than a batch, a last batch cut short, train.local_steps across epochs)."""
+    from fl_core.algorithms import FedAvg
+    from fl_core.algorithms.base import RoundContext
+    from fl_core.engine.executors import ClientData, VectorizedExecutor, batch_schedule
+    from fl_core.engine.state import ClientStateStore
+    from fl_core.models.linear import LogisticRegression
+    from fl_core.params import ParamSpec, flatten_params
+
+    sizes = [5, 0, 1, 16, 37, 4, 0, 9]
+    perm = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(1))
+    indices = list(torch.split(perm, sizes))
+    data = ClientData(torch.randn(sum(sizes), 1, 2, 2), torch.randint(0, 3, (sum(sizes),)), indices, 3)
+    model = LogisticRegression((1, 2, 2), 3)
+    ex = VectorizedExecutor(model, FedAvg(), data, batch_size=batch_size, local_epochs=epochs, seed=7, local_steps=steps)
+    rctx = RoundContext(round=4, lr=0.1, global_flat=flatten_params(model), spec=ParamSpec.from_model(model))
+    ids = [7, 1, 0, 4, 2, 3]  # any order, an empty client among them
+    pos, w, kmax = ex._schedule(rctx, ex.client_contexts(rctx, ids, ClientStateStore()))
+    for c, cid in enumerate(ids):
+        sched = batch_schedule(7, 4, cid, sizes[cid], batch_size, epochs, steps)
+        assert w[c].sum() == sum(len(b) for b in sched)
+        for k in range(kmax):
+            b = sched[k] if k < len(sched) else torch.zeros(0, dtype=torch.long)
+            assert torch.equal(pos[c, k, :len(b)], indices[cid][b]) and bool((w[c, k, :len(b)] == 1).all())
+            assert bool((w[c, k, len(b):] == 0).all()) and bool((pos[c, k, len(b):] == 0).all())

@@ -16,9 +16,16 @@ import torch.nn.functional as F
 
 from ..algorithms.base import Algorithm, ClientContext, ClientUpdate, RoundContext
 from ..data import augment
-from ..seeding import torch_generator
+from ..seeding import derive_seeds, torch_generator
 from .probes import layer_activation_means
 from .state import ClientStateStore, flatten_params, load_flat
+
+
+def overrides(algo: Algorithm, hook: str) -> bool:
+    """Whether ``algo``'s class defines hook ``hook`` other than :class:`Algorithm`'s default (a no-op, or ``None``
+    / the update unchanged); a wrapper always counts as defining it (it forwards). The vectorised executor skips
+    the per-client calls of a default hook."""
+    return getattr(type(algo), hook) is not getattr(Algorithm, hook)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -177,6 +184,9 @@ class Executor:
         self.grad_clip = grad_clip
         self.seed = seed
         self._fwd = _FeatureForward(model)
+        # n_i and K_i of every client (fixed for the run): one list look-up per client and round
+        self._sizes = [int(ix.numel()) for ix in data.indices]
+        self._steps = [client_steps(n, batch_size, local_epochs, local_steps) for n in self._sizes]
 
     @torch.no_grad()
     def forward_at(self, spec, flat: torch.Tensor, x: torch.Tensor):
@@ -200,13 +210,21 @@ class Executor:
 
     def client_context(self, rctx: RoundContext, cid: int, store: ClientStateStore) -> ClientContext:
         """Client ``cid``'s context for the round, with its stored state (or the algorithm's initial one)."""
-        n_i = self.data.size(cid)
-        state = store.get(int(cid), lambda: self.algo.init_client_state(rctx.global_flat))
+        cid = int(cid)
+        state = store.get(cid, lambda: self.algo.init_client_state(rctx.global_flat))
         if state is not None:  # the store may live in host memory; compute where the data is
             state = {k: v.to(self.data.x.device) for k, v in state.items()}
-        return ClientContext(round=rctx, client_id=int(cid), num_samples=n_i,
-                             num_steps=client_steps(n_i, self.batch_size, self.local_epochs, self.local_steps),
+        return ClientContext(round=rctx, client_id=cid, num_samples=self._sizes[cid], num_steps=self._steps[cid],
                              label_counts=self.data.label_counts[cid], state=state)
+
+    def client_contexts(self, rctx: RoundContext, ids: Sequence[int], store: ClientStateStore) -> List[ClientContext]:
+        """:meth:`client_context` of every client of ``ids`` (ints), in order. When the rule keeps no client state
+        (an empty store and ``init_client_state`` None) every state is None without a store look-up per client."""
+        if len(store) == 0 and self.algo.init_client_state(rctx.global_flat) is None:
+            sizes, steps, counts = self._sizes, self._steps, self.data.label_counts
+            return [ClientContext(round=rctx, client_id=c, num_samples=sizes[c], num_steps=steps[c],
+                                  label_counts=counts[c]) for c in ids]
+        return [self.client_context(rctx, c, store) for c in ids]
 
     def batches(self, rctx: RoundContext, ctx: ClientContext) -> List[torch.Tensor]:
         """Client ``ctx``'s mini-batches of the round (:func:`batch_schedule`; ``len == ctx.num_steps``)."""
@@ -350,7 +368,11 @@ class VectorizedExecutor(Executor):
                          crop_padding=crop_padding, local_steps=local_steps)
         self.max_parallel_clients = max_parallel_clients
         self._names = [n for n, _ in model.named_parameters()]
-        self._cpu_indices = [ix.cpu() for ix in data.indices]
+        # every client's index array back to back on the host, and where each starts (the batch schedule)
+        self._flat_indices = torch.cat([ix.cpu() for ix in data.indices] or [torch.zeros(0, dtype=torch.long)])
+        self._offsets = [0]
+        for n in self._sizes[:-1]:
+            self._offsets.append(self._offsets[-1] + n)
         # randomness="different": each client draws its own dropout masks (VGG-9); with dropout the two
         # executors agree in distribution only, without it to float rounding.
         self._grad_fn = torch.func.vmap(torch.func.grad(self._loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None),
@@ -377,19 +399,41 @@ class VectorizedExecutor(Executor):
         return updates
 
     def _schedule(self, rctx: RoundContext, ctxs: List[ClientContext]):
-        """Positions [C, Kmax, B] into the training set and sample weights [C, Kmax, B] (0 = padding)."""
+        """Positions [C, Kmax, B] into the training set and sample weights [C, Kmax, B] (0 = padding).
+
+        Client c's row k holds its k-th mini-batch of :func:`batch_schedule` (the same generator, seeded by
+        :func:`~fl_core.seeding.derive_seeds` for the whole chunk, and the same permutations), padded with
+        weight 0; the per-client Python work is one ``manual_seed`` and one ``randperm`` per epoch, the
+        placement is one scatter for the chunk."""
         C, B = len(ctxs), self.batch_size
-        kmax = max(c.num_steps for c in ctxs)
-        pos = torch.zeros(C, kmax, B, dtype=torch.long)
-        w = torch.zeros(C, kmax, B, dtype=self.data.x.dtype)
-        for c, ctx in enumerate(ctxs):
-            idx = self._cpu_indices[ctx.client_id]
-            batches = self.batches(rctx, ctx)
-            for k, b in enumerate(batches):
-                pos[c, k, :len(b)] = idx[b]
-                w[c, k, :len(b)] = 1.0
+        steps = [c.num_steps for c in ctxs]
+        kmax = max(steps)
+        pos = torch.zeros(C * kmax * B, dtype=torch.long)
+        w = torch.zeros(C * kmax * B, dtype=self.data.x.dtype)
+        seeds = derive_seeds(("batches", self.seed, rctx.round), [c.client_id for c in ctxs]).tolist()
+        g = torch.Generator()  # re-seeded per client: manual_seed resets it whole, as a fresh generator
+        perms: List[torch.Tensor] = []
+        meta: List[tuple] = []  # per permutation: (row c, its first step, K_i, client offset, n_i)
+        for c, (ctx, k_i, s) in enumerate(zip(ctxs, steps, seeds)):
+            if k_i == 0:  # an empty client draws nothing (batch_schedule)
+                continue
+            n = ctx.num_samples
+            per_epoch = -(-n // B)
+            g.manual_seed(s)
+            for e in range(-(-k_i // per_epoch)):  # E epochs, or as many as train.local_steps needs
+                perms.append(torch.randperm(n, generator=g))
+                meta.append((c, e * per_epoch, k_i, self._offsets[ctx.client_id], n))
+        if perms:
+            local = torch.cat(perms)  # positions into each client's index array
+            rows, first, k_of, off, lens = (torch.tensor(col, dtype=torch.long) for col in zip(*meta))
+            j = torch.arange(local.numel()) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)  # within its epoch
+            k = torch.repeat_interleave(first, lens) + torch.div(j, B, rounding_mode="floor")
+            keep = k < torch.repeat_interleave(k_of, lens)  # train.local_steps cuts the last epoch short
+            lin = ((torch.repeat_interleave(rows, lens) * kmax + k) * B + j % B)[keep]
+            pos[lin] = self._flat_indices[torch.repeat_interleave(off, lens) + local][keep]
+            w[lin] = 1.0
         dev = self.data.x.device
-        return pos.to(dev), w.to(dev), kmax
+        return pos.view(C, kmax, B).to(dev), w.view(C, kmax, B).to(dev), kmax
 
     def _stacked_reference_outputs(self, batched_ctx: ClientContext, x: torch.Tensor):
         """:meth:`reference_outputs` of every client of the chunk at once: x [C, B, ...] -> entry -> (logits
@@ -406,10 +450,10 @@ class VectorizedExecutor(Executor):
 
     def _train_chunk(self, rctx: RoundContext, ids: List[int], store: ClientStateStore) -> List[ClientUpdate]:
         data, algo, dev = self.data, self.algo, self.data.x.device
-        ctxs = [self.client_context(rctx, cid, store) for cid in ids]
+        ctxs = self.client_contexts(rctx, ids, store)
         C = len(ctxs)
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
-        for ctx in ctxs:
+        for ctx in ctxs if overrides(algo, "client_begin") or algo.needs_full_gradient else ():
             algo.client_begin(ctx, self.probe(ctx.client_id))
             if algo.needs_full_gradient:
                 ix = data.indices[ctx.client_id]
@@ -417,7 +461,8 @@ class VectorizedExecutor(Executor):
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
         lr_scale = {}  # per-client step-size multipliers stacked [C, *shape]; 1 where a client has none
-        for n in self._names:
+        scaled = any(c.lr_scale for c in ctxs)
+        for n in self._names if scaled else ():
             if any(c.lr_scale and n in c.lr_scale for c in ctxs):
                 ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=dev)
                 lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale else ones)
@@ -439,6 +484,7 @@ class VectorizedExecutor(Executor):
         anchor = ({n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape) for n in self._names}
                   if algo.needs_anchor_gradient else None)
         loss_sum = torch.zeros(C, dtype=dtype, device=dev)
+        masked = overrides(algo, "update_mask")
         for k in range(kmax):
             b = pos[:, k]
             x, y = data.x[b], data.y[b]  # [C, B, ...]
@@ -449,9 +495,12 @@ class VectorizedExecutor(Executor):
                 client["reference_outputs"] = self._stacked_reference_outputs(batched_ctx, x)
             grads, loss = self._grad_fn(params, x, y, w[:, k], client, rctx)
             active = k < steps  # [C]
-            masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs]
-            mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)
-            mask &= active[:, None]  # [C, P]
+            masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs] if masked else [None]
+            if all(m is None for m in masks):  # every tensor of every client may move: the mask is `active`
+                mask = active[:, None].expand(C, len(self._names))
+            else:
+                mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)
+                mask &= active[:, None]  # [C, P]
             if anchor is not None:
                 batched_ctx.anchor_grads, _ = self._grad_fn(anchor, x, y, w[:, k], client, rctx)
             algo.transform_grads(batched_ctx, k + 1, params, grads)
@@ -471,16 +520,18 @@ class VectorizedExecutor(Executor):
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
         flat = torch.cat([params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
         deltas = flat - rctx.global_flat
-        mean_loss = (loss_sum / steps.clamp_min(1)).tolist()
-        updates = []
-        for c, ctx in enumerate(ctxs):
-            if not math.isfinite(mean_loss[c]):
-                raise NonFiniteLossError(f"non-finite training loss ({mean_loss[c]}) in round {rctx.round}, "
-                                         f"client {ctx.client_id}")
-            up = algo.finish_client(ctx, ClientUpdate(ctx.client_id, ctx.num_samples, ctx.num_steps, deltas[c],
-                                                      mean_loss[c]))
-            store.put(ctx.client_id, ctx.state)
-            updates.append(up)
+        mean = loss_sum / steps.clamp_min(1)
+        bad = torch.nonzero(~torch.isfinite(mean)).flatten().tolist()
+        if bad:
+            raise NonFiniteLossError(f"non-finite training loss ({float(mean[bad[0]])}) in round {rctx.round}, "
+                                     f"client {ctxs[bad[0]].client_id}")
+        updates = [ClientUpdate(ctx.client_id, ctx.num_samples, ctx.num_steps, delta, loss)
+                   for ctx, delta, loss in zip(ctxs, deltas.unbind(0), mean.tolist())]
+        if overrides(algo, "finish_client"):
+            updates = [algo.finish_client(ctx, up) for ctx, up in zip(ctxs, updates)]
+        for ctx in ctxs:
+            if ctx.state is not None:
+                store.put(ctx.client_id, ctx.state)
         return updates
 
 

@@ -312,12 +312,11 @@ class Simulator:
             for r in range(st["round"] + 1, self.rounds + 1):
                 t0 = time.perf_counter()
                 lr = self.lr * self.lr_decay ** (r - 1)
-                clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r)
+                clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r).tolist()
                 rctx = RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
                                     num_clients=self.num_clients, mean_client_size=self.mean_client_size,
-                                    sampled=tuple(int(c) for c in clients), seed=self.seed,
-                                    extra=self.algo.broadcast(st["server"]))
-                updates = self.executor.run_round(rctx, [int(c) for c in clients], store)
+                                    sampled=tuple(clients), seed=self.seed, extra=self.algo.broadcast(st["server"]))
+                updates = self.executor.run_round(rctx, clients, store)
                 diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
                 # what was sent, per participating client: the mean upload over the round's clients (their

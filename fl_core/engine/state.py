@@ -26,6 +26,10 @@ class ClientStateStore:
         self.device = torch.device(device)
         self._states: Dict[int, Dict[str, torch.Tensor]] = {}
 
+    def __len__(self) -> int:
+        """Clients that hold a state."""
+        return len(self._states)
+
     def get(self, client_id: int, default_factory) -> Optional[Dict[str, torch.Tensor]]:
         if client_id not in self._states:
             init = default_factory()
