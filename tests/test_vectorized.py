@@ -181,12 +181,12 @@ def test_vectorized_is_deterministic(digits, threads):
     assert torch.equal(a.final_flat, b.final_flat)
 
 
-def test_auto_picks_sequential_on_cpu_and_says_why(digits):
+def test_auto_times_both_executors_and_says_why(digits):
     sim, _ = run_sim(digits, "engine.executor=auto", "train.rounds=1")
-    assert sim.executor.name == "sequential"
-    assert "CPU" in sim.executor.reason
-    name, reason = choose_executor("auto", sim.algo, sim.model, torch.device("cuda"))
-    assert name == "vectorized"
+    assert sim.executor.name in ("sequential", "vectorized")  # whichever the probe found faster here
+    assert sim.executor.reason.startswith(f"auto: {sim.executor.name} (") and "predicted" in sim.executor.reason
+    name, reason = choose_executor("auto", sim.algo, sim.model, torch.device("cuda"))  # no probe: device default
+    assert name == "vectorized" and "CUDA" in reason
 
 
 def test_vectorized_rejects_sequential_only_algorithms(digits):

@@ -1,0 +1,143 @@
+"""``engine.executor=auto`` (fl_core/engine/factory.py): forced choices never probe, the probe's verdict decides
+otherwise, and the probe leaves the run untouched (model, algorithm state, RNG). No timing is asserted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fl_core.algorithms import FedAvg
+from fl_core.data import make_partition
+from fl_core.data.sampling import sample_clients
+from fl_core.engine.factory import ExecutorTiming, build_simulator, choose_executor, client_data, time_executors
+from fl_core.params import flatten_params
+
+from conftest import tiny_cfg
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def timing(sequential: float, vectorized: float) -> ExecutorTiming:
+    return ExecutorTiming({"sequential": sequential, "vectorized": vectorized},
+                          {"sequential": 2, "vectorized": 3}, 3, 0.01)
+
+
+class Probe:
+    """A stand-in for the timed probe: returns ``result`` (or raises it) and counts its calls."""
+
+    def __init__(self, result):
+        self.result, self.calls = result, 0
+
+    def __call__(self):
+        self.calls += 1
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+class SeqOnly(FedAvg):
+    vectorizable = False
+
+
+@pytest.mark.parametrize("requested", ["sequential", "vectorized", "distributed"])
+def test_a_named_executor_is_taken_as_given_without_probing(requested):
+    probe = Probe(timing(1.0, 2.0))
+    assert choose_executor(requested, FedAvg(), torch.nn.Linear(2, 2), CPU, probe) == \
+        (requested, f"engine.executor={requested}")
+    assert probe.calls == 0
+
+
+def test_forced_sequential_cases_do_not_probe():
+    probe = Probe(timing(2.0, 1.0))
+    name, reason = choose_executor("auto", SeqOnly(), torch.nn.Linear(2, 2), CUDA, probe)
+    assert name == "sequential" and "only run sequentially" in reason
+    name, reason = choose_executor("auto", FedAvg(), torch.nn.BatchNorm1d(2), CUDA, probe)
+    assert name == "sequential" and "buffers" in reason
+    assert probe.calls == 0
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_the_faster_prediction_wins_on_either_device(device):
+    for seq, vec, want in ((0.200, 0.040, "vectorized"), (0.100, 0.900, "sequential")):
+        probe = Probe(timing(seq, vec))
+        name, reason = choose_executor("auto", FedAvg(), torch.nn.Linear(2, 2), device, probe)
+        assert (name, probe.calls) == (want, 1)
+        assert reason.startswith(f"auto: {want} (faster)") and f"vectorized {1e3 * vec:.1f} ms" in reason
+        assert f"sequential {1e3 * seq:.1f} ms" in reason and "3 and 2 of its 3 clients" in reason
+
+
+@pytest.mark.parametrize("device, default", [(CPU, "sequential"), (CUDA, "vectorized")])
+def test_ties_missing_and_failed_probes_keep_the_device_default(device, default):
+    model = torch.nn.Linear(2, 2)
+    name, reason = choose_executor("auto", FedAvg(), model, device, Probe(timing(1.00, 1.04)))
+    assert name == default and "within 5%" in reason
+    assert choose_executor("auto", FedAvg(), model, device)[0] == default
+    name, reason = choose_executor("auto", FedAvg(), model, device, Probe(MemoryError("out of memory\nmore")))
+    assert name == default and reason.endswith("the timing probe failed: MemoryError: out of memory")
+
+
+def _snapshot(obj, depth=0):
+    """Everything ``obj`` holds, recursively (attributes, containers; tensors cloned), for an equality check."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.detach().clone())
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_snapshot(v, depth + 1) for v in obj]
+    if hasattr(obj, "__dict__") and depth < 6 and not isinstance(obj, torch.nn.Module):
+        return (type(obj).__name__, _snapshot(vars(obj), depth + 1))
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else type(obj).__name__
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple) and len(a) == 2 and a[0] == "tensor":
+        return isinstance(b, tuple) and b[0] == "tensor" and torch.equal(a[1], b[1])
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _parts(digits, *overrides):
+    cfg = tiny_cfg("engine.executor=auto", *overrides)
+    part = make_partition(cfg.partition, digits.y_train.numpy(), digits.num_classes)
+    return cfg, part
+
+
+def test_probe_leaves_model_algorithm_and_rng_untouched(digits):
+    from fl_core.algorithms import build_algorithm
+    from fl_core.models import build_model
+    from fl_core.params import ParamSpec
+
+    # SCAFFOLD keeps client state and server state; FedBug masks steps; the MLP trains in train mode
+    cfg, part = _parts(digits, "algorithm=fedbug", "algorithm.name=scaffold", "model=mlp",
+                       "train.augmentation=crop_flip", "train.crop_padding=1")
+    data = client_data(digits, part, CPU)
+    model = build_model(cfg.model, cfg.dataset.name, digits.input_shape, digits.num_classes)
+    model.eval()
+    algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model), model)
+    before = (flatten_params(model), _snapshot(algo), torch.get_rng_state())
+    kwargs = dict(batch_size=cfg.train.batch_size, local_epochs=cfg.train.local_epochs, seed=int(cfg.seed),
+                  augmentation=cfg.train.augmentation, crop_padding=cfg.train.crop_padding)
+    t = time_executors(cfg, model, algo, data, kwargs, budget_s=0.0, repeats=1)
+    assert torch.equal(flatten_params(model), before[0]) and not model.training
+    assert _same(_snapshot(algo), before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert set(t.round_s) == {"sequential", "vectorized"} and all(v > 0 for v in t.round_s.values())
+    n = len(sample_clients(part.num_clients, cfg.train.participation, cfg.train.sampler, int(cfg.seed), 1))
+    assert t.sampled == n and t.clients == {"sequential": 1, "vectorized": 1}  # budget 0: one client each
+
+
+def test_auto_run_equals_the_run_of_the_executor_it_chose(digits):
+    cfg, part = _parts(digits, "algorithm=fedbug", "algorithm.name=fedprox", "model=mlp")
+    torch.manual_seed(5)
+    auto = build_simulator(cfg, digits, part)
+    rng_after_auto = torch.get_rng_state()
+    chosen = auto.executor.name
+    torch.manual_seed(5)
+    named = build_simulator(tiny_cfg("engine.executor=" + chosen, "algorithm=fedbug", "algorithm.name=fedprox",
+                                     "model=mlp"), digits, part)
+    assert torch.equal(torch.get_rng_state(), rng_after_auto)  # the probe drew nothing from the global RNG
+    assert torch.equal(flatten_params(auto.model), flatten_params(named.model))
+    assert torch.equal(auto.run().final_flat, named.run().final_flat)
