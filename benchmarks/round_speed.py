@@ -1,22 +1,27 @@
 #!/usr/bin/env python
-"""Round-speed benchmark: milliseconds per federated round of the standard CNN.
+"""Round-speed benchmark: milliseconds per federated round.
 
-Compares, on the same in-memory CIFAR-shaped random data and the same sampled clients:
+Compares, on the same in-memory random data and the same sampled clients:
 
 - ``naive``: the per-client loop of the papers' code, written here: for every sampled client a
-  fresh :class:`~fl_core.models.cnn.StandardCNN` loaded with the global ``state_dict`` and a new
-  ``torch.optim.SGD``, shuffled mini-batches from index tensors, then a data-size weighted average
-  of the client models into the global one.
+  fresh model (the workload's, e.g. :class:`~fl_core.models.cnn.StandardCNN`) loaded with the global
+  ``state_dict`` and a new ``torch.optim.SGD``, shuffled mini-batches from index tensors, then a
+  data-size weighted average of the client models into the global one.
 - ``sequential`` / ``vectorized`` (and any other registered executor): the engine's
   :class:`~fl_core.engine.simulator.Simulator` built by
   :func:`~fl_core.engine.factory.build_simulator`, with MLflow logging on (a temporary SQLite store,
   metrics flushed every round). A row is skipped with a note when the config rejects the executor
   (``ConfigError``), so the script runs before an executor lands.
+- ``auto``: ``engine.executor=auto``; the table names the executor it chose, the notes its reason
+  (the timed probe at build time, :func:`~fl_core.engine.factory.choose_executor`, is not in the
+  round times; its duration is in the reason).
 
-Workloads (FedAvg, IID equal-size partition, fixed sampler, 10 clients per round):
+Workloads (FedAvg, IID equal-size partition, fixed sampler):
 
-- ``W1``: 100 clients x 100 samples, E = 1, B = 50.
-- ``W2``: 100 clients x 500 samples, E = 5, B = 50.
+- ``W0`` (cross-device): 10,000 clients x 5 samples, 1,000 per round, E = 1, B = 5, logistic
+  regression (``model=logreg``) on digits-shaped data (1 x 8 x 8, 10 classes).
+- ``W1``: 100 clients x 100 samples, 10 per round, E = 1, B = 50, standard CNN on CIFAR-shaped data.
+- ``W2``: 100 clients x 500 samples, 10 per round, E = 5, B = 50, standard CNN on CIFAR-shaped data.
 
 Timing: median over the timed rounds after the warm-up rounds. Executors: the history's
 ``round_time_s`` (sampling, local training, aggregation); evaluation is switched off
@@ -28,7 +33,8 @@ round, with ``torch.cuda.synchronize()`` on CUDA.
 Examples::
 
     python benchmarks/round_speed.py --quick
-    python benchmarks/round_speed.py --device cuda --workloads W1,W2 --out results/round_speed.md
+    python benchmarks/round_speed.py --workloads W0,W1
+    python benchmarks/round_speed.py --device cuda --workloads W0,W1,W2 --out results/round_speed.md
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:  # run as a script from anywhere, without an install
@@ -61,13 +67,31 @@ from fl_core.data.sampling import sample_clients  # noqa: E402
 from fl_core.data.sources import FLDataset  # noqa: E402
 from fl_core.engine.executors import ClientData  # noqa: E402
 from fl_core.engine.factory import build_simulator  # noqa: E402
-from fl_core.models.cnn import StandardCNN  # noqa: E402
+from fl_core.models import MODELS  # noqa: E402
 
 # Per-channel statistics of x/255 on the CIFAR-10 training set (docs/algorithms.md, Augmentation and normalisation).
 CIFAR10_MEAN = (0.491, 0.482, 0.447)
 CIFAR10_STD = (0.247, 0.243, 0.262)
-INPUT_SHAPE = (3, 32, 32)
 NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """The random data of a workload: ``dataset.name`` (config and model catalogue), one image's shape,
+    the raw maximum and the per-channel mean/std of x / scale used to normalise."""
+
+    name: str
+    input_shape: Tuple[int, int, int]
+    scale: float
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+
+
+DATA_SHAPES: Dict[str, DataShape] = {
+    "cifar10": DataShape("cifar10", (3, 32, 32), 255.0, CIFAR10_MEAN, CIFAR10_STD),
+    # uniform integers 0..16 (the range of scikit-learn's digits): mean 1/2, std sqrt((17^2 - 1) / 12) / 16
+    "digits": DataShape("digits", (1, 8, 8), 16.0, (0.5,), (0.306,)),
+}
 TEST_SAMPLES = 10  # tiny: only the last (untimed) round evaluates
 LR = 0.05  # train.lr (the project default), for the naive loop and the executors alike
 
@@ -80,6 +104,12 @@ class Workload:
     clients_per_round: int
     local_epochs: int
     batch_size: int
+    dataset: str = "cifar10"  # a key of DATA_SHAPES
+    model: str = "std_cnn"  # a key of fl_core.models.MODELS (model.name)
+
+    @property
+    def shape(self) -> DataShape:
+        return DATA_SHAPES[self.dataset]
 
     @property
     def participation(self) -> float:
@@ -95,16 +125,17 @@ class Workload:
         return self.clients_per_round * self.local_epochs * -(-self.samples_per_client // self.batch_size)
 
     def describe(self) -> str:
-        return (f"{self.num_clients} clients x {self.samples_per_client} samples, "
-                f"{self.clients_per_round} per round, E={self.local_epochs}, B={self.batch_size} "
-                f"({self.samples_per_round} samples, {self.steps_per_round} SGD steps per round)")
+        return (f"{self.num_clients:,} clients x {self.samples_per_client} samples, "
+                f"{self.clients_per_round:,} per round, E={self.local_epochs}, B={self.batch_size} "
+                f"({self.samples_per_round:,} samples, {self.steps_per_round:,} SGD steps per round)")
 
 
 WORKLOADS: Dict[str, Workload] = {
+    "W0": Workload("W0", 10_000, 5, 1_000, 1, 5, dataset="digits", model="logreg"),
     "W1": Workload("W1", 100, 100, 10, 1, 50),
     "W2": Workload("W2", 100, 500, 10, 5, 50),
 }
-EXECUTOR_ROWS = ("naive", "sequential", "vectorized")
+EXECUTOR_ROWS = ("naive", "sequential", "vectorized", "auto")
 
 
 @dataclass
@@ -116,6 +147,27 @@ class Row:
     wall_ms: Optional[float] = None  # median ms between round ends (includes logging)
     note: str = ""
     spread: str = ""  # min-max of the timed rounds (progress log only)
+    chosen: str = ""  # auto: the executor it picked
+    reason: str = ""  # auto: why (executor.reason)
+    times: List[float] = field(default_factory=list)  # seconds of the timed rounds
+    walls: List[float] = field(default_factory=list)  # seconds between timed round ends
+
+
+def merge(rows: List[Row]) -> Row:
+    """One row from the repeats of a (workload, executor) row: medians over all their timed rounds; auto's
+    choices counted when they differ (each repeat builds the simulator again, so auto probes again), the reason
+    of the first repeat."""
+    first = rows[0]
+    if len(rows) == 1 or first.note:
+        return first
+    times = [t for r in rows for t in r.times]
+    walls = [t for r in rows for t in r.walls]
+    picks = [r.chosen for r in rows if r.chosen]
+    chosen = ", ".join(f"{n} {picks.count(n)}/{len(picks)}" for n in sorted(set(picks))) if len(set(picks)) > 1 \
+        else (picks[0] if picks else "")
+    reason = first.reason + (f" (repeat 1 of {len(rows)}; every repeat probes again)" if first.reason else "")
+    return Row(first.workload, first.executor, first.device, _median_ms(times), _median_ms(walls),
+               spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -150,7 +202,12 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def forward_flops(model: Optional[nn.Module], input_shape: Sequence[int]) -> int:
+def build_model(w: Workload) -> nn.Module:
+    """A fresh model of the workload (``model.name`` ``w.model``) on the CPU."""
+    return MODELS[w.model](w.shape.input_shape, NUM_CLASSES)
+
+
+def forward_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
     """Forward FLOP of one sample, counted analytically on the Conv2d and Linear layers.
 
     conv: 2 * k_h * k_w * (C_in / groups) * C_out * H_out * W_out; linear: 2 * in * out. Biases,
@@ -167,11 +224,10 @@ def forward_flops(model: Optional[nn.Module], input_shape: Sequence[int]) -> int
         elif isinstance(mod, nn.Linear):
             total += 2 * mod.in_features * mod.out_features
 
-    probe = StandardCNN(tuple(input_shape), NUM_CLASSES) if model is None else model
-    handles = [m.register_forward_hook(hook) for m in probe.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     try:
         with torch.no_grad():
-            probe(torch.zeros(1, *input_shape, device=next(probe.parameters()).device))
+            model(torch.zeros(1, *input_shape, device=next(model.parameters()).device))
     finally:
         for h in handles:
             h.remove()
@@ -179,16 +235,18 @@ def forward_flops(model: Optional[nn.Module], input_shape: Sequence[int]) -> int
 
 
 def make_dataset(w: Workload, seed: int) -> FLDataset:
-    """CIFAR-shaped random data: uint8 [N, 3, 32, 32], 10 classes, CIFAR-10 mean/std."""
+    """Random data of the workload's shape: uint8 [N, *input_shape] in [0, scale], 10 classes, its mean/std."""
     g = torch.Generator().manual_seed(seed)
     n = w.num_clients * w.samples_per_client
+    s = w.shape
+    hi = int(s.scale) + 1
     return FLDataset(
-        name="cifar10",
-        x_train=torch.randint(0, 256, (n, *INPUT_SHAPE), dtype=torch.uint8, generator=g),
+        name=s.name,
+        x_train=torch.randint(0, hi, (n, *s.input_shape), dtype=torch.uint8, generator=g),
         y_train=torch.randint(0, NUM_CLASSES, (n,), dtype=torch.int64, generator=g),
-        x_test=torch.randint(0, 256, (TEST_SAMPLES, *INPUT_SHAPE), dtype=torch.uint8, generator=g),
+        x_test=torch.randint(0, hi, (TEST_SAMPLES, *s.input_shape), dtype=torch.uint8, generator=g),
         y_test=torch.randint(0, NUM_CLASSES, (TEST_SAMPLES,), dtype=torch.int64, generator=g),
-        num_classes=NUM_CLASSES, scale=255.0, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+        num_classes=NUM_CLASSES, scale=s.scale, mean=s.mean, std=s.std)
 
 
 def make_partition(w: Workload, ds: FLDataset, seed: int) -> Partition:
@@ -209,7 +267,7 @@ def make_client_data(ds: FLDataset, part: Partition, device: torch.device, chunk
 def overrides(w: Workload, executor: str, device: torch.device, rounds: int, seed: int,
               extra: Sequence[str] = ()) -> List[str]:
     return [
-        "dataset=cifar10", "model=std_cnn", "partition=iid", "algorithm=fedavg",
+        f"dataset={w.dataset}", f"model={w.model}", "partition=iid", "algorithm=fedavg",
         f"partition.num_clients={w.num_clients}",
         f"train.participation={w.participation}", "train.sampler=fixed",
         f"train.local_epochs={w.local_epochs}", f"train.batch_size={w.batch_size}",
@@ -234,7 +292,7 @@ def _median_ms(xs: Sequence[float]) -> Optional[float]:
 def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, timed: int, seed: int) -> Row:
     """The papers' per-client loop: fresh model + optimiser per client, state_dict averaging."""
     torch.manual_seed(seed)
-    global_sd = {k: v.detach().clone() for k, v in StandardCNN(INPUT_SHAPE, NUM_CLASSES).to(device).state_dict().items()}
+    global_sd = {k: v.detach().clone() for k, v in build_model(w).to(device).state_dict().items()}
     times: List[float] = []
     loss = float("nan")
     for r in range(1, warmup + timed + 1):
@@ -245,7 +303,7 @@ def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, 
         new_sd = {k: torch.zeros_like(v) for k, v in global_sd.items()}
         losses = []
         for c in clients:
-            model = StandardCNN(INPUT_SHAPE, NUM_CLASSES).to(device)
+            model = build_model(w).to(device)
             model.load_state_dict(global_sd)
             model.train()
             opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -276,7 +334,7 @@ def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, 
         log(f"  {w.name} naive round {r}: {1e3 * dt:.1f} ms{' (warm-up)' if r <= warmup else ''}, "
             f"train_loss {loss:.4f}")
     ms = _median_ms(times)
-    return Row(w.name, "naive", device.type, ms, ms, spread=_spread(times))
+    return Row(w.name, "naive", device.type, ms, ms, spread=_spread(times), times=times, walls=times)
 
 
 class _Tracking:
@@ -340,8 +398,11 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
     assert all("test_acc" not in h for h in timed_rows), "a timed round evaluated"
     times = [h["round_time_s"] for h in timed_rows]
     walls = [stamps[r] - stamps[r - 1] for r in range(warmup + 1, warmup + timed + 1) if r - 1 in stamps]
+    chosen, reason = sim.executor.name, sim.executor.reason
     del sim, result
-    return Row(w.name, name, device.type, _median_ms(times), _median_ms(walls), spread=_spread(times))
+    return Row(w.name, name, device.type, _median_ms(times), _median_ms(walls), spread=_spread(times),
+               chosen=chosen if name == "auto" else "", reason=reason if name == "auto" else "", times=times,
+               walls=walls)
 
 
 # --------------------------------------------------------------------------- table
@@ -353,8 +414,9 @@ def _fmt_ms(x: Optional[float]) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd_flop: int, peak_tflops: float,
-           warmup: int, timed: int, elapsed_s: float) -> str:
+def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd_flops: Dict[str, int],
+           peak_tflops: float, warmup: int, timed: int, elapsed_s: float, repeats: int = 1) -> str:
+    """The markdown table and its notes; ``fwd_flops``: workload name -> forward FLOP of one sample."""
     threads = torch.get_num_threads()
     date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = [
@@ -362,8 +424,8 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         f"{threads} threads, {date}",
         "",
         "| workload | executor | device | ms/round (median) | wall ms/round (median) | speed-up vs naive "
-        "| FLOP-floor fraction |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| time / best executor's | FLOP-floor fraction |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     by_w = {w.name: w for w in workloads}
     notes: List[str] = []
@@ -372,46 +434,63 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         speed = "n/a"
         if r.ms is not None and naive is not None and naive.ms is not None:
             speed = f"{naive.ms / r.ms:.2f}x"
+        engine = [x.ms for x in rows if x.workload == r.workload and x.executor not in ("naive", "auto")
+                  and x.ms is not None]
+        vs_best = f"{r.ms / min(engine):.2f}" if r.ms is not None and engine and r.executor != "naive" else "n/a"
         frac = "n/a"
         if r.ms is not None and device.type == "cuda":
-            floor_ms = 1e3 * 3 * fwd_flop * by_w[r.workload].samples_per_round / (peak_tflops * 1e12)
+            floor_ms = 1e3 * 3 * fwd_flops[r.workload] * by_w[r.workload].samples_per_round / (peak_tflops * 1e12)
             frac = f"{floor_ms / r.ms:.3f}"
         ms = _fmt_ms(r.ms)
         if r.note:
             notes.append(r.note)
             ms = f"{r.note.split(':')[0]} [{len(notes)}]"
-        lines.append(f"| {r.workload} | {r.executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {speed} | {frac} |")
+        executor = f"auto -> {r.chosen}" if r.chosen else r.executor
+        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {speed} | {vs_best} "
+                     f"| {frac} |")
     lines.append("")
     for w in workloads:
-        flop = 3 * fwd_flop * w.samples_per_round
+        fwd = fwd_flops[w.name]
+        flop = 3 * fwd * w.samples_per_round
         floor = f", floor {1e3 * flop / (peak_tflops * 1e12):.2f} ms at {peak_tflops:g} TFLOP/s" if device.type == "cuda" else ""
-        lines.append(f"- {w.name}: {w.describe()}; {flop / 1e9:.1f} GFLOP per round{floor}; standard CNN, "
+        lines.append(f"- {w.name}: {w.describe()}; `model={w.model}` on {w.dataset}-shaped data "
+                     f"({fwd / 1e6:.4g} MFLOP/sample forward), {flop / 1e9:.3g} GFLOP per round{floor}; "
                      f"FedAvg, IID, fixed sampler, lr {LR}.")
+    for r in rows:
+        if r.reason:
+            lines.append(f"- {r.workload} auto chose {r.chosen}: \"{r.reason}\"")
     lines += [
-        f"- Median over {timed} timed rounds after {warmup} warm-up round(s). Executors: `round_time_s` of the "
+        f"- Median over {timed} timed rounds after {warmup} warm-up round(s)"
+        + (f", pooled over {repeats} interleaved repeats of every row" if repeats > 1 else "")
+        + ". Executors: `round_time_s` of the "
         "history (sampling, training, aggregation). Wall: time between consecutive round ends, i.e. also "
         "MLflow logging (temporary SQLite store, flushed every round) and loop overhead. Naive: "
         "`perf_counter` around the whole round" + (" with `torch.cuda.synchronize()`." if device.type == "cuda" else "."),
         f"- No evaluation in timed rounds: `train.eval_every` > rounds; the executors' extra last round "
         f"(always evaluated, on a {TEST_SAMPLES}-sample test set) is not timed. The naive loop does no evaluation.",
-        f"- Speed-up: naive ms / row ms, same run. FLOP floor: 3 x forward FLOP ({fwd_flop / 1e6:.2f} MFLOP/sample, "
-        f"conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out, biases/ReLU/pooling excluded) x samples per round, "
-        f"at an assumed peak of {peak_tflops:g} TFLOP/s (`--peak-tflops`; H200: ~67 fp32, ~990 bf16 dense); "
-        "fraction = floor time / measured time (`n/a` on CPU). The issue's 80.6 MFLOP/sample/step is "
-        f"3 x forward minus conv1's input gradient ({(3 * fwd_flop - _conv1_dgrad()) / 1e6:.1f}).",
-        f"- Data: random uint8 CIFAR-shaped images (not CIFAR-10), normalised with CIFAR-10 mean/std. "
-        f"Total benchmark time {elapsed_s:.0f} s.",
+        "- Speed-up: naive ms / row ms, same run. Time / best executor's: row ms / the lowest ms of the engine's "
+        "executors (sequential, vectorized) on the workload, same run (auto's probe runs at build time and is "
+        "not in its rounds). FLOP floor: 3 x forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out, "
+        f"biases/ReLU/pooling excluded) x samples per round, at an assumed peak of {peak_tflops:g} TFLOP/s "
+        "(`--peak-tflops`; H200: ~67 fp32, ~990 bf16 dense); fraction = floor time / measured time (`n/a` on CPU).",
     ]
+    if any(w.model == "std_cnn" for w in workloads):
+        fwd = next(fwd_flops[w.name] for w in workloads if w.model == "std_cnn")
+        lines.append(f"- The issue's 80.6 MFLOP/sample/step of the standard CNN is 3 x forward minus conv1's input "
+                     f"gradient ({(3 * fwd - _conv1_dgrad()) / 1e6:.1f}).")
+    lines.append("- Data: random uint8 images of the data set's shape (not the data set), normalised with its "
+                 f"mean/std. Total benchmark time {elapsed_s:.0f} s.")
     for i, n in enumerate(notes, start=1):
         lines.append(f"- [{i}] {n}")
     return "\n".join(lines) + "\n"
 
 
 def _conv1_dgrad() -> int:
-    """FLOP of conv1's input gradient (not needed in training: the input is data)."""
-    m = StandardCNN(INPUT_SHAPE, NUM_CLASSES).conv1
+    """FLOP of the standard CNN's conv1 input gradient on CIFAR shapes (not needed in training: the input is data)."""
+    shape = DATA_SHAPES["cifar10"].input_shape
+    m = MODELS["std_cnn"](shape, NUM_CLASSES).conv1
     k = m.kernel_size[0] * m.kernel_size[1]
-    hout = INPUT_SHAPE[1] - m.kernel_size[0] + 1
+    hout = shape[1] - m.kernel_size[0] + 1
     return 2 * k * m.in_channels * m.out_channels * hout * hout
 
 
@@ -420,28 +499,31 @@ def _conv1_dgrad() -> int:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Milliseconds per federated round of the standard CNN: a naive per-client loop vs the "
-                    "engine's executors (MLflow logging on), on CIFAR-shaped random data.")
+        description="Milliseconds per federated round: a naive per-client loop vs the engine's executors and "
+                    "engine.executor=auto (MLflow logging on), on random data of the workload's shape.")
     p.add_argument("--quick", action="store_true",
-                   help="W1 only (unless --workloads), 5 timed rounds after 1 warm-up (a few minutes on 2 CPU cores)")
+                   help="W0,W1 only (unless --workloads), 5 timed rounds after 1 warm-up (a few minutes on 2 CPU cores)")
     p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"), help="where to train (default: auto = cuda if available)")
-    p.add_argument("--workloads", default=None, help="comma-separated subset of W1,W2 (default: W1,W2; --quick: W1)")
+    p.add_argument("--workloads", default=None, help="comma-separated subset of W0,W1,W2 (default: all; --quick: W0,W1)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row this many times, interleaved (naive, sequential, ..., naive, ...); the "
+                        "table gives medians over all their timed rounds (default 1)")
     p.add_argument("--executors", default=",".join(EXECUTOR_ROWS),
-                   help="comma-separated rows: naive and engine executors (engine.executor values) (default: naive,sequential,vectorized)")
+                   help="comma-separated rows: naive and engine.executor values (default: naive,sequential,vectorized,auto)")
     p.add_argument("--max-parallel-clients", type=int, default=None,
-                   help="engine.max_parallel_clients for the vectorized executor (default: the config's)")
+                   help="engine.max_parallel_clients for the vectorized and auto rows (default: the config's)")
     p.add_argument("--peak-tflops", type=float, default=60.0, help="assumed device peak in TFLOP/s for the FLOP-floor column (default: 60)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="data, partition, model and sampling seed (default: 0)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
-    args.workloads = args.workloads or ("W1" if args.quick else "W1,W2")
+    args.workloads = args.workloads or ("W0,W1" if args.quick else ",".join(WORKLOADS))
     args.rounds = args.rounds if args.rounds is not None else (5 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    if args.rounds < 1 or args.warmup < 0:
-        p.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.rounds < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error("--rounds and --repeats must be >= 1 and --warmup >= 0")
     names = [s.strip() for s in args.workloads.split(",") if s.strip()]
     bad = [n for n in names if n not in WORKLOADS]
     if bad or not names:
@@ -458,9 +540,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    fwd = forward_flops(None, INPUT_SHAPE)
+    fwd = {w.name: forward_flops(build_model(w), w.shape.input_shape) for w in args.workload_list}
     log(f"device {device} ({device_name(device)}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"forward {fwd / 1e6:.2f} MFLOP/sample")
+        "forward MFLOP/sample: " + ", ".join(f"{k} {v / 1e6:.4g}" for k, v in fwd.items()))
     t_start = time.perf_counter()
     tracking = _Tracking()
     rows: List[Row] = []
@@ -470,29 +552,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ds = make_dataset(w, args.seed)
             part = make_partition(w, ds, args.seed)
             data = make_client_data(ds, part, device)  # shared by every row of the workload
-            for name in args.executor_list:
-                if name == "naive":
-                    row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
-                else:
-                    extra = []
-                    if name == "vectorized" and args.max_parallel_clients is not None:
-                        extra.append(f"engine.max_parallel_clients={args.max_parallel_clients}")
-                    row = run_executor(name, w, ds, part, data, device, args.warmup, args.rounds, args.seed,
-                                       tracking, extra)
-                if row.note:
-                    log(f"  {w.name} {name}: {row.note}")
-                else:
-                    log(f"  {w.name} {name}: median {row.ms:.1f} ms/round ({row.spread})")
-                rows.append(row)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            reps: Dict[str, List[Row]] = {name: [] for name in args.executor_list}
+            for rep in range(args.repeats):  # interleaved: every row once per repeat
+                for name in args.executor_list:
+                    if name == "naive":
+                        row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
+                    else:
+                        extra = []
+                        if name in ("vectorized", "auto") and args.max_parallel_clients is not None:
+                            extra.append(f"engine.max_parallel_clients={args.max_parallel_clients}")
+                        row = run_executor(name, w, ds, part, data, device, args.warmup, args.rounds, args.seed,
+                                           tracking, extra)
+                    if row.note:
+                        log(f"  {w.name} {name}: {row.note}")
+                    else:
+                        log(f"  {w.name} {name} (repeat {rep + 1}/{args.repeats}): median {row.ms:.1f} ms/round "
+                            f"({row.spread}){' -> ' + row.chosen if row.chosen else ''}")
+                    reps[name].append(row)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            rows.extend(merge(reps[name]) for name in args.executor_list)
             del ds, part, data
             gc.collect()
     finally:
         tracking.close()
     table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
-                   time.perf_counter() - t_start)
+                   time.perf_counter() - t_start, args.repeats)
     print(table, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
