@@ -135,7 +135,8 @@ WORKLOADS: Dict[str, Workload] = {
     "W1": Workload("W1", 100, 100, 10, 1, 50),
     "W2": Workload("W2", 100, 500, 10, 5, 50),
 }
-EXECUTOR_ROWS = ("naive", "sequential", "vectorized", "auto")
+EXECUTOR_ROWS = ("naive", "sequential", "vectorized", "auto", "distributed")
+DISTRIBUTED_RANKS = 2  # the distributed row: torchrun --nproc_per_node 2 on this machine (gloo / NCCL)
 
 
 @dataclass
@@ -405,6 +406,65 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
                walls=walls)
 
 
+def run_distributed(w: Workload, device: torch.device, warmup: int, timed: int, seed: int,
+                    threads: Optional[int]) -> Row:
+    """The ``distributed`` row: ``engine.executor=distributed`` over :data:`DISTRIBUTED_RANKS` processes started
+    with torchrun on this machine (each rank: the sequential executor, torchrun's one thread per process unless
+    ``--threads``); rank 0 times the rounds as :func:`run_executor` does (without MLflow) and prints them."""
+    import json
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(DISTRIBUTED_RANKS),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--rank-row", w.name,
+           "--warmup", str(warmup), "--rounds", str(timed), "--seed", str(seed), "--device", device.type]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return Row(w.name, "distributed", device.type, note=f"skipped: torchrun failed ({last[:160]})")
+    out = json.loads(lines[-1])
+    return Row(w.name, "distributed", device.type, _median_ms(out["times"]), _median_ms(out["walls"]),
+               spread=_spread(out["times"]), times=out["times"], walls=out["walls"],
+               note="" if out["times"] else "skipped: no timed round")
+
+
+def rank_row(args: argparse.Namespace) -> int:
+    """One rank of the ``distributed`` row (``--rank-row W``, started by :func:`run_distributed`)."""
+    import json
+
+    from fl_core.engine import distributed
+
+    w = WORKLOADS[args.rank_row]
+    device = distributed.rank_device(resolve_device(args.device))
+    rank, _ = distributed.init(device)
+    ds = make_dataset(w, args.seed)
+    part = make_partition(w, ds, args.seed)
+    data = make_client_data(ds, part, device)
+    rounds = args.warmup + args.rounds + 1
+    cfg = compose(overrides(w, "distributed", device, rounds, args.seed, ["tracking.enabled=false"]))
+    if rank > 0:
+        distributed.serve(lambda job: build_simulator(cfg, ds, part, device=device, data=data).executor)
+        distributed.shutdown()
+        return 0
+    stamps: Dict[int, float] = {}
+    torch.manual_seed(args.seed)
+    sim = build_simulator(cfg, ds, part, device=device, data=data,
+                          callbacks=[lambda r, row: stamps.__setitem__(r, time.perf_counter())])
+    result = sim.run()
+    distributed.stop_workers()
+    distributed.shutdown()
+    timed = [h["round_time_s"] for h in result.history if args.warmup < h["round"] <= args.warmup + args.rounds]
+    walls = [stamps[r] - stamps[r - 1] for r in range(args.warmup + 1, args.warmup + args.rounds + 1)
+             if r - 1 in stamps]
+    print(json.dumps({"times": timed, "walls": walls}), flush=True)
+    return 0
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -511,13 +571,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="run every row this many times, interleaved (naive, sequential, ..., naive, ...); the "
                         "table gives medians over all their timed rounds (default 1)")
     p.add_argument("--executors", default=",".join(EXECUTOR_ROWS),
-                   help="comma-separated rows: naive and engine.executor values (default: naive,sequential,vectorized,auto)")
+                   help="comma-separated rows: naive and engine.executor values (default: naive,sequential,vectorized,auto,"
+                        "distributed; distributed starts 2 processes with torchrun)")
     p.add_argument("--max-parallel-clients", type=int, default=None,
                    help="engine.max_parallel_clients for the vectorized and auto rows (default: the config's)")
     p.add_argument("--peak-tflops", type=float, default=60.0, help="assumed device peak in TFLOP/s for the FLOP-floor column (default: 60)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="data, partition, model and sampling seed (default: 0)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--rank-row", default=None, help=argparse.SUPPRESS)  # one rank of the distributed row
     args = p.parse_args(argv)
     args.workloads = args.workloads or ("W0,W1" if args.quick else ",".join(WORKLOADS))
     args.rounds = args.rounds if args.rounds is not None else (5 if args.quick else 10)
@@ -537,6 +599,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.rank_row:
+        return rank_row(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -557,6 +621,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for name in args.executor_list:
                     if name == "naive":
                         row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
+                    elif name == "distributed":
+                        row = run_distributed(w, device, args.warmup, args.rounds, args.seed, args.threads)
                     else:
                         extra = []
                         if name in ("vectorized", "auto") and args.max_parallel_clients is not None:
