@@ -16,7 +16,7 @@ model, rule stack and data and train the clients rank 0 hands them. Per round:
 Every client's training depends only on (seed, round, client) and the received model, so the result equals
 the single-process executor's to float rounding (bitwise on the CPU with the same thread count; models with
 dropout draw other masks and agree in distribution only). Rule objects that keep per-round statistics in
-memory (Top-k's residual norm, QSGD's error) see only rank 0's clients.
+memory (a compressor's residual norm or quantisation error, from ``finish_client``) see only rank 0's clients.
 
 Failures: a worker whose client diverges sends the error back (rank 0 ends the run as FAILED, as a single
 process would); a rank that dies makes the collectives of the others fail, so the whole run stops without
