@@ -164,10 +164,6 @@ class DistributedExecutor(Executor):
                 by_client[u.client_id] = u
         return [by_client[c] for c in ids]
 
-    def stop_workers(self) -> None:
-        """Tell the workers that rank 0 is done (they leave :func:`serve`)."""
-        stop_workers()
-
 
 def _cpu_rctx(rctx: RoundContext) -> RoundContext:
     from dataclasses import replace

@@ -247,7 +247,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
-    algo = build_algorithm(cfg.algorithm, ParamSpec.from_model(model), model)
+    spec = ParamSpec.from_model(model)
+    algo = build_algorithm(cfg.algorithm, spec, model)
     t = cfg.train
     distributed = cfg.engine.executor == "distributed"
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
@@ -261,7 +262,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     executor.reason = reason
     if distributed:
         executor = _distribute(executor, cfg)
-    init = algo.init_client_state(torch.zeros(ParamSpec.from_model(model).d, dtype=dtype, device=device))
+    init = algo.init_client_state(torch.zeros(spec.d, dtype=dtype, device=device))
     store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients,
                                            sum(v.numel() * v.element_size() for v in (init or {}).values()))
     sim = Simulator(model=model, algorithm=algo, executor=executor,

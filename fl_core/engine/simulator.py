@@ -189,8 +189,8 @@ class Simulator:
             label distribution (test set reweighted by the client's label histogram, as FLGo / PFLlib
             report), summarised over clients (:func:`evaluate`); the post-training step logs them as
             ``post_client_acc_*``.
-        client_state: ``engine.client_state``: where per-client states live, ``memory``, ``disk``
-            (:mod:`~.diskstate`, beside the checkpoint) or ``auto`` (by their total size).
+        client_state: where per-client states live: ``memory`` or ``disk`` (:mod:`~.diskstate`, beside the
+            checkpoint); ``engine.client_state=auto`` is resolved by the factory (:func:`~.diskstate.choose`).
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -213,8 +213,10 @@ class Simulator:
         self.checkpoint_every = checkpoint_every
         self.logger = logger or NullLogger()
         self.callbacks = list(callbacks or [])
-        self.client_state = client_state  # memory | disk | auto (diskstate.choose)
-        self.client_state_reason = ""
+        if client_state not in ("memory", "disk"):
+            raise ValueError(f"client_state must be memory or disk (the factory resolves auto), got {client_state!r}")
+        self.client_state = client_state
+        self.client_state_reason = f"client_state={client_state}"  # the factory says why (engine.client_state)
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
         self.client_loss_trace = int(client_loss_trace)
@@ -391,31 +393,24 @@ class Simulator:
             self.checkpoint_path.name + ".states")
 
     def _open_store(self, st: dict):
-        """The client-state store of ``engine.client_state`` (:func:`~.diskstate.choose`), holding the states of
-        ``st["clients"]`` (a checkpoint of either kind of store is read into either kind)."""
-        g = st["global"]
-        init = self.algo.init_client_state(g) if self.client_state != "memory" else None
-        per_client = sum(v.numel() * v.element_size() for v in (init or {}).values())
-        kind, reason = diskstate.choose(self.client_state, self.num_clients, per_client)
-        self.client_state_reason = self.client_state_reason or reason
+        """The client-state store of ``client_state`` (``memory`` or ``disk``; the factory resolves ``auto`` with
+        :func:`~.diskstate.choose`), holding the states of ``st["clients"]`` (a checkpoint of either kind of store
+        is read into either kind)."""
         saved = st["clients"]
         on_disk = diskstate.DISK_KEY in saved
-        if kind == "disk":
-            store = diskstate.DiskClientStateStore(self.num_clients, self._states_folder())
-            if on_disk or not saved:
-                store.load_state_dict(saved)
-                return store
-        else:
-            store = ClientStateStore("cpu")
-            if not on_disk:
-                store.load_state_dict(saved)
-                return store
-        source = diskstate.DiskClientStateStore(self.num_clients, Path(saved[diskstate.DISK_KEY]["folder"])) \
-            if on_disk else None
-        if source is not None:
-            source.load_state_dict(saved)
-        for cid, state in (source.items() if source is not None else saved.items()):
-            store.put(int(cid), state)
-        if source is not None:
-            source.close()
+        disk = self.client_state == "disk"
+        store = diskstate.DiskClientStateStore(self.num_clients, self._states_folder()) if disk \
+            else ClientStateStore("cpu")
+        if on_disk == disk or not saved:
+            store.load_state_dict(saved)
+            return store
+        if not on_disk:  # a memory checkpoint into the disk store
+            for cid, state in saved.items():
+                store.put(int(cid), state)
+            return store
+        source = diskstate.DiskClientStateStore(self.num_clients, Path(saved[diskstate.DISK_KEY]["folder"]))
+        source.load_state_dict(saved)
+        for cid, state in source.items():  # a disk checkpoint into the memory store
+            store.put(cid, state)
+        source.close()
         return store
