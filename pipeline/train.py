@@ -59,6 +59,7 @@ def usage() -> str:
     from fl_core.paths import conf_dir
 
     from fl_core.algorithms import registry
+    from fl_core.schema import EXECUTORS
 
     def opts(group):
         return "|".join(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
@@ -81,8 +82,9 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
 {rules}
   +experiment={opts("experiment")}
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
-  train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor=sequential|vectorized|auto
-  engine.device  seed  name
+  train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor={"|".join(EXECUTORS)}
+    (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
+  engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
 Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) gives one job, each job one
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
