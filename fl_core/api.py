@@ -75,6 +75,11 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
         raise ConfigError("seed: pass the seeds as run(..., seeds=(1, 2, 3)), not as an override")
     if not seeds:
         raise ConfigError("seeds: at least one seed is needed")
+    seeds = [int(s) for s in seeds]
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"seeds: seed {twice[0]} is given more than once (each seed is one run of the mean "
+                          "+- std)")
     if track and not write:
         raise ConfigError("track=True needs write=True (an in-memory run is not tracked)")
     extra = [] if track is None else [f"tracking.enabled={'true' if track else 'false'}"]

@@ -13,13 +13,14 @@ with a one-line message naming the offending key, e.g. ``partition.alpha must be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
 from .schema import (SECTIONS, ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig,
-                     TrackingConfig, TrainConfig, check_fields)
+                     TrackingConfig, TrainConfig, check_fields, select, show_value)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -34,7 +35,7 @@ def _algorithm_config() -> type:
         ("wrappers", List[str], field(default_factory=list)),  # applied inside-out, e.g. [fedbug]
         # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S| | null: the base rule's own (registry.aggregation)
         ("aggregation", Optional[str], field(default=None)),
-        ("eta_g", float, field(default=1.0)),  # server learning rate
+        ("eta_g", Optional[float], field(default=None)),  # server learning rate; null: the server step's own
         # the server optimiser on the base's pseudo-gradient (registry: kind server); sgd: the base's own step
         ("server_opt", str, field(default=registry.NO_SERVER_OPT)),
     ]
@@ -90,6 +91,99 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
 
 
+# --------------------------------------------------------------------------- the keys a user types
+
+
+def schema_fields() -> Dict[str, Any]:
+    """Every key of the schema as a dotted path -> its dataclass field (None for a section such as ``train`` or
+    ``algorithm.fedprox``)."""
+    out: Dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                out[prefix + f.name] = None
+                walk(value, prefix + f.name + ".")
+            else:
+                out[prefix + f.name] = f
+
+    walk(ExperimentConfig(), "")
+    return out
+
+
+def _is_group(key: str, config_dir: Optional[str]) -> bool:
+    """Whether ``key`` of an override ``key=value`` chooses a config group (``algorithm=fedprox``,
+    ``+experiment=fedbug_cifar10``) rather than setting a value."""
+    from .paths import conf_dir
+
+    return "/" in key or ("." not in key and (Path(config_dir or conf_dir()) / key).is_dir())
+
+
+def override_keys(overrides: Sequence[str], config_dir: Optional[str] = None) -> List[str]:
+    """The value keys that ``overrides`` set, as typed (``+train.rounds=3`` -> ``train.rounds``); config group
+    choices, deletions, Hydra's own keys and overrides Hydra cannot parse (compose reports those) are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except HydraException:
+        return []
+    keys = []
+    for o in parsed:
+        key = o.key_or_group
+        if o.type == OverrideType.DEL or key.split(".")[0] == "hydra" or _is_group(key, config_dir):
+            continue
+        keys.append(key)
+    return keys
+
+
+def check_known_keys(keys: Sequence[str]) -> None:
+    """Every key must be a key of the schema (a section or a field): a typo, with or without ``+``, is refused
+    with the closest known key.
+
+    Raises:
+        ConfigError: ``unknown key train.roudns (did you mean train.rounds?)``.
+    """
+    known = schema_fields()
+    for key in keys:
+        if key in known or "[" in key:
+            continue
+        close = difflib.get_close_matches(key, [k for k, f in known.items() if f is not None], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "see fl-train --help for the keys"
+        raise ConfigError(f"unknown key {key} ({hint})")
+
+
+def inactive_keys(cfg: Any, keys: Sequence[str]) -> Dict[str, str]:
+    """The keys among ``keys`` that cannot change the composed run ``cfg``, each with the reason in one line.
+
+    A key of a rule section (``algorithm.<section>.*``) is inactive when no rule of the resolved stack (base,
+    server optimiser, wrappers) reads that section; any key is inactive when a condition it declares
+    (:func:`fl_core.schema.param`'s ``when``) does not hold, e.g. ``algorithm.fedbcgd.lam`` with
+    ``algorithm.fedbcgd.momentum=false`` or ``partition.alpha`` with ``partition=shards``.
+    """
+    known = schema_fields()
+    a = cfg.algorithm
+    stack = registry.stack(a)
+    used = set(registry.stack_sections(stack))
+    out: Dict[str, str] = {}
+    for key in keys:
+        parts = key.split(".")
+        if parts[0] == "algorithm" and len(parts) > 1 and parts[1] in registry.sections() and parts[1] not in used:
+            out[key] = (f"{key} is not used by this run's rules ({' + '.join(stack)}); to train "
+                        f"{registry.section_labels(parts[1])} use {registry.how_to_use(parts[1])}")
+            continue
+        f = known.get(key)
+        for cond in (f.metadata.get("when", ()) if f is not None else ()):
+            if not cond.holds(cfg):
+                now = show_value(select(cfg, cond.key))
+                out[key] = f"{key} has no effect with {cond.key}={now}: it is used only with {cond.text()}; remove it"
+                break
+    return out
+
+
 # --------------------------------------------------------------------------- composition
 
 _REGISTERED = False
@@ -133,18 +227,26 @@ def _explain_missing_option(text: str, config_dir: Optional[str]) -> str:
     return f"{group} must be one of {', '.join(options)}, got {value!r}"
 
 
-def compose(overrides: List[str] = (), config_dir: Optional[str] = None):
+def compose(overrides: List[str] = (), config_dir: Optional[str] = None, user: Optional[Sequence[str]] = None):
     """Compose ``conf/config.yaml`` with Hydra overrides and validate it.
+
+    Every key the user typed must change the run: unknown keys are refused (with the closest known key), and so
+    are keys the resolved run does not read (:func:`inactive_keys`). Values that presets set are not the
+    user's: only ``user`` (default: all of ``overrides``) is held to that.
 
     Args:
         overrides: Hydra override strings, e.g. ``["algorithm=fedbug", "train.rounds=5"]``.
         config_dir: folder of the config tree (default: the project's ``conf/``).
+        user: the overrides the user typed for this run (a params file's grid passes the experiment's own; its
+            shared sections are checked over the whole grid instead, :meth:`pipeline.grid.Grid.compose_all`).
 
     Returns:
-        The composed, read-only ``DictConfig`` (schema :class:`ExperimentConfig`).
+        The composed, read-only ``DictConfig`` (schema :class:`ExperimentConfig`), with ``algorithm.aggregation``
+        and ``algorithm.eta_g`` resolved to the rules' own where they were null.
 
     Raises:
-        ConfigError: a one-line message naming the offending key (unknown key, wrong type, out of range).
+        ConfigError: a one-line message naming the offending key (unknown key, wrong type, out of range, a key
+            the run does not use).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -155,6 +257,7 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None):
     from .paths import conf_dir
 
     _register_schema()
+    check_known_keys(override_keys(overrides, config_dir))
     try:
         with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
@@ -163,6 +266,11 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None):
     validate(cfg)
     if cfg.algorithm.aggregation is None:  # null: the base rule's own way of averaging (registry.aggregation)
         cfg.algorithm.aggregation = registry.aggregation(cfg.algorithm)
+    if cfg.algorithm.eta_g is None:  # null: the server step's own (registry.eta_g)
+        cfg.algorithm.eta_g = registry.eta_g(cfg.algorithm)
+    unused = inactive_keys(cfg, override_keys(overrides if user is None else user, config_dir))
+    if unused:
+        raise ConfigError(next(iter(unused.values())))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -50,6 +50,12 @@ def check_range(key: str, value: float, lo=None, hi=None, lo_open=False, hi_open
         raise ConfigError(f"{key} must be {'<' if hi_open else '<='} {hi}, got {fmt(value)}")
 
 
+def check_finite(key: str, value: Any) -> None:
+    """A float ``value`` must be finite: NaN and +-inf get ``<key> must be a finite number, got inf``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {fmt(value)}")
+
+
 def check_finite_positive(key: str, value: Any, hint: str) -> None:
     """``value`` must be a finite number > 0: NaN and +inf get ``<key> must be a finite number > 0, got inf
     (<hint>)``; values <= 0 (-inf included) keep :func:`check_range`'s ``<key> must be > 0, got -1``."""
@@ -62,18 +68,68 @@ def check_finite_positive(key: str, value: Any, hint: str) -> None:
 
 # --------------------------------------------------------------------------- parameters that describe themselves
 
+def select(root: Any, key: str) -> Any:
+    """The value at the dotted path ``key`` of ``root`` (a DictConfig, a dataclass or nested dicts), or None."""
+    node = root
+    for part in key.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if isinstance(node, dict) or hasattr(node, "get") else getattr(node, part, None)
+    return node
+
+
+def show_value(v: Any) -> str:
+    """A config value as a user types it in an override: ``true``, ``0.5``, ``shards``, ``[qsgd]``."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig":
+        return "[" + ",".join(show_value(x) for x in v) + "]"
+    return "null" if v is None else fmt(v)
+
+
+@dataclass(frozen=True)
+class When:
+    """A parameter has an effect only when the key ``key`` (a dotted path from the config root) has one of
+    ``values``; for a list-valued key (``algorithm.wrappers``), when the list holds one of them.
+
+    A value the user sets for a parameter whose condition does not hold is refused (``fl_core.config``), so no
+    key is accepted and then ignored; ``fl-train --help`` and the docs show the condition (:meth:`text`).
+    """
+
+    key: str
+    values: tuple
+
+    def holds(self, root: Any) -> bool:
+        value = select(root, self.key)
+        if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+            return any(v in self.values for v in value)
+        return value in self.values
+
+    def text(self) -> str:
+        shown = "|".join(show_value(v) for v in self.values)
+        return f"{self.key} containing {shown}" if self.key.endswith("wrappers") else f"{self.key}={shown}"
+
+
+def when(key: str, *values: Any) -> When:
+    """:class:`When` ``key`` has one of ``values`` (see :func:`param`'s ``when``)."""
+    return When(key, tuple(values))
+
+
 def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None, gt: Optional[float] = None,
           le: Optional[float] = None, lt: Optional[float] = None, choices: Optional[Sequence[Any]] = None,
-          integer: bool = False):
+          integer: bool = False, when: Any = ()):
     """A dataclass field that carries its own description and allowed values.
 
     ``help`` is the one-line description shown by ``fl-train --help`` and in the docs' parameter tables;
     ``ge`` / ``gt`` / ``le`` / ``lt`` bound a number (closed / open), ``choices`` lists the allowed values,
     ``integer`` requires a whole number. :func:`check_fields` enforces them with one-line errors naming
-    the key, e.g. ``algorithm.fedprox.mu must be >= 0, got -1``.
+    the key, e.g. ``algorithm.fedprox.mu must be >= 0, got -1``; a float must be finite. ``when`` (a
+    :class:`When` or a tuple of them, all of which must hold) says when the parameter has an effect: a value the
+    user sets while it does not hold is refused (``fl_core.config.inactive_keys``).
     """
+    conds = (when,) if isinstance(when, When) else tuple(when)
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
-            "choices": tuple(choices) if choices is not None else None, "integer": integer}
+            "choices": tuple(choices) if choices is not None else None, "integer": integer, "when": conds}
     return field(default=default, metadata=meta)
 
 
@@ -127,6 +183,7 @@ def check_fields(schema: type, node: Any, prefix: str) -> None:
         if any(m.get(b) is not None for b in ("ge", "gt", "le", "lt")):
             lo = m["ge"] if m.get("ge") is not None else m.get("gt")
             hi = m["le"] if m.get("le") is not None else m.get("lt")
+            check_finite(key, value)
             check_range(key, value, lo, hi, lo_open=m.get("gt") is not None, hi_open=m.get("lt") is not None)
 
 
@@ -140,7 +197,8 @@ class DatasetConfig:
     root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
     download: bool = param(False, "let torchvision download into root (needs a network)")
     verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them")
-    test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1)
+    test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1,
+                                 when=when("dataset.name", "digits"))
     split_seed: int = param(0, "digits only: seed of the train/test split")
     validation_fraction: float = param(
         0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
@@ -153,15 +211,21 @@ class PartitionConfig:
 
     name: str = param("iid", "client split", choices=PARTITIONS)
     num_clients: int = param(10, "N, the number of clients", ge=1)
-    alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)")
+    alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)",
+                         when=when("partition.name", "dirichlet"))
     variant: str = param("per_client", "dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | "
                          "fixed_size_reuse (B, FedBCGD: each client draws samples_per_client labels from its prior; a "
-                         "class list is reshuffled and reused when exhausted)", choices=DIRICHLET_VARIANTS)
-    samples_per_client: int = param(500, "dirichlet fixed_size_reuse (B) only", ge=1)
-    min_size: int = param(10, "dirichlet per_class: redraw until every client has this many samples", ge=0)
-    classes_per_client: int = param(2, "shards: S classes per client (#label-S)", ge=1)
+                         "class list is reshuffled and reused when exhausted)", choices=DIRICHLET_VARIANTS,
+                         when=when("partition.name", "dirichlet"))
+    samples_per_client: int = param(500, "dirichlet fixed_size_reuse (B) only", ge=1,
+                                    when=(when("partition.name", "dirichlet"),
+                                          when("partition.variant", "fixed_size_reuse")))
+    min_size: int = param(10, "dirichlet per_class: redraw until every client has this many samples", ge=0,
+                          when=(when("partition.name", "dirichlet"), when("partition.variant", "per_class")))
+    classes_per_client: int = param(2, "shards: S classes per client (#label-S)", ge=1,
+                                    when=when("partition.name", "shards"))
     shards_variant: str = param("label_S", "label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)",
-                                choices=("label_S", "mcmahan_sort_shard"))
+                                choices=("label_S", "mcmahan_sort_shard"), when=when("partition.name", "shards"))
     size_sigma: float = param(0.0, "lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client", ge=0)
     seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)")
 
@@ -170,11 +234,12 @@ class PartitionConfig:
 class ModelConfig:
     name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn "
                       "(Tiny-ImageNet)", choices=MODELS)
-    hidden: int = param(200, "mlp width", ge=1)
+    hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
-    norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1)
+    norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,
+                             when=when("model.name", "resnet18", "resnet34"))
     vgg_init: str = param("kaiming", "vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)",
-                          choices=("kaiming", "torch"))
+                          choices=("kaiming", "torch"), when=when("model.name", "vgg11", "vgg19"))
 
 
 @dataclass
@@ -183,7 +248,7 @@ class TrainConfig:
     participation: float = param(0.5, "client participation rate p", gt=0, le=1)
     sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
                          choices=SAMPLERS)
-    local_epochs: int = param(3, "E", ge=1)
+    local_epochs: int = param(3, "E", ge=1, when=when("train.local_steps", 0))
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)
     batch_size: int = param(16, "B", ge=1)
@@ -193,7 +258,8 @@ class TrainConfig:
     grad_clip: Optional[float] = param(None, "max global grad norm over trainable params; None = off", gt=0)
     augmentation: str = param("none", "none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | "
                               "flip", choices=AUGMENTATIONS)
-    crop_padding: int = param(4, "zero padding of the random crop, pixels", ge=0)
+    crop_padding: int = param(4, "zero padding of the random crop, pixels", ge=0,
+                              when=when("train.augmentation", "crop_flip", "fedbug"))
     eval_every: int = param(1, "evaluate the global model every this many rounds (and at the last round)", ge=1)
     target_acc: float = param(0.9, "report: rounds to reach this test accuracy", ge=0, le=1)
     final_window: int = param(5, "report: final accuracy = mean over the last this many evaluations (FedNLR: 5 / 30)",

@@ -87,6 +87,10 @@ class Grid:
     def compose_all(self, name: str) -> list:
         """Composed and validated configs of every seed of ``name``.
 
+        The experiment's own overrides must each change its run; a key of the shared sections is a setting of
+        the whole grid (``algorithm.fedprox.mu`` for the experiments that run FedProx) and must change the run of
+        at least one experiment (:meth:`check_shared`).
+
         Raises:
             ConfigError: naming the experiment and the offending key.
         """
@@ -95,10 +99,32 @@ class Grid:
         cfgs = []
         for s in self.seeds:
             try:
-                cfgs.append(compose(self.overrides(name, s)))
+                cfgs.append(compose(self.overrides(name, s), user=self.experiments[name]))
             except ConfigError as err:
                 raise ConfigError(f"experiments.{name}: {err}") from None
+        self.check_shared(name, cfgs[0])
         return cfgs
+
+    def check_shared(self, name: str, cfg) -> None:
+        """Every shared key that experiment ``name`` (composed: ``cfg``) does not use must be used by another
+        experiment of the grid; the others are composed only for such keys, once each.
+
+        Raises:
+            ConfigError: ``<key>: no experiment of the grid uses it (<why, for experiment name>)``.
+        """
+        from fl_core.config import compose, inactive_keys, override_keys
+
+        unused = inactive_keys(cfg, override_keys(self.shared))
+        for other in self.experiments:
+            if not unused:
+                return
+            if other == name:
+                continue
+            other_cfg = compose(self.overrides(other, self.seeds[0]), user=[])
+            unused = {k: why for k, why in unused.items() if k in inactive_keys(other_cfg, [k])}
+        if unused:
+            key, why = next(iter(unused.items()))
+            raise ConfigError(f"{key}: no experiment of the grid uses it ({name}: {why})")
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -170,6 +196,10 @@ def load_grid(path: Path = Path("params.yaml")) -> Grid:
     if (not isinstance(seeds, list) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"{path}: seeds lists seed {twice[0]} more than once (each seed is one run of the mean "
+                          f"+- std), got {seeds!r}")
     exps = raw.get("experiments") or {}
     if not isinstance(exps, dict) or not exps:
         raise ConfigError(f"{path}: experiments must map experiment names to overrides")

@@ -61,7 +61,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..schema import checked, param
+from ..schema import checked, param, when
 from ..seeding import torch_generator
 from .base import Algorithm, ClientContext, ClientUpdate, Wrapper
 from .registry import Rule, register
@@ -71,9 +71,11 @@ from .registry import Rule, register
 class CompressionParams:
     """``algorithm.compression``: shared by Top-k and QSGD."""
 
-    topk_ratio: float = param(0.1, "Top-k: share of the entries sent (values + indices)", gt=0, le=1)
-    qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1, integer=True)
-    error_feedback: bool = param(True, "Top-k: keep the residual on the client")
+    topk_ratio: float = param(0.1, "Top-k: share of the entries sent (values + indices)", gt=0, le=1,
+                              when=when("algorithm.wrappers", "topk"))
+    qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1, integer=True,
+                             when=when("algorithm.wrappers", "qsgd"))
+    error_feedback: bool = param(True, "Top-k: keep the residual on the client", when=when("algorithm.wrappers", "topk"))
 
 
 # ----------------------------------------------------------------------------- QSGD

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..schema import ConfigError, checked, param
+from ..schema import ConfigError, checked, param, when
 from ..seeding import torch_generator
 from .base import Algorithm
 from .registry import Rule, register
@@ -41,14 +41,16 @@ class FedBCGDParams:
     # that do not use FedBCGD stay as they were
     blocks: int = param(5, "N parameter blocks besides the shared block; 0: as many as the model has (its paper "
                         "table's N, else one per unit besides the classifier)", ge=0)
-    lam: float = param(0.8, "lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)", ge=0, lt=1)
+    lam: float = param(0.8, "lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)", ge=0, lt=1,
+                       when=when("algorithm.fedbcgd.momentum", True))
     block_partition: str = param("auto", "auto (the model's paper table if it has N blocks, else units) | paper | "
                                  "code | units", choices=("auto", "paper", "code", "units"))
     shared: bool = param(True, "false: ablation 'nonshare', the classifier joins the last block")
     momentum: bool = param(True, "false: ablation lambda = 0")
     freezing: bool = param(False, "ablation: clients update only their block and the shared block")
     plus_variant: str = param("paper", "FedBCGD+ only: paper (SVRG + full-batch control variates) | code "
-                              "(SCAFFOLD II + momentum)", choices=("paper", "code"))
+                              "(SCAFFOLD II + momentum)", choices=("paper", "code"),
+                              when=when("algorithm.name", "fedbcgd_plus"))
 
 # parameter-name prefixes: (blocks, shared), by model class
 BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {

@@ -18,18 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import ConfigError, checked, param
+from ..schema import ConfigError, checked, param, when
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+
+_OFFICIAL = when("algorithm.fedexp.variant", "official")  # fedbug_code: no eps, no iterate averaging
 
 
 @dataclass
 class FedExPParams:
     variant: str = param("official", "official (Jhunjhunwala et al.) | fedbug_code (FedBug's implementation)",
                          choices=("official", "fedbug_code"))
-    eps: float = param(1e-3, "epsilon of the step size; 0.1 for EMNIST in the paper", ge=0)
-    eps_decay: float = param(0.998, "eps <- eps * eps_decay**2 after every round", gt=0, le=1)
-    average_last_two: bool = param(True, "evaluate (x_t + x_{t+1}) / 2 (official only)")
+    eps: float = param(1e-3, "epsilon of the step size; 0.1 for EMNIST in the paper", ge=0, when=_OFFICIAL)
+    eps_decay: float = param(0.998, "eps <- eps * eps_decay**2 after every round", gt=0, le=1, when=_OFFICIAL)
+    average_last_two: bool = param(True, "evaluate (x_t + x_{t+1}) / 2 (official only)", when=_OFFICIAL)
 
 
 def _check(a, prefix: str) -> None:
@@ -95,5 +98,6 @@ register(Rule(
     name="fedexp", kind="base", label="FedExP", citation="Jhunjhunwala et al., ICLR 2023, Eq. (9)",
     summary="FedAvg with an adaptive server step size eta_g >= 1 from the extrapolation rule",
     params=FedExPParams, eta_g=False, check=_check,
+    own_aggregation=lambda a: "uniform" if a.fedexp.variant == "fedbug_code" else "weighted",
     build=lambda p, ctx: FedExP(ctx.aggregation if p.variant == "official" else "uniform", p.variant, p.eps,
                                 p.eps_decay, p.average_last_two)))

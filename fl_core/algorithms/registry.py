@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..params import ParamSpec
-from ..schema import ConfigError, check_choice, check_fields, check_range, describe_range, fmt
+from ..schema import ConfigError, check_choice, check_fields, check_finite, check_range, describe_range, fmt
 
 AGGREGATIONS = ("weighted", "uniform")
 
@@ -87,6 +87,13 @@ class Rule:
         preset: the file ``conf/algorithm/<preset>.yaml`` that configures the rule (default: ``name``); a server
             optimiser's preset is the published rule it makes over FedAvg (``momentum``: ``fedavgm``), and the
             report labels that name with the rule's ``label``.
+        default_eta_g: a server optimiser's step size eta_g when ``algorithm.eta_g`` is unset (null), so that a
+            composition such as ``algorithm=fedprox algorithm.server_opt=adam`` gets the optimiser's documented
+            step and not the one of whichever preset was loaded (``sgd`` and ``momentum``: 1; the adaptive ones
+            0.01, as in FedDecorr's run script).
+        own_aggregation: a base's own ``algorithm.aggregation`` given the ``algorithm`` node, where it depends on
+            the rule's parameters (FedExP's ``fedbug_code`` variant averages uniformly); default: the first of
+            ``aggregation``.
     """
 
     name: str
@@ -103,6 +110,8 @@ class Rule:
     neutral: Tuple[str, ...] = ()
     reference: Tuple[str, ...] = ("algorithm.name=fedavg", "algorithm.aggregation=weighted")
     preset: Optional[str] = None
+    default_eta_g: float = 1.0
+    own_aggregation: Optional[Callable[[Any], str]] = None
 
     @property
     def config_section(self) -> Optional[str]:
@@ -227,7 +236,9 @@ def check_algorithm(a: Any) -> None:
             raise ConfigError(f"algorithm.wrappers[{i}] must be one of {', '.join(names('wrapper'))}, got {w!r}")
     if a.aggregation is not None:
         check_choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
-    check_range("algorithm.eta_g", a.eta_g, 0, lo_open=True)
+    if a.eta_g is not None:
+        check_finite("algorithm.eta_g", a.eta_g)
+        check_range("algorithm.eta_g", a.eta_g, 0, lo_open=True)
     for sec, schema in sections().items():
         check_fields(schema, getattr(a, sec), f"algorithm.{sec}")
     for name in stack(a):
@@ -239,7 +250,7 @@ def check_algorithm(a: Any) -> None:
         raise ConfigError(f"algorithm.aggregation={a.aggregation} is not used by {a.name}, which averages only "
                           f"{' | '.join(base.aggregation)} ({base.citation}); set algorithm.aggregation="
                           f"{base.aggregation[0]} or null (the rule's own)")
-    if not base.eta_g and float(a.eta_g) != 1.0:
+    if not base.eta_g and a.eta_g is not None and float(a.eta_g) != 1.0:
         raise ConfigError(f"algorithm.eta_g={fmt(float(a.eta_g))} is not used by {a.name}, whose server step has "
                           f"no server learning rate ({base.citation}); leave algorithm.eta_g=1")
     if not base.eta_g and a.server_opt != NO_SERVER_OPT:
@@ -253,7 +264,42 @@ def aggregation(a: Any) -> str:
     value: ``weighted`` for FedAvg-type rules, ``uniform`` for SCAFFOLD, FedDyn, FedDC, FedBCGD)."""
     if a.aggregation is not None:
         return str(a.aggregation)
-    return _RULES[a.name].aggregation[0] if a.name in _RULES else AGGREGATIONS[0]
+    base = _RULES.get(a.name)
+    if base is None:
+        return AGGREGATIONS[0]
+    return base.own_aggregation(a) if base.own_aggregation is not None else base.aggregation[0]
+
+
+def eta_g(a: Any) -> float:
+    """``algorithm.eta_g`` of node ``a``, or when it is unset (null) the server optimiser's own step size
+    (:attr:`Rule.default_eta_g`: 1 for ``sgd`` and ``momentum``, 0.01 for the adaptive optimisers)."""
+    value = _key(a, "eta_g")
+    if value is not None:
+        return float(value)
+    opt = _RULES.get(_key(a, "server_opt") or NO_SERVER_OPT)
+    return float(opt.default_eta_g) if opt is not None else 1.0
+
+
+def how_to_use(section: str) -> str:
+    """The overrides that put a rule reading ``algorithm.<section>`` into the stack, e.g.
+    ``algorithm=fedprox (or algorithm.name=fedprox)``; several rules sharing the section are joined with ``|``."""
+    hints = []
+    for r in _RULES.values():
+        if r.config_section != section:
+            continue
+        if r.kind == "base":
+            own = f"algorithm.name={r.name}"
+        elif r.kind == "server":
+            own = f"algorithm.server_opt={r.name}"
+        else:
+            own = f"algorithm.wrappers=[{r.name}]"
+        hints.append(f"algorithm={r.preset_name} (or {own})")
+    return " | ".join(hints)
+
+
+def section_labels(section: str) -> str:
+    """The paper names of the rules that read ``algorithm.<section>`` (``FedBCGD / FedBCGD+``)."""
+    return " / ".join(r.label for r in _RULES.values() if r.config_section == section)
 
 
 def build(a: Any, spec: ParamSpec, model: Any = None):
@@ -264,7 +310,7 @@ def build(a: Any, spec: ParamSpec, model: Any = None):
         ConfigError: unknown names, or a shared key the base does not honour (:func:`check_algorithm`).
     """
     check_algorithm(a)
-    ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=float(a.eta_g))
+    ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=eta_g(a))
 
     def section(rule: Rule):
         return getattr(a, rule.config_section) if rule.config_section else None

@@ -27,9 +27,11 @@ element-wise, no bias correction::
     adagrad:  v <- v + Delta_bar^2                                        (beta2 unused)
     x <- x + eta_g m / (sqrt(v) + tau)
 
-m and v start at 0, as in FedDecorr's ``approach/fedoptim.py`` (defaults beta1 = 0.9, beta2 = 0.99,
-tau = 1e-3, server lr 1.0; its run script uses server lr 0.01). Reddi's paper initialises v >= tau^2
-instead; with the zero init the first step of Adam and Yogi is, per coordinate,
+m starts at 0; v starts at 0 (``algorithm.adaptive.v0=zero``, the default) as in FedDecorr's
+``approach/fedoptim.py`` (defaults beta1 = 0.9, beta2 = 0.99, tau = 1e-3, server lr 1.0; its run script uses
+server lr 0.01), or at tau^2 (``v0=tau2``) as Reddi et al.'s Alg. 2 requires (v_{-1} >= tau^2). When
+``algorithm.eta_g`` is unset (null, every preset) the adaptive optimisers step with eta_g = 0.01 whatever rule
+they compose with, momentum and sgd with 1. With the zero init the first step of Adam and Yogi is, per coordinate,
 ``eta_g (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau)`` (Adagrad: ``sqrt(1 - beta2)`` -> 1), i.e.
 up to eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g for every coordinate with |Delta| >> tau: keep eta_g
 small (the conf files use 0.01). Yogi's v stays >= 0: it moves by exactly (1 - beta2) Delta_bar^2
@@ -48,7 +50,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from ..schema import ConfigError, checked, param
+from ..schema import ConfigError, checked, param, when
 from .base import Algorithm, Wrapper
 from .fedavg import FedAvg
 from .registry import Rule, register
@@ -66,8 +68,14 @@ class FedAvgMParams:
 @dataclass
 class AdaptiveParams:
     beta1: float = param(0.9, "first-moment decay (adam, yogi, adagrad)", ge=0, lt=1)
-    beta2: float = param(0.99, "second-moment decay (adam, yogi)", ge=0, lt=1)
+    beta2: float = param(0.99, "second-moment decay (adam, yogi)", ge=0, lt=1,
+                         when=when("algorithm.server_opt", "adam", "yogi"))
     tau: float = param(1.0e-3, "adaptivity: x <- x + eta_g m / (sqrt(v) + tau)", gt=0)
+    v0: str = param("zero", "initial second moment: zero (v = 0, FedDecorr's code) | tau2 (v = tau^2, Reddi et al. "
+                    "Alg. 2: v_{-1} >= tau^2)", choices=("zero", "tau2"))
+
+
+ADAPTIVE_ETA_G = 0.01  # the adaptive optimisers' eta_g when algorithm.eta_g is unset (FedDecorr's run script)
 
 
 def _check_momentum(a, prefix: str) -> None:
@@ -131,20 +139,25 @@ class Adaptive(ServerOptimizer):
 
     RULES = ("adam", "yogi", "adagrad")
 
-    def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, eta_g: float = 1.0):
+    def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
+                 eta_g: float = ADAPTIVE_ETA_G, v0: str = "zero"):
         super().__init__(eta_g)
         if rule not in self.RULES:
             raise ValueError(f"algorithm.server_opt must be one of {', '.join(self.RULES)} here, got {rule!r}")
         self.name, self.preset = rule, f"fed{rule}"
-        p = checked(AdaptiveParams, "algorithm.adaptive", beta1=float(beta1), beta2=float(beta2), tau=float(tau))
-        self.beta1, self.beta2, self.tau = p.beta1, p.beta2, p.tau
+        p = checked(AdaptiveParams, "algorithm.adaptive", beta1=float(beta1), beta2=float(beta2), tau=float(tau),
+                    v0=v0)
+        self.beta1, self.beta2, self.tau, self.v0 = p.beta1, p.beta2, p.tau, p.v0
 
     def params_text(self) -> str:
         b2 = "" if self.name == "adagrad" else f",beta2={self.beta2:g}"
-        return f"eta_g={self.eta_g:g},beta1={self.beta1:g}{b2},tau={self.tau:g}"
+        v0 = ",v0=tau2" if self.v0 == "tau2" else ""
+        return f"eta_g={self.eta_g:g},beta1={self.beta1:g}{b2},tau={self.tau:g}{v0}"
 
     def init_state(self, global_flat):
-        return {"m": torch.zeros_like(global_flat), "v": torch.zeros_like(global_flat)}
+        """m = 0 [d]; v = 0 [d] (``v0=zero``) or tau^2 [d] (``v0=tau2``, Reddi et al. Alg. 2)."""
+        v = torch.zeros_like(global_flat) if self.v0 == "zero" else torch.full_like(global_flat, self.tau ** 2)
+        return {"m": torch.zeros_like(global_flat), "v": v}
 
     def step(self, x, direction, state):
         d2 = direction * direction
@@ -205,8 +218,8 @@ def FedAvgM(beta: float = 0.9, form: str = "heavy_ball", aggregation: str = "wei
 
 def _adaptive_preset(rule: str):
     def make(beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
-             eta_g: float = 1.0) -> ServerOptimized:
-        return ServerOptimized(FedAvg(aggregation, eta_g), Adaptive(rule, beta1, beta2, tau, eta_g))
+             eta_g: float = ADAPTIVE_ETA_G, v0: str = "zero") -> ServerOptimized:
+        return ServerOptimized(FedAvg(aggregation, eta_g), Adaptive(rule, beta1, beta2, tau, eta_g, v0))
 
     make.__name__ = make.__qualname__ = f"Fed{rule.capitalize()}"
     make.__doc__ = f"Fed{rule.capitalize()}: FedAvg with the adaptive server optimiser {rule} (Reddi et al. 2021)."
@@ -233,6 +246,6 @@ for _rule in Adaptive.RULES:
         name=_rule, kind="server", label=f"Fed{_rule.capitalize()}", citation="Reddi et al., ICLR 2021, Alg. 2",
         summary=f"the adaptive server optimiser {_rule.capitalize()} on the pseudo-gradient; over FedAvg: "
                 f"Fed{_rule.capitalize()}",
-        params=AdaptiveParams, section="adaptive", preset=f"fed{_rule}",
+        params=AdaptiveParams, section="adaptive", preset=f"fed{_rule}", default_eta_g=ADAPTIVE_ETA_G,
         build=lambda base, p, ctx, _rule=_rule: ServerOptimized(base, Adaptive(_rule, p.beta1, p.beta2, p.tau,
-                                                                               ctx.eta_g))))
+                                                                               ctx.eta_g, p.v0))))
