@@ -190,7 +190,8 @@ def _sequential_equals_vectorized_with_momentum(stack: tuple) -> None:
             _sim(stack, "vectorized")
         return
     vec, _, _, _ = _run(stack, "vectorized")
-    assert _close(seq, vec), f"{' '.join(stack)}: sequential and vectorised differ by {float((seq - vec).abs().max()):.3g}"
+    gap = float((seq - vec).abs().max())
+    assert _close(seq, vec), f"{' '.join(stack)}: sequential and vectorised differ by {gap:.3g}"
 
 
 @pytest.mark.parametrize("base", BASES)
@@ -214,7 +215,8 @@ def test_fedbug_frozen_units_with_momentum_sequential_equals_vectorized():
 
 
 def test_fedbcgd_freezing_with_momentum_sequential_equals_vectorized():
-    _sequential_equals_vectorized_with_momentum(_stack("fedbcgd", extra=MOMENTUM + ("algorithm.fedbcgd.freezing=true",)))
+    freezing = ("algorithm.fedbcgd.freezing=true",)
+    _sequential_equals_vectorized_with_momentum(_stack("fedbcgd", extra=MOMENTUM + freezing))
 
 
 @pytest.mark.parametrize("stack", [_stack("fedavg", extra=MOMENTUM), _stack("moon", extra=MOMENTUM),

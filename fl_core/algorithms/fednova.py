@@ -3,7 +3,8 @@
 Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
 (:func:`normalizer`; plain SGD: a_i = tau_i; with local momentum rho = ``train.momentum``:
 a_i = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho); with FedNova's proximal term mu:
-a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused). Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
+a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused).
+Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
 
     tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
 

@@ -11,7 +11,8 @@ Server (N = all clients)::
     x <- x + eta_g / |S| * sum_i Delta y_i            c <- c + (1 / N) * sum_i Delta c_i
 
 eta_l is the round's learning rate (``lr_in_update=actual``) or the initial one (``initial``, as in
-Acar's code). The c_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused. Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
+Acar's code). The c_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused.
+Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
 """
 
 from __future__ import annotations

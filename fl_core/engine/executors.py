@@ -81,7 +81,9 @@ def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Di
     ``momentum`` = 0: plain SGD, p <- p - lr * s_p * (grad + wd * p). ``momentum`` = rho > 0: SGD with momentum
     as ``torch.optim.SGD`` (dampening 0, no Nesterov)::
 
-        d_p = grad + wd * p;   buf = d_p at p's first step with a gradient, else rho * buf + d_p;   p <- p - lr * s_p * buf
+        d_p = grad + wd * p
+        buf = d_p at p's first step with a gradient, else rho * buf + d_p
+        p  <- p - lr * s_p * buf
 
     with the buffers in ``buffers`` (name -> tensor of p's shape; filled here, empty at the start of a client's
     local training). ``s_p`` is a per-element learning-rate multiplier set by the rule (``lr_scale[name]``,
@@ -373,7 +375,8 @@ class VectorizedExecutor(Executor):
     the SGD step where a ``[C, P]`` mask allows it: per-client masks cover unequal step counts K_i
     (a client with fewer steps simply stops moving) and per-client schedules such as gradual unfreezing's
     m(k). With ``train.momentum`` each client keeps its momentum buffers ``[C, ...]`` for the round, and a
-    masked tensor keeps its buffer too (:func:`sgd_step`). Clipping is per client over its trainable tensors, as ``clip_grad_norm_`` does.
+    masked tensor keeps its buffer too (:func:`sgd_step`). Clipping is per client over its trainable tensors,
+    as ``clip_grad_norm_`` does.
     Clients are processed in chunks of ``max_parallel_clients`` (0: all at once) to bound memory.
 
     Matches :class:`SequentialExecutor` up to float32 rounding (tests state the tolerance).
