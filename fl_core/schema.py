@@ -255,6 +255,8 @@ class TrainConfig:
     lr: float = param(0.05, "eta_l", gt=0)
     lr_decay: float = param(1.0, "eta_l(r) = lr * lr_decay**(r-1)", gt=0, le=1)
     weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0)
+    momentum: float = param(0.0, "rho, the clients' local SGD momentum (torch.optim.SGD: dampening 0, no Nesterov; "
+                            "a new buffer for every client and round); 0 = plain SGD", ge=0, lt=1)
     grad_clip: Optional[float] = param(None, "max global grad norm over trainable params; None = off", gt=0)
     augmentation: str = param("none", "none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | "
                               "flip", choices=AUGMENTATIONS)

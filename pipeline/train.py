@@ -82,7 +82,8 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
 {rules}
   +experiment={opts("experiment")}
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
-  train.lr  train.weight_decay  train.grad_clip  train.augmentation  engine.executor={"|".join(EXECUTORS)}
+  train.lr  train.weight_decay  train.momentum  train.grad_clip  train.augmentation
+  engine.executor={"|".join(EXECUTORS)}
     (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).

@@ -27,16 +27,19 @@ from .fedbug import FedBug, unfrozen_units
 from .moon import Moon, contrastive_loss
 
 
-def build_algorithm(cfg, spec: ParamSpec, model=None) -> Algorithm:
+def build_algorithm(cfg, spec: ParamSpec, model=None, momentum: float = 0.0) -> Algorithm:
     """Build ``cfg.name`` and wrap it with ``cfg.wrappers`` in order (first = innermost); :func:`registry.build`.
 
-    ``model`` gives rules the structure they need (FedNLR's neuron layers, CCVR's classifier, FedBCGD's blocks).
+    ``model`` gives rules the structure they need (FedNLR's neuron layers, CCVR's classifier, FedBCGD's blocks);
+    ``momentum`` is ``train.momentum``, the clients' local SGD momentum (FedNova's normaliser depends on it; rules
+    whose math assumes plain local SGD refuse it).
 
     Raises:
-        ConfigError: unknown base (``algorithm.name``) or wrapper (``algorithm.wrappers``), a value out of range, or
-            a shared key (``algorithm.aggregation``, ``algorithm.eta_g``) the base would ignore.
+        ConfigError: unknown base (``algorithm.name``) or wrapper (``algorithm.wrappers``), a value out of range,
+            a shared key (``algorithm.aggregation``, ``algorithm.eta_g``) the base would ignore, or
+            ``train.momentum`` > 0 with a rule that assumes plain local SGD.
     """
-    return registry.build(cfg, spec, model)
+    return registry.build(cfg, spec, model, momentum)
 
 
 __all__ = ["Algorithm", "Wrapper", "InfeasibleSetting", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg",

@@ -29,8 +29,8 @@ import torch
 from ..schema import ConfigError, checked, param, when
 from ..seeding import torch_generator
 from .base import Algorithm
-from .registry import Rule, register
-from .scaffold import add_drift_correction
+from .registry import Rule, refuse_local_momentum, register
+from .scaffold import MOMENTUM_WHY, add_drift_correction
 
 
 @dataclass
@@ -241,7 +241,9 @@ class FedBCGDPlus(FedBCGD):
     s_k = c_k+ - c on block j and the shared block; server c_(j) <- c_(j) + p mean_{owners of j} s_k and
     c_s <- c_s + p mean_{all S} s_k with p = |S| / M (an EMA of the clients' c_k+ with weight p).
 
-    In both variants c_k is overwritten on every coordinate (the paper's Alg. 3). Communication: up
+    In both variants c_k is overwritten on every coordinate (the paper's Alg. 3). The code variant's c_k+ assumes
+    plain local SGD steps; it refuses ``train.momentum`` > 0 (the paper variant's c_k+ = g_full does not depend on
+    the local steps). Communication: up
     2 (#x_(j) + #x_s) (model block + Delta c block), down 2d (x and c); state: c_k per client, c and v.
     """
 
@@ -326,6 +328,13 @@ def _blocks(p, ctx):
     return block_partition(ctx.model, ctx.spec.names, p.blocks, p.block_partition, p.shared)
 
 
+def _build_plus(p, ctx):
+    if p.plus_variant == "code":
+        refuse_local_momentum(ctx, "algorithm.fedbcgd.plus_variant=code", MOMENTUM_WHY)
+    return FedBCGDPlus(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing,
+                       variant=p.plus_variant)
+
+
 register(Rule(
     name="fedbcgd", kind="base", label="FedBCGD", citation="Liu et al., ACM MM 2024, Alg. 1",
     summary="block-coordinate upload: each client sends one parameter block (plus a shared block); "
@@ -339,5 +348,4 @@ register(Rule(
     name="fedbcgd_plus", kind="base", label="FedBCGD+", citation="Liu et al., ACM MM 2024, Alg. 3 and Eq. (4)",
     summary="FedBCGD with control variates (paper: SVRG with full-batch gradients; code: SCAFFOLD option II)",
     params=FedBCGDParams, section="fedbcgd", aggregation=("uniform",), eta_g=False,
-    build=lambda p, ctx: FedBCGDPlus(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum,
-                                     freezing=p.freezing, variant=p.plus_variant)))
+    build=_build_plus))

@@ -10,6 +10,7 @@ Client i holds a drift h_i and a gradient state g_i; the server a global gradien
              theta_g <- mean_{i in S} theta_i + mean_{all N} h_i
 
 The clients' size weights w_i of the reference code are kept only in alpha_i (balanced data: w_i = 1).
+The g_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused.
 Communication: 2d up (model and gradient-state change), 2d down (model and g).
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from ..schema import checked, param
 from .base import Algorithm
-from .registry import Rule, register
+from .registry import Rule, refuse_local_momentum, register
 
 
 @dataclass
@@ -79,8 +80,14 @@ class FedDC(Algorithm):
         return 2.0 * d, 2.0 * d
 
 
+def _build(p, ctx):
+    refuse_local_momentum(ctx, "algorithm.name=feddc", "its g_i update Delta_i / (K_i eta_l0) is the mean local "
+                          "gradient only for plain local SGD steps (Gao et al., Alg. 1)")
+    return FedDC(p.alpha)
+
+
 register(Rule(
     name="feddc", kind="base", label="FedDC", citation="Gao et al., CVPR 2022, Alg. 1",
     summary="local drift decoupling and correction: a drift variable h_i bridges local and global models",
     params=FedDCParams, aggregation=("uniform",), eta_g=False,
-    build=lambda p, ctx: FedDC(p.alpha)))
+    build=_build))

@@ -1,8 +1,10 @@
 """FedNova (Wang et al. 2020; docs/algorithms.md, FedNova): normalised averaging.
 
 Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
-(:func:`normalizer`; plain SGD: a_i = tau_i; with FedNova's proximal term mu:
-a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu)). Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
+(:func:`normalizer`; plain SGD: a_i = tau_i; with local momentum rho = ``train.momentum``:
+a_i = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho); with FedNova's proximal term mu:
+a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused).
+Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
 
     tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import checked, param
+from ..schema import ConfigError, checked, fmt, param
 from .fedavg import FedAvg
 from .fedprox import proximal_term
 from .registry import Rule, register
@@ -27,9 +29,12 @@ class FedNovaParams:
 
 
 def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> float:
-    """a_i for tau local steps: plain SGD (tau), SGD with momentum rho, or the proximal variant (mu > 0).
+    """a_i (the L1 norm of FedNova's a_i vector, a float) for tau local steps: plain SGD (tau), SGD with momentum
+    rho in [0, 1), or the proximal variant (mu > 0, learning rate lr; takes precedence over rho).
 
-    momentum: [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho);  prox: [1 - (1 - lr mu)^tau] / (lr mu).
+    momentum: sum_{k=1..tau} (1 - rho^k) / (1 - rho) = [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho)
+    (Wang et al., NeurIPS 2020, the local-momentum example of a_i; code JYWa/FedNova ``local_normalizing_vec``);
+    prox: [1 - (1 - lr mu)^tau] / (lr mu). rho = 0 and mu = 0 give tau.
     """
     if mu > 0:
         return (1.0 - (1.0 - lr * mu) ** tau) / (lr * mu)
@@ -41,15 +46,27 @@ def normalizer(tau: int, lr: float = 0.0, mu: float = 0.0, rho: float = 0.0) -> 
 class FedNova(FedAvg):
     name = "fednova"
 
-    def __init__(self, mu: float = 0.0, eta_g: float = 1.0, aggregation: str = "weighted"):
+    def __init__(self, mu: float = 0.0, eta_g: float = 1.0, aggregation: str = "weighted", momentum: float = 0.0):
+        """``momentum``: rho of the clients' local SGD (``train.momentum``), which sets a_i.
+
+        Raises:
+            ConfigError: mu out of range, or mu > 0 with momentum > 0 (names both keys).
+        """
         super().__init__(aggregation, eta_g)
         self.mu = float(checked(FedNovaParams, "algorithm.fednova", mu=mu).mu)
+        self.rho = float(momentum)
+        if self.mu > 0 and self.rho > 0:
+            raise ConfigError(f"train.momentum={fmt(self.rho)} does not compose with algorithm.fednova.mu="
+                              f"{fmt(self.mu)}: FedNova's normaliser a_i is derived for local momentum or for the "
+                              "proximal term, not both (Wang et al. 2020); set train.momentum=0 or "
+                              "algorithm.fednova.mu=0")
 
     def local_loss(self, ctx, params, logits, features, y):
         return None if self.mu == 0.0 else proximal_term(ctx, params, self.mu)
 
     def finish_client(self, ctx, update):
-        update.extra["a"] = torch.tensor(normalizer(update.num_steps, ctx.round.lr, self.mu), dtype=torch.float64)
+        a = normalizer(update.num_steps, ctx.round.lr, self.mu, self.rho)
+        update.extra["a"] = torch.tensor(a, dtype=torch.float64)
         update.sent["a"] = 1.0
         return update
 
@@ -79,4 +96,4 @@ register(Rule(
     name="fednova", kind="base", label="FedNova", citation="Wang et al., NeurIPS 2020, Eq. (6)-(7)",
     summary="normalised averaging: each update is divided by its number of local steps, then rescaled by tau_eff",
     params=FedNovaParams, neutral=("algorithm.fednova.mu=0",),  # and equal step counts K_i
-    build=lambda p, ctx: FedNova(p.mu, ctx.eta_g, ctx.aggregation)))
+    build=lambda p, ctx: FedNova(p.mu, ctx.eta_g, ctx.aggregation, ctx.momentum)))

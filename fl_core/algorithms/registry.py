@@ -44,6 +44,19 @@ class BuildContext:
     model: Any = None
     aggregation: str = "weighted"  # algorithm.aggregation, resolved (a rule that averages one way gets its own)
     eta_g: float = 1.0  # algorithm.eta_g
+    momentum: float = 0.0  # train.momentum: rho of the clients' local SGD (0: plain SGD)
+
+
+def refuse_local_momentum(ctx: BuildContext, key: str, why: str) -> None:
+    """For a rule whose math assumes plain local SGD: refuse ``train.momentum`` > 0.
+
+    Raises:
+        ConfigError: one line naming ``train.momentum`` and ``key`` (the rule's setting, e.g.
+            ``algorithm.name=scaffold``), with ``why``.
+    """
+    if ctx.momentum:
+        raise ConfigError(f"train.momentum={fmt(float(ctx.momentum))} does not compose with {key}: {why}; "
+                          "set train.momentum=0")
 
 
 def neuron_layers(model) -> List[Tuple[str, str, int]]:
@@ -302,15 +315,18 @@ def section_labels(section: str) -> str:
     return " / ".join(r.label for r in _RULES.values() if r.config_section == section)
 
 
-def build(a: Any, spec: ParamSpec, model: Any = None):
+def build(a: Any, spec: ParamSpec, model: Any = None, momentum: float = 0.0):
     """The algorithm stack of the ``algorithm`` node ``a``: its base, with the server optimiser ``a.server_opt``,
-    wrapped by ``a.wrappers`` in order (first = innermost).
+    wrapped by ``a.wrappers`` in order (first = innermost). ``momentum``: ``train.momentum`` (the rules read it from
+    :class:`BuildContext`).
 
     Raises:
-        ConfigError: unknown names, or a shared key the base does not honour (:func:`check_algorithm`).
+        ConfigError: unknown names, a shared key the base does not honour (:func:`check_algorithm`), or
+            ``train.momentum`` > 0 with a rule that assumes plain local SGD (:func:`refuse_local_momentum`).
     """
     check_algorithm(a)
-    ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=eta_g(a))
+    ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=eta_g(a),
+                       momentum=float(momentum))
 
     def section(rule: Rule):
         return getattr(a, rule.config_section) if rule.config_section else None

@@ -11,7 +11,8 @@ Server (N = all clients)::
     x <- x + eta_g / |S| * sum_i Delta y_i            c <- c + (1 / N) * sum_i Delta c_i
 
 eta_l is the round's learning rate (``lr_in_update=actual``) or the initial one (``initial``, as in
-Acar's code). Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
+Acar's code). The c_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused.
+Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from ..schema import checked, param
 from .base import Algorithm
-from .registry import Rule, register
+from .registry import Rule, refuse_local_momentum, register
 
 
 @dataclass
@@ -83,8 +84,17 @@ class Scaffold(Algorithm):
         return 2.0 * d, 2.0 * d
 
 
+MOMENTUM_WHY = ("option II's (x - y_i) / (K_i eta_l) is the mean corrected gradient only for plain local SGD steps "
+                "(Karimireddy et al., Alg. 1)")
+
+
+def _build(p, ctx):
+    refuse_local_momentum(ctx, "algorithm.name=scaffold", MOMENTUM_WHY)
+    return Scaffold(ctx.eta_g, p.lr_in_update)
+
+
 register(Rule(
     name="scaffold", kind="base", label="SCAFFOLD", citation="Karimireddy et al., ICML 2020, Alg. 1 (option II)",
     summary="control variates c and c_i correct every local gradient for client drift",
     params=ScaffoldParams, aggregation=("uniform",),
-    build=lambda p, ctx: Scaffold(ctx.eta_g, p.lr_in_update)))
+    build=_build))

@@ -74,17 +74,39 @@ def batch_schedule(seed: int, round_idx: int, client_id: int, num_samples: int, 
 
 
 @torch.no_grad()
-def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Dict[str, torch.Tensor]] = None):
-    """Plain SGD on the parameters that have a gradient: p <- p - lr * s_p * (grad + wd * p).
+def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Dict[str, torch.Tensor]] = None,
+             momentum: float = 0.0, buffers: Optional[Dict[str, torch.Tensor]] = None):
+    """One SGD step on the parameters that have a gradient (docs/algorithms.md, One local step).
 
-    ``s_p`` is a per-element learning-rate multiplier set by the rule (``lr_scale[name]``, broadcast to
-    p's shape; 1 when absent). Without multipliers this is ``torch.optim.SGD`` (no momentum) to the
-    bit (tested); parameters whose grad is None (frozen) get no update and no weight decay.
+    ``momentum`` = 0: plain SGD, p <- p - lr * s_p * (grad + wd * p). ``momentum`` = rho > 0: SGD with momentum
+    as ``torch.optim.SGD`` (dampening 0, no Nesterov)::
+
+        d_p = grad + wd * p
+        buf = d_p at p's first step with a gradient, else rho * buf + d_p
+        p  <- p - lr * s_p * buf
+
+    with the buffers in ``buffers`` (name -> tensor of p's shape; filled here, empty at the start of a client's
+    local training). ``s_p`` is a per-element learning-rate multiplier set by the rule (``lr_scale[name]``,
+    broadcast to p's shape; 1 when absent); it scales the step, not the buffer. Without multipliers this is
+    ``torch.optim.SGD`` to the bit, with and without momentum (tested); parameters whose grad is None (frozen)
+    get no update, no weight decay and keep their buffer, as in torch.
+
+    Raises:
+        ValueError: ``momentum`` > 0 without ``buffers``.
     """
+    if momentum and buffers is None:
+        raise ValueError("sgd_step: momentum > 0 needs a dict of momentum buffers")
     for name, p in named_params:
         if p.grad is None:
             continue
         d_p = p.grad if weight_decay == 0 else p.grad.add(p, alpha=weight_decay)
+        if momentum:
+            buf = buffers.get(name)
+            if buf is None:
+                buf = buffers[name] = torch.clone(d_p).detach()
+            else:
+                buf.mul_(momentum).add_(d_p)
+            d_p = buf
         if lr_scale is not None and name in lr_scale:
             d_p = d_p * lr_scale[name]
         p.add_(d_p, alpha=-lr)
@@ -167,9 +189,11 @@ class Executor:
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0):
+                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0, momentum: float = 0.0):
         if local_steps < 0:
             raise ValueError(f"train.local_steps must be >= 0, got {local_steps}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"train.momentum must be in [0, 1), got {momentum}")
         if augmentation not in augment.MODES:
             raise ValueError(f"train.augmentation must be one of {', '.join(augment.MODES)}, got {augmentation!r}")
         self.augmentation = augmentation
@@ -181,6 +205,7 @@ class Executor:
         self.local_epochs = local_epochs
         self.local_steps = local_steps  # > 0: exactly this many steps per client and round instead of E epochs
         self.weight_decay = weight_decay
+        self.momentum = float(momentum)  # rho of the local SGD (sgd_step); 0: plain SGD
         self.grad_clip = grad_clip
         self.seed = seed
         self._fwd = _FeatureForward(model)
@@ -279,6 +304,7 @@ class SequentialExecutor(Executor):
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
         batches = self.batches(rctx, ctx)
+        bufs: Dict[str, torch.Tensor] = {}  # momentum buffers: new for every client and round
         loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
         for k, pos in enumerate(batches, start=1):
             mask = algo.update_mask(ctx, k)
@@ -303,7 +329,10 @@ class SequentialExecutor(Executor):
             algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
-            sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale)
+            if self.momentum:
+                sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, self.momentum, bufs)
+            else:
+                sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale)
             loss_sum += loss.detach()
         for _, p in named:
             p.requires_grad_(True)
@@ -345,7 +374,9 @@ class VectorizedExecutor(Executor):
     with zero-weight samples), computes all C gradients with ``vmap(grad(loss))``, and applies
     the SGD step where a ``[C, P]`` mask allows it: per-client masks cover unequal step counts K_i
     (a client with fewer steps simply stops moving) and per-client schedules such as gradual unfreezing's
-    m(k). Clipping is per client over its trainable tensors, as ``clip_grad_norm_`` does.
+    m(k). With ``train.momentum`` each client keeps its momentum buffers ``[C, ...]`` for the round, and a
+    masked tensor keeps its buffer too (:func:`sgd_step`). Clipping is per client over its trainable tensors,
+    as ``clip_grad_norm_`` does.
     Clients are processed in chunks of ``max_parallel_clients`` (0: all at once) to bound memory.
 
     Matches :class:`SequentialExecutor` up to float32 rounding (tests state the tolerance).
@@ -356,7 +387,7 @@ class VectorizedExecutor(Executor):
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0,
+                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0, momentum: float = 0.0,
                  max_parallel_clients: int = 0):
         if not algorithm.vectorizable:
             raise ValueError(f"engine.executor=vectorized: {algorithm.describe()} has hooks that only run "
@@ -365,7 +396,7 @@ class VectorizedExecutor(Executor):
             raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
         super().__init__(model, algorithm, data, batch_size=batch_size, local_epochs=local_epochs,
                          weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, augmentation=augmentation,
-                         crop_padding=crop_padding, local_steps=local_steps)
+                         crop_padding=crop_padding, local_steps=local_steps, momentum=momentum)
         self.max_parallel_clients = max_parallel_clients
         self._names = [n for n, _ in model.named_parameters()]
         # every client's index array back to back on the host, and where each starts (the batch schedule)
@@ -484,6 +515,9 @@ class VectorizedExecutor(Executor):
         anchor = ({n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape) for n in self._names}
                   if algo.needs_anchor_gradient else None)
         loss_sum = torch.zeros(C, dtype=dtype, device=dev)
+        # momentum buffers [C, *shape], new for every chunk and round; a zero buffer makes the first step's
+        # rho * 0 + d_p = d_p, the sequential executor's buf = d_p
+        bufs = {n: torch.zeros_like(params[n]) for n in self._names} if self.momentum else {}
         masked = overrides(algo, "update_mask")
         for k in range(kmax):
             b = pos[:, k]
@@ -514,6 +548,8 @@ class VectorizedExecutor(Executor):
                 if self.grad_clip is not None:
                     gr = gr * coef.view(shape)
                 d_p = gr + self.weight_decay * p if self.weight_decay else gr
+                if self.momentum:  # a masked (frozen, or finished) client's buffer stays as it is
+                    bufs[n] = d_p = torch.where(mask[:, j].view(shape), self.momentum * bufs[n] + d_p, bufs[n])
                 if n in lr_scale:
                     d_p = d_p * lr_scale[n]
                 params[n] = torch.where(mask[:, j].view(shape), p - rctx.lr * d_p, p)

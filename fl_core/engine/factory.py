@@ -248,11 +248,11 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
     spec = ParamSpec.from_model(model)
-    algo = build_algorithm(cfg.algorithm, spec, model)
     t = cfg.train
+    algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum))
     distributed = cfg.engine.executor == "distributed"
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
-                  grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
+                  momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
                   crop_padding=t.crop_padding, local_steps=t.local_steps)
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
                                    device, probe=lambda: time_executors(cfg, model, algo, data, kwargs))
