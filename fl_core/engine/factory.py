@@ -249,6 +249,10 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
     spec = ParamSpec.from_model(model)
     algo = build_algorithm(cfg.algorithm, spec, model)
+    grown = ParamSpec.from_model(model)
+    if grown != spec:  # a rule's builder added parameters to the model (a head, FLModel.attach_head): build the stack
+        spec = grown  # again on the final layout, so every rule of it (wrappers' units, blocks) sees the same d
+        algo = build_algorithm(cfg.algorithm, spec, model)
     t = cfg.train
     distributed = cfg.engine.executor == "distributed"
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
