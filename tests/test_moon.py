@@ -168,7 +168,7 @@ def test_a_first_time_client_after_round_one_contrasts_with_its_own_initial_netw
 
     sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8", "seed=5",
                      "engine.dtype=float64")
-    algo, g = sim.algorithm, flatten_params(sim.model).detach().clone()
+    algo, g = sim.algo, flatten_params(sim.model).detach().clone()
     rctx = RoundContext(round=3, lr=0.05, global_flat=g, spec=sim.spec, sampled=(0,), seed=5)
     state = ClientStateStore("cpu").get(0, lambda: algo.init_client_state(g))
     assert float(state["fresh"]) == 1.0 and torch.equal(state["prev"], g)
