@@ -34,8 +34,10 @@ clients, ``old_nets_pool`` with ``model_buffer_size`` 1):
   authors' networks, which are drawn one after another from one PyTorch stream. State: ``fresh`` (0-d, 1 until
   the client's first training) marks it.
 - ``global`` (the rule before this option): a client's ``prev`` starts as the first model it receives, so in that
-  round z_prev = z_glob and l_con is the constant log 2 with zero gradient. With full participation the two
-  options give the same model (both add no gradient in round 1 and none else is a first-time participant).
+  round z_prev = z_glob and l_con is the constant log 2 with zero gradient (up to the rounding of its two softmax
+  weights, 1/2 each: ~1e-8 relative in float32). With full participation the two options give the same model up
+  to that rounding (neither adds a gradient in round 1, and no client is a first-time participant later).
+  ``global`` with ``projection_dim`` 0 is the former rule to the bit.
 
 The server is FedAvg's (weighted mean, eta_g; any ``algorithm.server_opt`` composes); mu = 0 is exactly FedAvg
 (a head needs mu > 0: it would never be trained). Communication: d up, d down; client state d floats (+1 official).
