@@ -3,6 +3,7 @@ interface was proven with: MOON and a server Adam over FedProx, alone and under 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from fl_core.algorithms import Moon, contrastive_loss
-from fl_core.algorithms.base import ClientContext, RoundContext
+from fl_core.algorithms.base import ClientContext, ClientUpdate, RoundContext
 from fl_core.engine.executors import reference_vector
 from fl_core.engine.state import flatten_params, load_flat
 from fl_core.params import ParamSpec
@@ -47,7 +48,8 @@ def test_moon_loss_weighs_out_padding_samples():
     algo = Moon(mu=2.0, tau=0.5)
     gen = torch.Generator().manual_seed(1)
     z, zg, zp = (torch.randn(4, 3, generator=gen, dtype=torch.float64) for _ in range(3))
-    ctx = ClientContext(round=None, client_id=0, num_samples=3, num_steps=1,
+    rctx = RoundContext(round=2, lr=0.1, global_flat=torch.zeros(1), spec=None)  # round 2: the negative is used
+    ctx = ClientContext(round=rctx, client_id=0, num_samples=3, num_steps=1,
                         sample_weight=torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64),
                         reference_outputs={"global": (None, zg), "state:prev": (None, zp)})
     got = algo.local_loss(ctx, {}, None, z, None)
@@ -126,6 +128,161 @@ def test_moon_state_is_the_model_the_client_trained(digits):
     updates = ex.run_round(rctx, [0, 1], store)
     for u in updates:
         assert torch.equal(store.get(u.client_id, lambda: None)["prev"], g + u.delta)
+
+
+# ------------------------------------------------------------------------------------ first-time participants
+
+def test_round_one_has_no_negative_so_moon_is_fedavg_there(digits):
+    # the authors' pool is empty in round 0: l_con is the CE of the positive alone, 0 with zero gradient
+    one = ["model=mlp", "train.rounds=1", "engine.dtype=float64"]
+    _, moon = run_sim(digits, "algorithm=moon", "algorithm.moon.mu=5", *one)
+    _, avg = run_sim(digits, "algorithm=fedavg", *one)
+    assert torch.equal(moon.final_flat, avg.final_flat)
+
+
+def test_no_negative_is_zero_loss_with_zero_gradient():
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    loss = contrastive_loss(z, torch.randn(4, 3, generator=gen, dtype=torch.float64), None, 0.5)
+    (g,) = torch.autograd.grad(loss.sum(), z)
+    assert torch.equal(loss, torch.zeros(4, dtype=torch.float64)) and torch.equal(g, torch.zeros_like(g))
+
+
+def test_initial_vector_draws_as_the_run_draws_its_global_model(digits):
+    from fl_core.algorithms.moon import initial_vector
+    from fl_core.seeding import derive_seed
+
+    sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8", "seed=4",
+                     "algorithm.moon.projection_dim=3")
+    rng = torch.get_rng_state()
+    got = initial_vector(copy.deepcopy(sim.model), derive_seed("init", 4))
+    assert torch.equal(torch.get_rng_state(), rng)  # the run's random stream is untouched
+    sim._restored = None
+    assert torch.equal(got, sim._fresh_state()["global"])
+
+
+def test_a_first_time_client_after_round_one_contrasts_with_its_own_initial_network(digits):
+    from fl_core.algorithms.moon import initial_vector
+    from fl_core.engine.state import ClientStateStore
+    from fl_core.seeding import derive_seed
+
+    sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8", "seed=5",
+                     "engine.dtype=float64")
+    algo, g = sim.algo, flatten_params(sim.model).detach().clone()
+    rctx = RoundContext(round=3, lr=0.05, global_flat=g, spec=sim.spec, sampled=(0,), seed=5)
+    state = ClientStateStore("cpu").get(0, lambda: algo.init_client_state(g))
+    assert float(state["fresh"]) == 1.0 and torch.equal(state["prev"], g)
+    ctx = ClientContext(round=rctx, client_id=0, num_samples=1, num_steps=1, state=state)
+    algo.client_begin(ctx, None)
+    own = initial_vector(copy.deepcopy(sim.model), derive_seed("moon-init", 5, 0))
+    assert torch.equal(state["prev"], own) and not torch.equal(own, g)
+    other = initial_vector(copy.deepcopy(sim.model), derive_seed("moon-init", 5, 1))
+    assert not torch.equal(own, other)  # drawn independently per client
+    upd = ClientUpdate(0, 1, 1, torch.full_like(g, 0.5), 0.0)
+    algo.finish_client(ctx, upd)
+    assert float(state["fresh"]) == 0.0 and torch.equal(state["prev"], g + 0.5)
+    algo.client_begin(ctx, None)  # trained once: its previous model stays the one it trained
+    assert torch.equal(state["prev"], g + 0.5)
+
+
+@pytest.mark.parametrize("client_state", ["memory", "disk"])
+def test_moon_resumed_equals_uninterrupted_with_late_first_participants(digits, tmp_path, client_state):
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_1(r, row):
+        if r == 1:
+            raise Stop
+
+    args = ["algorithm=moon", "algorithm.moon.mu=5", "algorithm.moon.projection_dim=4", *PARTIAL,
+            "train.sampler=fixed", "engine.checkpoint_every=1", f"engine.client_state={client_state}"]
+    ck = tmp_path / "ck.pt"
+    with pytest.raises(Stop):
+        run_sim(digits, *args, checkpoint_path=ck, callbacks=[stop_after_round_1])
+    _, resumed = run_sim(digits, *args, checkpoint_path=ck)
+    _, full = run_sim(digits, *args)
+    assert resumed.resumed_from == 1 and torch.equal(resumed.final_flat, full.final_flat)
+
+
+# ------------------------------------------------------------------------------------ the projection head
+
+MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
+                 ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("resnet18", "module"),
+                 ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
+                 ("vgg19", "default")]
+
+
+@pytest.mark.parametrize("name,units", MODEL_LAYOUTS)
+def test_feature_dim_is_the_width_of_the_features_and_a_head_is_a_unit_before_the_classifier(name, units):
+    from fl_core.algorithms.moon import attach_projection_head
+    from fl_core.config import ModelConfig
+    from fl_core.models import MODELS, build_model
+
+    assert {n for n, _ in MODEL_LAYOUTS} == set(MODELS)
+    shape, classes = ((3, 64, 64), 200) if name == "tiny_cnn" else ((3, 32, 32), 10)
+    m = build_model(ModelConfig(name=name, units=units), "cifar10", shape, classes)
+    with torch.no_grad():
+        _, f = m.eval().forward_features(torch.randn(2, *shape))
+    assert m.feature_dim() == f.shape[1]
+    before = ParamSpec.from_model(m)
+    attach_projection_head(m, 7)
+    after = ParamSpec.from_model(m)
+    k = before.num_units
+    assert after.names[:len(before.names)] == before.names and after.num_units == k + 1
+    assert after.names[len(before.names):] == ("moon_head.0.weight", "moon_head.0.bias", "moon_head.2.weight",
+                                                "moon_head.2.bias")
+    assert after.d - before.d == f.shape[1] ** 2 + f.shape[1] + 7 * f.shape[1] + 7
+    # the head is unit M-1 (before the classifier's, still the last); the other units keep their indices
+    assert set(after.unit_of[len(before.names):]) == {k - 1}
+    assert [u if u < k - 1 else u + 1 for u in before.unit_of] == list(after.unit_of[:len(before.names)])
+    assert m.feature_dim() == f.shape[1]
+    attach_projection_head(m, 7)  # the factory builds the stack twice: the head is kept
+    assert ParamSpec.from_model(m) == after
+
+
+def test_the_head_is_initialised_with_the_model_after_its_other_parameters(digits):
+    plain, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8")
+    head, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8",
+                      "algorithm.moon.projection_dim=4")
+    g0, g1 = plain._fresh_state()["global"], head._fresh_state()["global"]
+    assert torch.equal(g1[:g0.numel()], g0) and g1.numel() > g0.numel()
+
+
+def test_the_head_maps_each_models_own_features(digits):
+    from fl_core.algorithms.moon import project
+
+    sim, _ = run_sim(digits, "algorithm=moon", "train.rounds=1", "model=mlp", "model.hidden=8",
+                     "algorithm.moon.projection_dim=4", "engine.dtype=float64")
+    h = torch.randn(5, 8, dtype=torch.float64)
+    views = sim.spec.views(flatten_params(sim.model))
+    assert torch.allclose(project(views, h), sim.model.moon_head(h), atol=1e-12)
+    assert torch.allclose(project(dict(sim.model.named_parameters()), h), sim.model.moon_head(h), atol=1e-12)
+
+
+@pytest.mark.parametrize("wrapper", ["fedbug", "fednlr"])
+def test_the_head_composes_with_wrappers_that_read_the_models_structure(digits, wrapper):
+    args = [f"algorithm={wrapper}", "algorithm.name=moon", "algorithm.moon.mu=5", "algorithm.moon.projection_dim=4",
+            *PARTIAL]
+    sim, seq = run_sim(digits, *args, "engine.executor=sequential")
+    _, vec = run_sim(digits, *args, "engine.executor=vectorized")
+    assert "moon_head.0.weight" in sim.spec.names
+    assert float((seq.final_flat - vec.final_flat).abs().max()) <= 1e-9
+
+
+def test_the_head_is_refused_where_it_cannot_apply():
+    from fl_core.config import compose
+    from fl_core.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^algorithm.moon.projection_dim=8 needs algorithm.moon.mu > 0: the head "
+                                          r"is trained by l_con alone"):
+        compose(["algorithm=moon", "algorithm.moon.projection_dim=8", "algorithm.moon.mu=0"])
+    with pytest.raises(ConfigError, match=r"^algorithm.moon.projection_dim=8 needs the model to attach the head to$"):
+        Moon(projection_dim=8)
+    with pytest.raises(ConfigError, match=r"^algorithm.moon.projection_dim=8: the head needs the width of the "
+                                          r"model's features"):
+        Moon(projection_dim=8, model=torch.nn.Linear(3, 2))
+    with pytest.raises(ConfigError, match=r"^algorithm.moon.first_previous must be one of official, global, got 'x'"):
+        Moon(first_previous="x")
 
 
 # ------------------------------------------------------------------------------------ from the CLI

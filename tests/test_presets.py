@@ -27,7 +27,7 @@ def test_the_presets_cover_the_paper_tables():
     assert {"fedbug_cifar10", "fedbug_cifar100", "fedbug_tiny", "fedbug_resnet_cifar100", "fedbug_resnet_tiny",
             "fedbug_clients_ablation", "fednlr_cifar10", "fednlr_cifar100", "fednlr_cinic10",
             "fednlr_cifar10_100clients", "fedbcgd_cifar100", "fedbcgd_cifar10", "fedbcgd_rho01",
-            "fedbcgd_compression"} <= set(PRESETS)
+            "fedbcgd_compression", "moon_cifar10", "moon_cifar100"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -38,6 +38,10 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
     if family == "fedbcgd":
         assert cfg.algorithm.name == "fedbcgd" and cfg.partition.variant == "fixed_size_reuse"
         assert cfg.train.lr_decay == 0.998 and cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
+    elif family == "moon":  # Li, He and Song, Sec. 4.1: E = 10, B = 64, local SGD momentum 0.9, head 256
+        assert cfg.algorithm.name == "moon" and cfg.algorithm.moon.projection_dim == 256
+        assert cfg.train.local_epochs == 10 and cfg.train.batch_size == 64 and cfg.train.momentum == 0.9
+        assert cfg.algorithm.moon.mu == (5.0 if preset == "moon_cifar10" else 1.0)
     else:
         assert cfg.algorithm.wrappers == [family]
     WRITERS[cfg.dataset.name](tmp_path)
@@ -55,5 +59,5 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
     assert row["round"] == 1 and math.isfinite(row["train_loss"]) and 0.0 <= row["test_acc"] <= 1.0
     if family == "fedbcgd":  # one block + the shared block up, the whole model down
         assert row["comm_up_floats"] < row["comm_down_floats"] == sim.spec.d
-    else:
+    elif family != "moon":
         assert ("fedbug_trainable_share" in row) or ("fednlr_mu_l1" in row)

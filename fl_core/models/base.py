@@ -26,6 +26,40 @@ class FLModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_features(x)[0]
 
+    def feature_dim(self) -> int:
+        """f, the width of the features ``[B, f]`` of :meth:`forward_features`: ``in_features`` of the classifier,
+        the module named by the last prefix of the last unit (every model here ends in its linear classifier there;
+        tests/test_moon.py checks it against a forward pass for every model and layout).
+
+        Raises:
+            ValueError: that module is not an ``nn.Linear`` (names the model).
+        """
+        name = list(self.unit_prefixes[-1])[-1] if self.unit_prefixes else ""
+        head = dict(self.named_modules()).get(name)
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"{type(self).__name__} has no linear classifier as its last unit to read the feature "
+                             "width from")
+        return int(head.in_features)
+
+    def attach_head(self, name: str, module: nn.Module) -> None:
+        """Register ``module`` as submodule ``name`` beside the network: :meth:`forward_features` does not use it; a
+        rule applies it to the features in its loss (a projection head). Its parameters join the model's, so they
+        are initialised with it, trained, averaged and checkpointed like the others; they come last in
+        ``named_parameters()`` (the flat vector and the initialisation order of the other parameters are unchanged)
+        and form one unit placed before the classifier's, the last (input side first, as in a network whose head
+        sits between the features and the classifier).
+
+        Raises:
+            ValueError: ``name`` is already a submodule, or the model has no units.
+        """
+        if not self.unit_prefixes:
+            raise ValueError(f"{type(self).__name__} has no units to place a head among")
+        if name in dict(self.named_children()):
+            raise ValueError(f"{type(self).__name__} already has a submodule {name!r}")
+        self.add_module(name, module)
+        units = tuple(self.unit_prefixes)
+        self.unit_prefixes = units[:-1] + ((name,),) + units[-1:]
+
     def units(self) -> List[List[str]]:
         """Parameter names per unit, ordered from the input to the output.
 
