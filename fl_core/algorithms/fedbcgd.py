@@ -19,11 +19,13 @@ every block gets floor(|S|/N) or ceil(|S|/N) owners and the m_r = |S| mod N extr
 p_r, ..., p_r + m_r - 1 (mod N).
 
 - ``balanced`` (default): p_r = m_r (s + r - 1) mod N with s = derive_seed("fedbcgd_dealing", seed) mod N, a
-  cyclic pointer advanced by |S| mod N each round from a seeded start. With constant |S| every block gets the
-  same number of extra owners over N rounds (to within one over any R rounds), and with |S| < N the rounds
-  r .. r + ceil(N/|S|) - 1 cover ceil(N/|S|) |S| >= N consecutive blocks, so every block is updated at least
-  once in every ceil(N/|S|) rounds. With a varying |S| the arcs of each value of m still tile the blocks
-  evenly over N rounds, so every block has the same expected number of owners, |S|/N per round.
+  cyclic pointer advanced by |S| mod N each round from a seeded start. With constant |S| the extra owners of
+  consecutive rounds go to consecutive blocks, so over any run of rounds no block has more than one owner more
+  than another (equal counts every N / gcd(m, N) rounds), and with |S| < N the rounds r .. r + ceil(N/|S|) - 1
+  cover ceil(N/|S|) |S| >= N consecutive blocks: every block is updated at least once in every ceil(N/|S|)
+  rounds. With a varying |S| (``bernoulli``, drawn independently of the round) the arc of a round with m extra
+  owners starts at a multiple of gcd(m, N) that cycles with the round, so every block has the same expected
+  number of owners, E|S|/N per round.
   The pointer is derived from (seed, round, |S|), not kept as state: the client must know its block, and a
   stateful pointer would have to be broadcast with the model each round (one more downlink float, one more
   tensor in every RoundContext); the derived one needs nothing, resumes from any checkpoint bit for bit, equals
@@ -44,6 +46,7 @@ the model's units without the classifier dealt into N contiguous groups.
 Ablations: ``shared=False`` (the classifier joins the last block), ``momentum=False`` (lambda = 0),
 ``freezing=True`` (clients update only their block and the shared block).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
