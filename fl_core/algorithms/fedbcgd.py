@@ -1,19 +1,48 @@
 """FedBCGD: federated block coordinate gradient descent (Liu et al., MM'24; docs/algorithms.md, FedBCGD).
 
 The parameters are split into N blocks x_(1..N) and a shared block x_s (usually the classifier).
-Each round the S sampled clients are shuffled (keyed by seed and round) and dealt into N
-client-blocks; client k of client-block j trains the WHOLE model from x (no freezing, unless the
-``freezing`` ablation is on) and uploads only y_(j) and y_s. Server, per block, heavy-ball momentum::
+Each round the S sampled clients are divided into N client-blocks (paper section 3.1, Fig. 2, Alg. 1 line 6);
+client k of client-block j trains the WHOLE model from x (no freezing, unless the ``freezing`` ablation is on)
+and uploads only y_(j) and y_s. Server, per block, heavy-ball momentum::
 
     v_(j) <- lambda v_(j) + mean_{owners of j} (y_(j) - x_(j));   x_(j) <- x_(j) + v_(j)
     v_s   <- lambda v_s   + mean_{all S}       (y_s - x_s);       x_s   <- x_s   + v_s
 
 (a block without owners this round only applies lambda v). N = 1 is FedAvgM (heavy-ball, uniform);
-additionally lambda = 0 is uniform FedAvg. Communication: up #x_(j) + #x_s (on average
-(d - #x_s)/N + #x_s per participating client), down d. Block partitions: the paper's tables for the
-standard CNN ("LeNet-5", Table 7), VGG-11 (Table 8), ResNet-18 (Table 9) and VGG-19 (Table 10), the
-repository's LeNet partition (``code``), or ``units``: the model's units without the classifier dealt into N
-contiguous groups.
+additionally lambda = 0 is uniform FedAvg.
+
+Dealing (:func:`assign_blocks`, ``algorithm.fedbcgd.dealing``). The paper takes |S| = N K and gives every
+client-block K clients; |S| need not be a multiple of N here (a ``fixed`` sampler with any share, or the
+``bernoulli`` sampler, whose |S| varies by round). The round's clients are shuffled (keyed by seed and round)
+and dealt round-robin from a start block p_r: the client at shuffled position t owns block (p_r + t) mod N, so
+every block gets floor(|S|/N) or ceil(|S|/N) owners and the m_r = |S| mod N extra owners go to the blocks
+p_r, ..., p_r + m_r - 1 (mod N).
+
+- ``balanced`` (default): p_r = m_r (s + r - 1) mod N with s = derive_seed("fedbcgd_dealing", seed) mod N, a
+  cyclic pointer advanced by |S| mod N each round from a seeded start. With constant |S| the extra owners of
+  consecutive rounds go to consecutive blocks, so over any run of rounds no block has more than one owner more
+  than another (equal counts every N / gcd(m, N) rounds), and with |S| < N the rounds r .. r + ceil(N/|S|) - 1
+  cover ceil(N/|S|) |S| >= N consecutive blocks: every block is updated at least once in every ceil(N/|S|)
+  rounds. With a varying |S| (``bernoulli``, drawn independently of the round) the arc of a round with m extra
+  owners starts at a multiple of gcd(m, N) that cycles with the round, so every block has the same expected
+  number of owners, E|S|/N per round.
+  The pointer is derived from (seed, round, |S|), not kept as state: the client must know its block, and a
+  stateful pointer would have to be broadcast with the model each round (one more downlink float, one more
+  tensor in every RoundContext); the derived one needs nothing, resumes from any checkpoint bit for bit, equals
+  the stateful pointer whenever |S| is constant, and when m_r = 0 (|S| a multiple of N, the paper's setting)
+  it is the ``round_robin`` dealing exactly.
+- ``round_robin``: p_r = 0, the extra owners always go to the low blocks and, with |S| < N, blocks
+  |S| + 1 .. N are never updated. It is the repository's LeNet-5 dealing ([BC] ``FedBCGD.py``, the main loop
+  under ``if __name__ == "__main__"``: the slot list ``[block1, ..., block5] * 2``, unshuffled, zipped with the
+  shuffled clients); its ResNet-18 path shuffles that list instead. Both give every block exactly
+  |S|/N = 2 owners in the repository's setting (|S| = 10, N = 5).
+
+Communication: up #x_(j) + #x_s per client, down d. The round's mean uplink per participating client is
+(1/|S|) sum_j c_j #x_(j) + #x_s (c_j the owners of block j); with ``balanced`` E[c_j] = |S|/N for every block,
+so its expectation is (d - #x_s)/N + #x_s (:meth:`FedBCGD.comm_floats`; exact every round when |S| is a
+multiple of N). Block partitions: the paper's tables for the standard CNN ("LeNet-5", Table 7), VGG-11
+(Table 8), ResNet-18 (Table 9) and VGG-19 (Table 10), the repository's LeNet partition (``code``), or ``units``:
+the model's units without the classifier dealt into N contiguous groups.
 Ablations: ``shared=False`` (the classifier joins the last block), ``momentum=False`` (lambda = 0),
 ``freezing=True`` (clients update only their block and the shared block).
 """
@@ -26,11 +55,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..schema import ConfigError, checked, param, when
-from ..seeding import torch_generator
+from ..schema import ConfigError, check_choice, checked, param, when
+from ..seeding import derive_seed, torch_generator
 from .base import Algorithm
 from .registry import Rule, refuse_local_momentum, register
 from .scaffold import MOMENTUM_WHY, add_drift_correction
+
+
+DEALINGS = ("balanced", "round_robin")
 
 
 @dataclass
@@ -51,6 +83,9 @@ class FedBCGDParams:
     plus_variant: str = param("paper", "FedBCGD+ only: paper (SVRG + full-batch control variates) | code "
                               "(SCAFFOLD II + momentum)", choices=("paper", "code"),
                               when=when("algorithm.name", "fedbcgd_plus"))
+    dealing: str = param("balanced", "clients to blocks: balanced (floor/ceil(|S|/N) owners each, the extra owners "
+                         "rotating from a seeded start) | round_robin (the extra owners always to the low blocks; the "
+                         "repository's LeNet-5 dealing)", choices=DEALINGS)
 
 # parameter-name prefixes: (blocks, shared), by model class
 BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
@@ -136,20 +171,66 @@ def block_partition(model: torch.nn.Module, names: Sequence[str], num_blocks: in
     return blocks, shared_idx
 
 
-def assign_blocks(sampled: Sequence[int], num_blocks: int, seed: int, round_idx: int) -> List[List[int]]:
-    """Client ids of each client-block: the round's clients shuffled and dealt round-robin."""
+def deal_start(num_sampled: int, num_blocks: int, seed: int, round_idx: int, dealing: str = "balanced") -> int:
+    """The start block p_r in [0, N) of round ``round_idx`` (1-indexed): the block of the first shuffled client.
+
+    ``balanced``: p_r = m (s + r - 1) mod N with m = |S| mod N and s = derive_seed("fedbcgd_dealing", seed) mod N
+    (module docstring, Dealing); ``round_robin``: 0.
+
+    Raises:
+        ConfigError: ``dealing`` not one of ``balanced``, ``round_robin`` (names ``algorithm.fedbcgd.dealing``).
+    """
+    check_choice("algorithm.fedbcgd.dealing", dealing, DEALINGS)
+    m = int(num_sampled) % int(num_blocks)
+    if dealing == "round_robin" or m == 0:
+        return 0
+    s = derive_seed("fedbcgd_dealing", int(seed)) % num_blocks
+    return (m * (s + int(round_idx) - 1)) % num_blocks
+
+
+def assign_blocks(sampled: Sequence[int], num_blocks: int, seed: int, round_idx: int,
+                  dealing: str = "balanced") -> List[List[int]]:
+    """Client ids of each of the N client-blocks in round ``round_idx`` (paper section 3.1, Alg. 1 line 6).
+
+    The clients are shuffled (keyed by seed and round) and the one at shuffled position t owns block
+    (p_r + t) mod N, p_r = :func:`deal_start`; every block gets floor(|S|/N) or ceil(|S|/N) owners (module
+    docstring, Dealing). A pure function of (sampled, N, seed, round, dealing): no state, so a resumed run deals
+    as the uninterrupted one.
+
+    Returns:
+        N lists of client ids (each in shuffled order); together they hold ``sampled`` exactly once.
+
+    Raises:
+        ConfigError: an unknown ``dealing`` (names ``algorithm.fedbcgd.dealing``).
+    """
+    start = deal_start(len(sampled), num_blocks, seed, round_idx, dealing)
     g = torch_generator("fedbcgd", seed, round_idx)
     order = torch.randperm(len(sampled), generator=g).tolist()
-    return [[int(sampled[order[t]]) for t in range(j, len(sampled), num_blocks)] for j in range(num_blocks)]
+    owners: List[List[int]] = [[] for _ in range(num_blocks)]
+    for t, i in enumerate(order):
+        owners[(start + t) % num_blocks].append(int(sampled[i]))
+    return owners
 
 
 class FedBCGD(Algorithm):
+    """FedBCGD (paper section 3.1, Alg. 1; module docstring and docs/algorithms.md, FedBCGD).
+
+    ``blocks``: N lists of parameter indices (ParamSpec order), ``shared``: those of x_s (:func:`block_partition`);
+    server state v [d]; clients are stateless. Each client uploads its block and the shared block
+    (``ClientUpdate.sent["delta"]`` = #x_(j) + #x_s floats); its block comes from :func:`assign_blocks` with
+    ``dealing``.
+
+    Raises:
+        ConfigError: ``lam`` outside [0, 1) or an unknown ``dealing`` (one line naming the key).
+    """
+
     name = "fedbcgd"
 
     def __init__(self, spec, blocks: List[List[int]], shared: List[int], lam: float = 0.8, momentum: bool = True,
-                 freezing: bool = False):
+                 freezing: bool = False, dealing: str = "balanced"):
         self.num_blocks = len(blocks)
-        checked(FedBCGDParams, "algorithm.fedbcgd", lam=float(lam))
+        checked(FedBCGDParams, "algorithm.fedbcgd", lam=float(lam), dealing=dealing)
+        self.dealing = dealing
         self.lam = float(lam) if momentum else 0.0
         self.freezing = freezing
         self.block_params = blocks
@@ -173,7 +254,8 @@ class FedBCGD(Algorithm):
     def _owners(self, rctx) -> List[List[int]]:
         key = (rctx.seed, rctx.round, rctx.sampled)
         if self._assign_cache[0] != key:
-            self._assign_cache = (key, assign_blocks(rctx.sampled, self.num_blocks, rctx.seed, rctx.round))
+            self._assign_cache = (key, assign_blocks(rctx.sampled, self.num_blocks, rctx.seed, rctx.round,
+                                                     self.dealing))
         return self._assign_cache[1]
 
     def _block_of(self, rctx, client_id: int) -> int:
@@ -213,6 +295,9 @@ class FedBCGD(Algorithm):
         return rctx.global_flat + v, {"v": v}
 
     def comm_floats(self, d):
+        """(up, down) floats per participating client per round: ((d - #x_s)/N + #x_s, d). The uplink is the
+        expectation over the dealing (``balanced``: every block has |S|/N owners in expectation); a round's
+        measured uplink (``ClientUpdate.sent``) equals it when |S| is a multiple of N."""
         return (d - self.shared_floats) / self.num_blocks + self.shared_floats, float(d)
 
 
@@ -250,9 +335,9 @@ class FedBCGDPlus(FedBCGD):
     name = "fedbcgd_plus"
 
     def __init__(self, spec, blocks, shared, lam: float = 0.8, momentum: bool = True, freezing: bool = False,
-                 variant: str = "paper"):
+                 variant: str = "paper", dealing: str = "balanced"):
         checked(FedBCGDParams, "algorithm.fedbcgd", plus_variant=variant)
-        super().__init__(spec, blocks, shared, lam=lam, momentum=momentum, freezing=freezing)
+        super().__init__(spec, blocks, shared, lam=lam, momentum=momentum, freezing=freezing, dealing=dealing)
         self.variant = variant
         self.needs_full_gradient = self.needs_anchor_gradient = variant == "paper"
         # QSGD (compression.py) quantises these uploads too, each as a message of its own
@@ -332,7 +417,7 @@ def _build_plus(p, ctx):
     if p.plus_variant == "code":
         refuse_local_momentum(ctx, "algorithm.fedbcgd.plus_variant=code", MOMENTUM_WHY)
     return FedBCGDPlus(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing,
-                       variant=p.plus_variant)
+                       variant=p.plus_variant, dealing=p.dealing)
 
 
 register(Rule(
@@ -342,7 +427,8 @@ register(Rule(
     params=FedBCGDParams, aggregation=("uniform",), eta_g=False,
     neutral=("algorithm.fedbcgd.blocks=1", "algorithm.fedbcgd.lam=0", "algorithm.fedbcgd.shared=true"),
     reference=("algorithm.name=fedavg", "algorithm.aggregation=uniform"),
-    build=lambda p, ctx: FedBCGD(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing)))
+    build=lambda p, ctx: FedBCGD(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing,
+                                 dealing=p.dealing)))
 
 register(Rule(
     name="fedbcgd_plus", kind="base", label="FedBCGD+", citation="Liu et al., ACM MM 2024, Alg. 3 and Eq. (4)",
