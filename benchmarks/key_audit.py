@@ -33,21 +33,25 @@ two rounds (``train.grad_clip`` unset -> 0.1, ...). ``algorithm.wrappers`` gets 
 
 Switch contexts (off with ``--no-switches``): a key can be read only under some value of another key (FedBCGD's
 ``lam`` with ``momentum=true``). So for every boolean or choice key of a section in the preset's stack, each of
-its other values makes a context of its own (the preset plus that one override; if the config refuses it alone,
-with ``algorithm.aggregation=null``, ``=uniform`` or ``algorithm.eta_g=1`` beside it), whose baseline is trained
-and whose in-stack rule keys and ``algorithm.eta_g`` / ``algorithm.aggregation`` are audited the same way. The
-sections that are not rules get the contexts of :data:`NONRULE_SWITCHES` (partition=dirichlet and its variants,
-partition=iid, participation 0.5, crop_flip augmentation, model=mlp), audited once, on ``algorithm=fedavg``.
-A NO-OP is then explained from the contexts where the same key changes the run: ``out-of-stack section``,
-``switched off by K=v`` (K's value in the NO-OP's context; the key changes the run where K has another value),
-or ``no effect measured`` (in no context of the preset).
+its other values makes a context of its own: the preset plus that one override (where the config refuses it or
+the run cannot train it alone, with the first of :data:`COMPANIONS` beside it that gives a baseline, e.g.
+``algorithm.aggregation=uniform``), whose baseline is trained and whose in-stack rule keys and
+``algorithm.eta_g`` / ``algorithm.aggregation`` are audited the same way. The same keys are also audited under
+:data:`SETTING_SWITCHES` (a decaying lr, partial participation, both over 3 rounds, and partition=dirichlet),
+where a rule's state or schedule can show. The sections that are not rules get the contexts of
+:data:`NONRULE_SWITCHES` (partition=dirichlet and its variants, partition=iid, participation 0.5, crop_flip
+augmentation, model=mlp), audited once, on ``algorithm=fedavg``. A NO-OP is then explained from the contexts
+where the same key changes the run: ``out-of-stack section``; ``switched off by <switch>`` (a NO-OP in a switch
+context of a key that changes the preset's own run); ``switched off here; changes under <contexts>``; ``no effect
+with this preset; changes with <presets>`` (non-rule keys); ``no effect measured`` (in no context).
 
 The script also runs the cross-cutting cases :data:`CROSS`: a misspelt key added with ``+``, an infinite
-learning rate, and FedProx with the server optimiser Adam against FedProx over 5 rounds of the default setting.
+learning rate, FedProx with the server optimiser Adam against FedProx over 5 rounds of the default setting
+(seeds 0, 1, 2), and FedExP's ``fedbug_code`` variant with ``algorithm.aggregation=null``.
 
 Run from the project root::
 
-    PYTHONPATH=$PWD python benchmarks/key_audit.py                       # everything (about 20-40 minutes)
+    PYTHONPATH=$PWD python benchmarks/key_audit.py                       # everything (about 25 minutes on one core)
     PYTHONPATH=$PWD python benchmarks/key_audit.py --presets fedprox,qsgd --sections algorithm
     PYTHONPATH=$PWD python benchmarks/key_audit.py --sections train,partition --no-switches --no-cross
     PYTHONPATH=$PWD python benchmarks/key_audit.py --json /tmp/key_audit.json --quiet
@@ -96,6 +100,7 @@ HINTS: Dict[str, List[Any]] = {
     "train.target_acc": [0.05],  # reached in round 1 of the tiny setting -> rounds_to_target changes
     "train.final_window": [1],  # fewer than the 2 evaluations
     "train.eval_every": [2],
+    "partition.min_size": [11, 250],  # 250: above the smallest client of dirichlet/per_class -> redraws
     "model.units": ["module", "block", "code5", "paper6"],
 }
 # Contexts that switch on keys of the sections that are not rules: (overrides, section audited).
@@ -109,9 +114,16 @@ NONRULE_SWITCHES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("model.name=mlp",), "model"),
 )
 NONRULE_SWITCH_PRESET = "fedavg"
-# Beside a switch the config refuses alone (e.g. fedexp.variant=fedbug_code needs aggregation uniform or null).
+# Beside a switch that the config refuses or the run cannot train alone (fedexp.variant=fedbug_code needs
+# aggregation uniform; fedbug.schedule=code needs P*K_i >= M): the first that gives a baseline is kept.
 COMPANIONS: Tuple[Tuple[str, ...], ...] = ((), ("algorithm.aggregation=null",), ("algorithm.aggregation=uniform",),
-                                           ("algorithm.eta_g=1",))
+                                           ("algorithm.eta_g=1",), ("algorithm.fedbug.gu_percentage=0.5",))
+# Settings under which a rule key may act only (lr_in_update with a decaying lr, states of clients that skip
+# rounds, label skew; a third round, as a state a client leaves in round 2 reaches the model in round 3 only):
+# per preset, its in-stack rule keys and eta_g / aggregation are audited under each.
+SETTING_SWITCHES: Tuple[Tuple[str, ...], ...] = (("train.lr_decay=0.5", "train.rounds=3"),
+                                                 ("train.participation=0.5", "train.rounds=3"),
+                                                 ("partition.name=dirichlet",))
 # Cross-cutting cases: (name, overrides, reference overrides or None, seeds). Default setting unless tiny.
 DEFAULT_SHORT = ("train.rounds=5", "tracking.enabled=false", "engine.checkpoint_every=0", "engine.progress=false")
 CROSS: Tuple[Tuple[str, Tuple[str, ...], Optional[Tuple[str, ...]], Tuple[int, ...]], ...] = (
@@ -120,6 +132,8 @@ CROSS: Tuple[Tuple[str, Tuple[str, ...], Optional[Tuple[str, ...]], Tuple[int, .
     ("fedprox + server_opt=adam, 5 rounds, default setting",
      DEFAULT_SHORT + ("algorithm=fedprox", "algorithm.server_opt=adam"), DEFAULT_SHORT + ("algorithm=fedprox",),
      (0, 1, 2)),
+    ("fedexp variant fedbug_code with aggregation=null",
+     TINY + ("algorithm=fedexp", "algorithm.fedexp.variant=fedbug_code", "algorithm.aggregation=null"), None, (0,)),
 )
 TIMING_COLUMNS = ("round_time_s",)
 STATUS_ORDER = ("changes", "NO-OP", "failed", "refused")  # a key's status: the first any of its values reached
@@ -137,7 +151,8 @@ class Outcome:
     model: str = ""
     history: str = ""
     summary: str = ""
-    final_acc: Optional[float] = None
+    final_acc: Optional[float] = None  # mean over the seeds that finished
+    seed_acc: Dict[str, Optional[float]] = field(default_factory=dict)  # final accuracy per finished seed
     run_failure: str = ""  # the run stopped early (RunFailed: divergence), its history is still compared
     seconds: float = 0.0
 
@@ -185,6 +200,7 @@ def trial(overrides: Sequence[str], seeds: Sequence[int] = (0,)) -> Tuple[Outcom
     out = Outcome("ok", model=models, history=_sha(repr(records).encode()),
                   summary=_sha(json.dumps(summary, sort_keys=True, default=repr).encode()),
                   final_acc=sum(accs) / len(accs) if accs else None,
+                  seed_acc={k: v.get("final_acc") for k, v in (res.summary.get("per_seed") or {}).items()},
                   run_failure="; ".join(f"seed {k}: {v}" for k, v in (res.summary.get("failures") or {}).items()),
                   seconds=time.perf_counter() - t0)
     return out, cfg
@@ -306,7 +322,8 @@ class Context:
     preset: str
     switch: Tuple[str, ...]  # overrides beside algorithm=<preset> that define the context (() = the preset)
     keys: List[Key]
-    kind: str = "preset"  # preset | rule-switch | nonrule-switch
+    kind: str = "preset"  # preset | rule-switch | setting-switch | nonrule-switch
+    options: List[Tuple[str, ...]] = field(default_factory=list)  # switch + companions, tried in order
 
     @property
     def label(self) -> str:
@@ -333,10 +350,15 @@ def rule_switches(cfg: Any, keys: List[Key]) -> List[Tuple[str, ...]]:
 
 def audit_context(ctx: Context, setting: Sequence[str], log) -> Dict[str, Any]:
     """Baseline (twice) and every key of ``ctx``; the context's record."""
-    base = merge(merge(TINY, [f"algorithm={ctx.preset}"]) + list(setting), ctx.switch)
+    start = merge(TINY, [f"algorithm={ctx.preset}"]) + list(setting)
+    for option in ctx.options or [ctx.switch]:
+        base = merge(start, option)
+        b1, cfg = trial(base)
+        if b1.status == "ok":
+            ctx.switch = tuple(option)
+            break
     rec: Dict[str, Any] = {"preset": ctx.preset, "switch": list(ctx.switch), "label": ctx.label, "kind": ctx.kind,
                            "overrides": base, "keys": []}
-    b1, cfg = trial(base)
     if b1.status != "ok":
         rec.update(status=b1.status, message=b1.message)
         log(f"  baseline {b1.status}: {b1.message}")
@@ -398,24 +420,25 @@ def build_contexts(names: List[str], sections: Sequence[str], switches: bool, se
         if not switches:
             continue
         cfg = compose(merge(merge(TINY, [f"algorithm={p}"]) + list(setting), []))
-        for sw in rule_switches(cfg, all_keys()):
-            base = merge(TINY, [f"algorithm={p}"]) + list(setting)
-            chosen = None
+        base = merge(TINY, [f"algorithm={p}"]) + list(setting)
+        for sw, kind in [(sw, "rule-switch") for sw in rule_switches(cfg, all_keys())] + [
+                (sw, "setting-switch") for sw in SETTING_SWITCHES]:
+            options = []
             for comp in COMPANIONS:
-                try:
+                try:  # what building the stack checks: the composed config with aggregation resolved
                     ccfg = compose(merge(base, sw + comp))
+                    registry.check_algorithm(ccfg.algorithm)
                 except ConfigError:
                     continue
-                chosen = (sw + comp, ccfg)
-                break
-            if chosen is None:
+                options.append(sw + comp)
+            if not options:
                 log(f"  {p}: switch {sw[0]} refused with every companion; skipped")
                 continue
-            stack_secs = set(registry.stack_sections(registry.stack(chosen[1].algorithm)))
+            stack_secs = set(registry.stack_sections(registry.stack(compose(merge(base, options[0])).algorithm)))
             ks = [k for k in keys if (k.kind == "rule" and k.section.split(".")[1] in stack_secs)
                   or k.key in ("algorithm.eta_g", "algorithm.aggregation")]
             if ks:
-                out.append(Context(p, chosen[0], ks, "rule-switch"))
+                out.append(Context(p, options[0], ks, kind, options))
     if switches and NONRULE_SWITCH_PRESET in names:
         for sw, sec in NONRULE_SWITCHES:
             ks = [k for k in keys if k.section == sec]
@@ -428,60 +451,56 @@ def build_contexts(names: List[str], sections: Sequence[str], switches: bool, se
 
 
 def explain(records: List[Dict[str, Any]]) -> None:
-    """Give every NO-OP row a ``reason`` from the contexts where the same key changes the run."""
+    """Give every NO-OP row a ``reason`` from the contexts where the same key changes the run.
+
+    ``out-of-stack section``; ``switched off by <switch>`` (a switch context's NO-OP of a key that changes the
+    preset's own run); ``switched off here; changes under <contexts>`` (the key acts only under those switches);
+    ``no effect with this preset; changes with <presets>`` (a key of a non-rule section that changes other
+    presets' runs); ``no effect measured`` (in no context)."""
     changes: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    base_presets: Dict[str, List[str]] = {}
+    nonrule_ctx: Dict[str, List[Dict[str, Any]]] = {}
     for rec in records:
         for row in rec["keys"]:
             if row["status"] == "changes":
                 changes.setdefault((rec["preset"], row["key"]), []).append(rec)
+                if not rec["switch"]:
+                    base_presets.setdefault(row["key"], []).append(rec["preset"])
                 if rec["kind"] == "nonrule-switch":
-                    changes.setdefault(("*", row["key"]), []).append(rec)
-    current = {(rec["preset"], tuple(rec["switch"])): {r["key"]: r["current"] for r in rec["keys"]}
-               for rec in records}
+                    nonrule_ctx.setdefault(row["key"], []).append(rec)
     for rec in records:
         for row in rec["keys"]:
             if row["status"] != "NO-OP":
                 continue
+            own = [c for c in changes.get((rec["preset"], row["key"]), []) if c is not rec]
+            others = [p for p in base_presets.get(row["key"], []) if p != rec["preset"]]
             if row["stack"] == "out":
-                row["reason"] = "out-of-stack section"
-                continue
-            where = changes.get((rec["preset"], row["key"]), []) + (changes.get(("*", row["key"]), [])
-                                                                   if row["kind"] == "nonrule" else [])
-            by = []
-            for other in where:
-                if other is rec:
-                    continue
-                if not rec["switch"]:  # the key works where another key has another value: that key's value here
-                    for s in other["switch"]:
-                        k = s.split("=", 1)[0]
-                        here = _value_in(rec, k, current)
-                        by.append(f"{k.replace('algorithm.', '')}={hydra_value(here)}")
-                elif not other["switch"]:
-                    by += [s.replace("algorithm.", "") for s in rec["switch"]]
-            by = list(dict.fromkeys(by))
-            row["reason"] = ("switched off by " + " or ".join(by[:4])) if by else "no effect measured"
-
-
-def _value_in(rec: Dict[str, Any], key: str, current: Dict) -> Any:
-    vals = current.get((rec["preset"], tuple(rec["switch"])), {})
-    if key in vals:
-        return vals[key]
-    try:
-        return _plain(get_value(compose(rec["overrides"]), key))
-    except Exception:  # noqa: BLE001
-        return "?"
+                reason = "out-of-stack section"
+            elif rec["switch"] and any(not c["switch"] for c in own):
+                reason = f"switched off by {rec['label']}"
+            elif own:
+                reason = "switched off here; changes under " + " | ".join(c["label"] for c in own[:4])
+            elif row["kind"] == "nonrule" and others:
+                reason = ("no effect with this preset; changes with " + ", ".join(others[:3])
+                          + (f" (+{len(others) - 3} more)" if len(others) > 3 else ""))
+            elif row["kind"] == "nonrule" and nonrule_ctx.get(row["key"]):
+                reason = "switched off here; changes under " + " | ".join(
+                    f"{c['label']} ({c['preset']})" for c in nonrule_ctx[row["key"]][:4])
+            else:
+                reason = "no effect measured"
+            row["reason"] = reason
 
 
 def table(records: List[Dict[str, Any]]) -> List[str]:
-    lines = [f"{'preset':<13} {'context':<42} {'key':<42} {'stack':<6} {'status':<8} {'value':<22} detail",
+    lines = [f"{'preset':<13} {'context':<50} {'key':<42} {'stack':<6} {'status':<8} {'value':<22} detail",
              "-" * 170]
     for rec in records:
         if rec["status"] != "ok":
-            lines.append(f"{rec['preset']:<13} {rec['label']:<42} {'(baseline)':<42} {'':<6} {rec['status']:<8} "
+            lines.append(f"{rec['preset']:<13} {rec['label']:<50} {'(baseline)':<42} {'':<6} {rec['status']:<8} "
                          f"{'':<22} {rec.get('message', '')}")
             continue
         if not rec.get("deterministic", True):
-            lines.append(f"{rec['preset']:<13} {rec['label']:<42} {'(baseline)':<42} {'':<6} nondeterministic")
+            lines.append(f"{rec['preset']:<13} {rec['label']:<50} {'(baseline)':<42} {'':<6} nondeterministic")
         for row in rec["keys"]:
             detail = row.get("message") or ""
             if row["status"] == "changes":
@@ -489,16 +508,16 @@ def table(records: List[Dict[str, Any]]) -> List[str]:
             elif row["status"] == "NO-OP":
                 detail = row.get("reason", "")
             val = "" if row.get("value") is None and row["status"] == "skipped" else hydra_value(row.get("value"))
-            lines.append(f"{rec['preset']:<13} {rec['label'][:42]:<42} {row['key']:<42} {row['stack']:<6} "
+            lines.append(f"{rec['preset']:<13} {rec['label'][:50]:<50} {row['key']:<42} {row['stack']:<6} "
                          f"{row['status']:<8} {val[:22]:<22} {detail}")
     return lines
 
 
 def _reason_class(reason: str) -> int:
-    for i, prefix in enumerate(("out-of-stack", "switched off", "no effect")):
+    for i, prefix in enumerate(("out-of-stack", "switched off", "no effect with", "no effect measured")):
         if reason.startswith(prefix):
             return i
-    return 3
+    return 4
 
 
 def summary(records: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str, Any]]:
@@ -518,10 +537,10 @@ def summary(records: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str, Any]]:
                      f"  {n}")
     noops = [(r, row) for r in records for row in r["keys"] if row["status"] == "NO-OP"]
     lines += ["", f"NO-OP keys ({len(noops)}): accepted, and the run is bit-identical to its context's baseline",
-              f"{'preset':<13} {'context':<42} {'key':<42} {'stack':<6} {'value':<14} reason"]
+              f"{'preset':<13} {'context':<50} {'key':<42} {'stack':<6} {'value':<14} reason"]
     for r, row in sorted(noops, key=lambda x: (_reason_class(x[1].get("reason", "")), x[0]["preset"],
                                                x[0]["label"], x[1]["key"])):
-        lines.append(f"{r['preset']:<13} {r['label'][:42]:<42} {row['key']:<42} {row['stack']:<6} "
+        lines.append(f"{r['preset']:<13} {r['label'][:50]:<50} {row['key']:<42} {row['stack']:<6} "
                      f"{hydra_value(row['value'])[:14]:<14} {row.get('reason', '')}")
     bad = [r for r in records if r["status"] != "ok" or not r.get("deterministic", True)]
     if bad:
@@ -538,11 +557,12 @@ def cross_cases(log) -> Tuple[List[str], List[Dict[str, Any]]]:
         a, cfg = trial(ov, seeds)
         b = trial(ref, seeds)[0] if ref is not None else None
         rec = {"case": name, "overrides": list(ov), "reference": list(ref) if ref else None, "seeds": list(seeds),
-               "status": a.status, "message": a.message, "final_acc": a.final_acc, "run_failure": a.run_failure}
+               "status": a.status, "message": a.message, "final_acc": a.final_acc, "seed_acc": a.seed_acc,
+               "run_failure": a.run_failure}
         if cfg is not None:
             rec["note"] = _cross_note(name, cfg)
         if b is not None:
-            rec.update(reference_status=b.status, reference_final_acc=b.final_acc,
+            rec.update(reference_status=b.status, reference_final_acc=b.final_acc, reference_seed_acc=b.seed_acc,
                        diff=differs(a, b) if a.status == b.status == "ok" else None)
         out.append(rec)
         acc = "-" if a.final_acc is None else f"{a.final_acc:.4f}"
@@ -554,10 +574,15 @@ def cross_cases(log) -> Tuple[List[str], List[Dict[str, Any]]]:
         lines.append(f"    -> {verdict}{(': ' + a.message) if a.message else ''}")
         if rec.get("note"):
             lines.append(f"    composed: {rec['note']}")
-        lines.append(f"    final accuracy (mean of seeds {','.join(map(str, seeds))}) {acc}"
-                     + (f"; reference ({' '.join(x for x in ref if x not in ov)}) {racc}" if ref else "")
-                     + (f"; run stopped: {a.run_failure}" if a.run_failure else ""))
+        lines.append(f"    final accuracy, mean of the finished seeds of {','.join(map(str, seeds))}: {acc} "
+                     f"{_accs(a.seed_acc)}" + (f"; reference {racc} {_accs(b.seed_acc)}" if b is not None else ""))
+        if a.run_failure:
+            lines.append(f"    run stopped: {a.run_failure}")
     return lines, out
+
+
+def _accs(seed_acc: Dict[str, Optional[float]]) -> str:
+    return "(" + ", ".join(f"seed {k}: {'-' if v is None else f'{v:.4f}'}" for k, v in seed_acc.items()) + ")"
 
 
 def _cross_note(name: str, cfg: Any) -> str:
@@ -565,6 +590,8 @@ def _cross_note(name: str, cfg: Any) -> str:
         return f"train.roudns={cfg.train.get('roudns')}, train.rounds={cfg.train.rounds}"
     if "learning rate" in name:
         return f"train.lr={cfg.train.lr}"
+    if "fedexp" in name:
+        return f"algorithm.aggregation={cfg.algorithm.aggregation} (null resolved by compose)"
     return f"algorithm.eta_g={cfg.algorithm.eta_g}, server_opt={cfg.algorithm.server_opt}"
 
 
