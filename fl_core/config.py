@@ -151,7 +151,7 @@ def check_known_keys(keys: Sequence[str]) -> None:
     for key in keys:
         if key in known or "[" in key:
             continue
-        close = difflib.get_close_matches(key, [k for k, f in known.items() if f is not None], n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, [k for k, f in known.items() if f is not None], n=1, cutoff=0.8)
         hint = f"did you mean {close[0]}?" if close else "see fl-train --help for the keys"
         raise ConfigError(f"unknown key {key} ({hint})")
 

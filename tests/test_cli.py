@@ -23,7 +23,12 @@ def _run(args, cwd, env_extra=None):
     (["partition.alpha=-1"], "error: partition.alpha must be > 0, got -1"),
     (["train.rounds=abc"], "error: Value 'abc' of type 'str' could not be converted to Integer (full_key: train.rounds)"),
     (["train.participation=1.5"], "error: train.participation must be <= 1, got 1.5"),
-    (["train.nope=1"], "error: Key 'nope' not in 'TrainConfig' (full_key: train.nope)"),
+    (["train.nope=1"], "error: unknown key train.nope (see fl-train --help for the keys)"),
+    (["+train.roudns=3"], "error: unknown key train.roudns (did you mean train.rounds?)"),
+    (["algorithm.fedprox.mu=0.1", "train.rounds=1"],
+     "error: algorithm.fedprox.mu is not used by this run's rules (fedavg); to train FedProx use algorithm=fedprox "
+     "(or algorithm.name=fedprox)"),
+    (["train.lr=1e400"], "error: train.lr must be a finite number, got inf"),
     (["algorithm=nope"], "error: algorithm must be one of "
      + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml"))) + ", got 'nope'"),
     (["algorithm.fedbug.gu_percentage=1.2"], "error: algorithm.fedbug.gu_percentage must be <= 1, got 1.2"),

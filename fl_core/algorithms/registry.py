@@ -352,6 +352,7 @@ def help_lines() -> List[str]:
     for sec, schema in sections().items():
         for f in fields(schema):
             rng = describe_range(f)
-            out.append(f"    algorithm.{sec}.{f.name}" + (f" [{rng}]" if rng else "")
+            only = " and ".join(c.text() for c in f.metadata.get("when", ()))
+            out.append(f"    algorithm.{sec}.{f.name}" + (f" [{rng}]" if rng else "") + (f" (only with {only})" if only else "")
                        + (f"  {f.metadata.get('help')}" if f.metadata.get("help") else ""))
     return out
