@@ -98,21 +98,31 @@ class When:
 
     key: str
     values: tuple
+    negate: bool = False  # the parameter has an effect only when the key has NONE of the values
 
     def holds(self, root: Any) -> bool:
         value = select(root, self.key)
         if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
-            return any(v in self.values for v in value)
-        return value in self.values
+            found = any(v in self.values for v in value)
+        else:
+            found = value in self.values
+        return found != self.negate
 
     def text(self) -> str:
         shown = "|".join(show_value(v) for v in self.values)
-        return f"{self.key} containing {shown}" if self.key.endswith("wrappers") else f"{self.key}={shown}"
+        if self.key.endswith("wrappers"):
+            return f"{self.key} {'not ' if self.negate else ''}containing {shown}"
+        return f"{self.key}{'!=' if self.negate else '='}{shown}"
 
 
 def when(key: str, *values: Any) -> When:
     """:class:`When` ``key`` has one of ``values`` (see :func:`param`'s ``when``)."""
     return When(key, tuple(values))
+
+
+def unless(key: str, *values: Any) -> When:
+    """:class:`When` ``key`` has none of ``values``."""
+    return When(key, tuple(values), negate=True)
 
 
 def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None, gt: Optional[float] = None,
@@ -195,8 +205,10 @@ class DatasetConfig:
 
     name: str = param("digits", "data source", choices=DATASETS)
     root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
-    download: bool = param(False, "let torchvision download into root (needs a network)")
-    verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them")
+    download: bool = param(False, "let torchvision download into root (needs a network)",
+                           when=unless("dataset.name", "digits"))
+    verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them",
+                         when=unless("dataset.name", "digits"))
     test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1,
                                  when=when("dataset.name", "digits"))
     split_seed: int = param(0, "digits only: seed of the train/test split")
@@ -247,7 +259,7 @@ class TrainConfig:
     rounds: int = param(30, "R communication rounds", ge=1)
     participation: float = param(0.5, "client participation rate p", gt=0, le=1)
     sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
-                         choices=SAMPLERS)
+                         choices=SAMPLERS, when=unless("train.participation", 1.0))
     local_epochs: int = param(3, "E", ge=1, when=when("train.local_steps", 0))
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)

@@ -26,18 +26,22 @@ from typing import Dict, List, Optional, Sequence
 
 from dataclasses import dataclass
 
-from ..schema import ConfigError, checked, param
+from ..schema import ConfigError, checked, param, when
 from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
 from .registry import Rule, register
 
 STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
 
 
+_UNFREEZES = when("algorithm.fedbug.strategy", "bottom_up", "top_down")  # fixed_last*: no unfreezing schedule
+
+
 @dataclass
 class FedBugParams:
-    gu_percentage: float = param(0.2, "P: share of the local steps spent on gradual unfreezing", ge=0, le=1)
+    gu_percentage: float = param(0.2, "P: share of the local steps spent on gradual unfreezing", ge=0, le=1,
+                                 when=_UNFREEZES)
     schedule: str = param("paper", "paper: m(k) = min(M, ceil(kM / (PK))) | code: period floor(PK / M)",
-                          choices=("paper", "code"))
+                          choices=("paper", "code"), when=_UNFREEZES)
     strategy: str = param("bottom_up", "bottom_up (FedBug) | ablations: top_down, fixed_last (FedBABU), "
                           "fixed_last_two", choices=STRATEGIES)
 

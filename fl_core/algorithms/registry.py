@@ -102,8 +102,8 @@ class Rule:
             report labels that name with the rule's ``label``.
         default_eta_g: a server optimiser's step size eta_g when ``algorithm.eta_g`` is unset (null), so that a
             composition such as ``algorithm=fedprox algorithm.server_opt=adam`` gets the optimiser's documented
-            step and not the one of whichever preset was loaded (``sgd`` and ``momentum``: 1; the adaptive ones
-            0.01, as in FedDecorr's run script).
+            step and not the one of whichever preset was loaded (``sgd`` and ``momentum``: 1; adam and yogi
+            0.01, as in FedDecorr's run script; adagrad 0.1, the same first step).
         own_aggregation: a base's own ``algorithm.aggregation`` given the ``algorithm`` node, where it depends on
             the rule's parameters (FedExP's ``fedbug_code`` variant averages uniformly); default: the first of
             ``aggregation``.
@@ -285,7 +285,7 @@ def aggregation(a: Any) -> str:
 
 def eta_g(a: Any) -> float:
     """``algorithm.eta_g`` of node ``a``, or when it is unset (null) the server optimiser's own step size
-    (:attr:`Rule.default_eta_g`: 1 for ``sgd`` and ``momentum``, 0.01 for the adaptive optimisers)."""
+    (:attr:`Rule.default_eta_g`: 1 for ``sgd`` and ``momentum``, 0.01 for adam and yogi, 0.1 for adagrad)."""
     value = _key(a, "eta_g")
     if value is not None:
         return float(value)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import checked, param
+from ..schema import checked, param, unless
 from .base import Algorithm
 from .registry import Rule, refuse_local_momentum, register
 
@@ -29,7 +29,8 @@ from .registry import Rule, refuse_local_momentum, register
 @dataclass
 class ScaffoldParams:
     lr_in_update: str = param("actual", "c-update divides by K * eta_l of the round (actual) or the initial eta_l "
-                              "(initial, Acar's code)", choices=("actual", "initial"))
+                              "(initial, Acar's code); the same without decay", choices=("actual", "initial"),
+                              when=unless("train.lr_decay", 1.0))
 
 
 def add_drift_correction(ctx, grads) -> None:

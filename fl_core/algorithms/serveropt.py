@@ -30,8 +30,8 @@ element-wise, no bias correction::
 m starts at 0; v starts at 0 (``algorithm.adaptive.v0=zero``, the default) as in FedDecorr's
 ``approach/fedoptim.py`` (defaults beta1 = 0.9, beta2 = 0.99, tau = 1e-3, server lr 1.0; its run script uses
 server lr 0.01), or at tau^2 (``v0=tau2``) as Reddi et al.'s Alg. 2 requires (v_{-1} >= tau^2). When
-``algorithm.eta_g`` is unset (null, every preset) the adaptive optimisers step with eta_g = 0.01 whatever rule
-they compose with, momentum and sgd with 1. With the zero init the first step of Adam and Yogi is, per coordinate,
+``algorithm.eta_g`` is unset (null, every preset) the optimiser's own step size applies whatever rule it composes
+with: adam and yogi 0.01, adagrad 0.1 (the same first step, see ``ADAPTIVE_ETA_G``), momentum and sgd 1. With the zero init the first step of Adam and Yogi is, per coordinate,
 ``eta_g (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau)`` (Adagrad: ``sqrt(1 - beta2)`` -> 1), i.e.
 up to eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g for every coordinate with |Delta| >> tau: keep eta_g
 small (the conf files use 0.01). Yogi's v stays >= 0: it moves by exactly (1 - beta2) Delta_bar^2
@@ -46,7 +46,7 @@ it. Communication: a server optimiser changes none (what the rule sends, up and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -75,7 +75,10 @@ class AdaptiveParams:
                     "Alg. 2: v_{-1} >= tau^2)", choices=("zero", "tau2"))
 
 
-ADAPTIVE_ETA_G = 0.01  # the adaptive optimisers' eta_g when algorithm.eta_g is unset (FedDecorr's run script)
+# eta_g when algorithm.eta_g is unset: adam and yogi 0.01 (FedDecorr's run script); adagrad 0.1, the same first step:
+# with v0 = zero a coordinate with |D| >> tau moves by eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g under adam and
+# yogi (beta2 = 0.99) but by eta_g (1 - beta1) under adagrad (v = D^2), a tenth of it at the same eta_g
+ADAPTIVE_ETA_G = {"adam": 0.01, "yogi": 0.01, "adagrad": 0.1}
 
 
 def _check_momentum(a, prefix: str) -> None:
@@ -140,8 +143,8 @@ class Adaptive(ServerOptimizer):
     RULES = ("adam", "yogi", "adagrad")
 
     def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
-                 eta_g: float = ADAPTIVE_ETA_G, v0: str = "zero"):
-        super().__init__(eta_g)
+                 eta_g: Optional[float] = None, v0: str = "zero"):
+        super().__init__(ADAPTIVE_ETA_G.get(rule, 0.01) if eta_g is None else eta_g)
         if rule not in self.RULES:
             raise ValueError(f"algorithm.server_opt must be one of {', '.join(self.RULES)} here, got {rule!r}")
         self.name, self.preset = rule, f"fed{rule}"
@@ -218,7 +221,8 @@ def FedAvgM(beta: float = 0.9, form: str = "heavy_ball", aggregation: str = "wei
 
 def _adaptive_preset(rule: str):
     def make(beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, aggregation: str = "weighted",
-             eta_g: float = ADAPTIVE_ETA_G, v0: str = "zero") -> ServerOptimized:
+             eta_g: Optional[float] = None, v0: str = "zero") -> ServerOptimized:
+        eta_g = ADAPTIVE_ETA_G[rule] if eta_g is None else eta_g
         return ServerOptimized(FedAvg(aggregation, eta_g), Adaptive(rule, beta1, beta2, tau, eta_g, v0))
 
     make.__name__ = make.__qualname__ = f"Fed{rule.capitalize()}"
@@ -246,6 +250,6 @@ for _rule in Adaptive.RULES:
         name=_rule, kind="server", label=f"Fed{_rule.capitalize()}", citation="Reddi et al., ICLR 2021, Alg. 2",
         summary=f"the adaptive server optimiser {_rule.capitalize()} on the pseudo-gradient; over FedAvg: "
                 f"Fed{_rule.capitalize()}",
-        params=AdaptiveParams, section="adaptive", preset=f"fed{_rule}", default_eta_g=ADAPTIVE_ETA_G,
+        params=AdaptiveParams, section="adaptive", preset=f"fed{_rule}", default_eta_g=ADAPTIVE_ETA_G[_rule],
         build=lambda base, p, ctx, _rule=_rule: ServerOptimized(base, Adaptive(_rule, p.beta1, p.beta2, p.tau,
                                                                                ctx.eta_g, p.v0))))
