@@ -69,9 +69,8 @@ DEALINGS = ("balanced", "round_robin")
 class FedBCGDParams:
     """``algorithm.fedbcgd``: shared by FedBCGD and FedBCGD+."""
 
-    # the presets (conf/algorithm/fedbcgd*.yaml) set 0; the schema keeps 5 so that the fingerprints of experiments
-    # that do not use FedBCGD stay as they were
-    blocks: int = param(5, "N parameter blocks besides the shared block; 0: as many as the model has (its paper "
+    # 0, as the presets: a composition that loads another preset (algorithm=qsgd algorithm.name=fedbcgd) fits the model
+    blocks: int = param(0, "N parameter blocks besides the shared block; 0: as many as the model has (its paper "
                         "table's N, else one per unit besides the classifier)", ge=0)
     lam: float = param(0.8, "lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)", ge=0, lt=1,
                        when=when("algorithm.fedbcgd.momentum", True))
