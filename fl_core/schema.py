@@ -259,7 +259,7 @@ class TrainConfig:
     rounds: int = param(30, "R communication rounds", ge=1)
     participation: float = param(0.5, "client participation rate p", gt=0, le=1)
     sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
-                         choices=SAMPLERS, when=unless("train.participation", 1.0))
+                         choices=SAMPLERS)
     local_epochs: int = param(3, "E", ge=1, when=when("train.local_steps", 0))
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)

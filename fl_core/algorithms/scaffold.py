@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schema import checked, param, unless
+from ..schema import checked, param
 from .base import Algorithm
 from .registry import Rule, refuse_local_momentum, register
 
@@ -29,8 +29,7 @@ from .registry import Rule, refuse_local_momentum, register
 @dataclass
 class ScaffoldParams:
     lr_in_update: str = param("actual", "c-update divides by K * eta_l of the round (actual) or the initial eta_l "
-                              "(initial, Acar's code); the same without decay", choices=("actual", "initial"),
-                              when=unless("train.lr_decay", 1.0))
+                              "(initial, Acar's code); the same without decay", choices=("actual", "initial"))
 
 
 def add_drift_correction(ctx, grads) -> None:
