@@ -567,9 +567,13 @@ def cross_cases(log) -> Tuple[List[str], List[Dict[str, Any]]]:
         out.append(rec)
         acc = "-" if a.final_acc is None else f"{a.final_acc:.4f}"
         racc = "-" if b is None or b.final_acc is None else f"{b.final_acc:.4f}"
-        verdict = a.status if a.status != "ok" else ("accepted; run " + ("bit-identical to the reference"
-                                                                         if b is not None and not rec["diff"]
-                                                                         else f"differs ({','.join(rec['diff'])})"))
+        diff = rec.get("diff") or []
+        if a.status != "ok":
+            verdict = a.status
+        elif b is None:
+            verdict = "accepted; no reference run"
+        else:
+            verdict = "accepted; run " + (f"differs ({','.join(diff)})" if diff else "bit-identical to the reference")
         lines.append(f"  {name}: {' '.join(ov)}")
         lines.append(f"    -> {verdict}{(': ' + a.message) if a.message else ''}")
         if rec.get("note"):
