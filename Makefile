@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test clean-venv
+.PHONY: setup repro test test-slow clean-venv
 
 setup: $(STAMP)
 
@@ -22,11 +22,16 @@ repro: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
 
-# lint (ruff) and the import contract (import-linter, pyproject.toml) first: seconds, before the suite
+# lint (ruff) and the import contract (import-linter, pyproject.toml) first: seconds, before the suite.
+# The end-to-end tests marked slow (DVC pipeline, kill campaigns, torchrun, PostgreSQL, the composition check) run
+# in `make test-slow`; CI (.ci/run) runs both.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -m "not slow" --durations=25
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow --durations=25
 
 clean-venv:
 	rm -rf $(VENV)

@@ -153,7 +153,7 @@ def _pinned_for_dvc(overrides: Sequence[str], params_yaml: Path) -> List[str]:
         shared = load_grid(params_yaml).shared
     except (ConfigError, OSError, yaml.YAMLError):
         return list(overrides)
-    cfg = compose(list(overrides))
+    cfg = compose(list(overrides), user=())  # the best trial's overrides, held to the rule by check_space
     have = {override_key(o) for o in overrides}
     pins = []
     for ov in shared:

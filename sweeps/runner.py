@@ -511,7 +511,9 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
     uplink, algo = 0.0, ""
     for i, seed in enumerate(seeds):
         try:
-            cfg = compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]))
+            # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
+            # the command line, every branch and both ends of every range over it) before the first trial
+            cfg = compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]), user=())
             ds, part, data, device = cache.get(cfg)
             callbacks = [] if on_round is None else [lambda r, row, i=i: on_round(i, r, row)]
             sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)

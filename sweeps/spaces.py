@@ -429,13 +429,19 @@ def check_space(space: Space, overrides: Sequence[str]) -> Any:
         if override_key(ov) in tuned:
             raise SpaceError(f"{override_key(ov)} is searched by {display_path(space.path)}: remove {ov!r} from "
                              "the overrides (or from the space)")
+    # the space's base is the sweep's preset: its own keys must each change its run; over it, what the command line,
+    # a branch and the sampler set must change the trial's (fl_core.config.compose, ``user``)
     try:
-        base_cfg = compose(space.experiment_overrides([], overrides, []))
+        compose(space.experiment_overrides([], [], []))
+    except ConfigError as err:
+        raise SpaceError(f"{display_path(space.path)}: base: {err}") from None
+    try:
+        base_cfg = compose(space.experiment_overrides([], overrides, []), user=list(overrides))
     except ConfigError as err:
         raise SpaceError(f"{display_path(space.path)}: base + overrides: {err}") from None
     for label, extra, sampled in space.corner_configs():
         try:
-            compose(space.experiment_overrides(extra, overrides, sampled))
+            compose(space.experiment_overrides(extra, overrides, sampled), user=[*extra, *overrides, *sampled])
         except ConfigError as err:
             raise SpaceError(f"{display_path(space.path)}: {label}: {err}") from None
     return base_cfg

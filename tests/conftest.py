@@ -29,9 +29,11 @@ def digits():
 
 
 def tiny_cfg(*overrides):
+    """The tiny setting (a preset: its keys may go unread, e.g. local_epochs under a test's local_steps) + the
+    test's overrides (each must change the run)."""
     from fl_core.config import compose
 
-    return compose(TINY + list(overrides))
+    return compose(TINY + list(overrides), user=list(overrides))
 
 
 def run_sim(ds, *overrides, **kw):

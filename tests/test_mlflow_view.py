@@ -248,8 +248,14 @@ def test_fingerprint_depends_on_the_sections_of_the_stack_only():
     registering a new rule (a new section) leaves every existing experiment's fingerprint, and results, in place."""
     from pipeline.train import experiment_fingerprint
 
+    from fl_core.config import compose
+
+    from conftest import TINY
+
     fp = lambda *o: experiment_fingerprint(tiny_cfg(*o))  # noqa: E731
-    assert fp() == fp("algorithm.moon.mu=3", "algorithm.fedprox.mu=0.5", "algorithm.adaptive.tau=0.1")
+    # sections outside the stack, as a preset brings them (typed, they are refused: tests/test_user_keys.py)
+    unread = compose(TINY + ["algorithm.moon.mu=3", "algorithm.fedprox.mu=0.5", "algorithm.adaptive.tau=0.1"], user=())
+    assert fp() == experiment_fingerprint(unread)
     assert fp("algorithm=moon") != fp("algorithm=moon", "algorithm.moon.mu=3")
     assert fp("algorithm=fedprox", "algorithm.server_opt=adam") != fp("algorithm=fedprox", "algorithm.server_opt=adam",
                                                                      "algorithm.adaptive.tau=0.1")
