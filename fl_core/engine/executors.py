@@ -329,10 +329,7 @@ class SequentialExecutor(Executor):
             algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
-            if self.momentum:
-                sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, self.momentum, bufs)
-            else:
-                sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale)
+            sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, self.momentum, bufs)
             loss_sum += loss.detach()
         for _, p in named:
             p.requires_grad_(True)
