@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
 from .schema import (SECTIONS, ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig,
-                     TrackingConfig, TrainConfig, check_fields, select, show_value)
+                     TrackingConfig, TrainConfig, check_fields, format_value, select)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -178,7 +178,7 @@ def inactive_keys(cfg: Any, keys: Sequence[str]) -> Dict[str, str]:
         f = known.get(key)
         for cond in (f.metadata.get("when", ()) if f is not None else ()):
             if not cond.holds(cfg):
-                now = show_value(select(cfg, cond.key))
+                now = format_value(select(cfg, cond.key))
                 out[key] = f"{key} has no effect with {cond.key}={now}: it is used only with {cond.text()}; remove it"
                 break
     return out

@@ -78,13 +78,16 @@ def select(root: Any, key: str) -> Any:
     return node
 
 
-def show_value(v: Any) -> str:
-    """A config value as a user types it in an override: ``true``, ``0.5``, ``shards``, ``[qsgd]``."""
+def format_value(v: Any) -> str:
+    """A Python or config value as Hydra override text: ``True`` -> ``true``, ``None`` -> ``null``, lists
+    ``[a,b]``, numbers and strings as ``str`` writes them (full precision)."""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if v is None:
+        return "null"
     if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig":
-        return "[" + ",".join(show_value(x) for x in v) + "]"
-    return "null" if v is None else fmt(v)
+        return "[" + ",".join(format_value(x) for x in v) + "]"
+    return str(v)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class When:
         return found != self.negate
 
     def text(self) -> str:
-        shown = "|".join(show_value(v) for v in self.values)
+        shown = "|".join(format_value(v) for v in self.values)
         if self.key.endswith("wrappers"):
             return f"{self.key} {'not ' if self.negate else ''}containing {shown}"
         return f"{self.key}{'!=' if self.negate else '='}{shown}"

@@ -24,23 +24,10 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from fl_core.schema import ConfigError
+from fl_core.schema import ConfigError, format_value
 
 GRID_KEYS = ("seeds", "experiments")
 SHARED_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "engine", "tracking")
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(_value(x) for x in v) + "]"
-    return str(v)
-
-
-format_value = _value  # public name: a Python value as Hydra override text (``True`` -> ``true``, lists ``[a,b]``)
 
 
 GROUP_SECTIONS = ("dataset", "partition", "model")  # a shared ``name`` key of these chooses the config group
@@ -48,7 +35,7 @@ GROUP_SECTIONS = ("dataset", "partition", "model")  # a shared ``name`` key of t
 
 def _dotted(section: str, d: Any) -> List[str]:
     if not isinstance(d, dict):
-        return [f"{section}={_value(d)}"]
+        return [f"{section}={format_value(d)}"]
     out: List[str] = []
     for k, v in d.items():
         out.extend(_dotted(f"{section}.{k}", v))
@@ -209,7 +196,7 @@ def load_grid(path: Path = Path("params.yaml")) -> Grid:
             raise ConfigError(f"experiments.{name}: names may hold letters, digits, '_' and '-' only")
         if not isinstance(ov, dict):
             raise ConfigError(f"experiments.{name} must be a mapping of overrides, got {ov!r}")
-        experiments[str(name)] = [f"{k}={_value(v)}" for k, v in ov.items()]
+        experiments[str(name)] = [f"{k}={format_value(v)}" for k, v in ov.items()]
     shared: List[str] = []
     for section in SHARED_SECTIONS:
         if section in raw and raw[section] is not None:

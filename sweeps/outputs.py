@@ -17,7 +17,7 @@ import yaml
 from fl_core.config import ConfigError
 from fl_core.paths import project_root
 from pipeline.files import atomic_write, write_text
-from pipeline.grid import format_value
+from fl_core.schema import format_value
 
 from .runner import (DataCache, Settings, error_reason, owner_tags, quiet_optuna, round_metrics, shown_storage,
                      train_seeds)

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import yaml
 
 from fl_core.schema import ConfigError
-from pipeline.grid import format_value
+from fl_core.schema import format_value
 
 SPACES_DIR = Path(__file__).resolve().parent / "spaces"
 VALIDATION_FRACTION = 0.2
@@ -48,7 +48,7 @@ class SpaceError(ValueError):
 
 
 def make_override(key: str, value: Any) -> str:
-    """``("train.lr", 0.1)`` -> ``"train.lr=0.1"`` (values as :func:`pipeline.grid.format_value` writes them)."""
+    """``("train.lr", 0.1)`` -> ``"train.lr=0.1"`` (values as :func:`fl_core.schema.format_value` writes them)."""
     return f"{key}={format_value(value)}"
 
 
