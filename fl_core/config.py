@@ -14,6 +14,7 @@ with a one-line message naming the offending key, e.g. ``partition.alpha must be
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -94,9 +95,10 @@ def validate(cfg: Any) -> None:
 # --------------------------------------------------------------------------- the keys a user types
 
 
+@functools.lru_cache(maxsize=None)
 def schema_fields() -> Dict[str, Any]:
     """Every key of the schema as a dotted path -> its dataclass field (None for a section such as ``train`` or
-    ``algorithm.fedprox``)."""
+    ``algorithm.fedprox``); built once (the schema is fixed when this module is imported). Do not mutate."""
     out: Dict[str, Any] = {}
 
     def walk(obj: Any, prefix: str) -> None:
@@ -257,7 +259,8 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None, user: O
     from .paths import conf_dir
 
     _register_schema()
-    check_known_keys(override_keys(overrides, config_dir))
+    typed = override_keys(overrides, config_dir)
+    check_known_keys(typed)
     try:
         with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
@@ -268,7 +271,7 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None, user: O
         cfg.algorithm.aggregation = registry.aggregation(cfg.algorithm)
     if cfg.algorithm.eta_g is None:  # null: the server step's own (registry.eta_g)
         cfg.algorithm.eta_g = registry.eta_g(cfg.algorithm)
-    unused = inactive_keys(cfg, override_keys(overrides if user is None else user, config_dir))
+    unused = inactive_keys(cfg, typed if user is None else override_keys(user, config_dir))
     if unused:
         raise ConfigError(next(iter(unused.values())))
     OmegaConf.set_readonly(cfg, True)
