@@ -27,6 +27,12 @@ from .fedbug import FedBug, unfrozen_units
 from .moon import Moon, contrastive_loss
 
 
+def prepare_model(cfg, model) -> None:
+    """Let the rules of ``cfg`` (the ``algorithm`` section) add their own parameters to ``model`` (MOON's head)
+    before its layout is taken; :func:`registry.prepare_model`."""
+    registry.prepare_model(cfg, model)
+
+
 def build_algorithm(cfg, spec: ParamSpec, model=None, momentum: float = 0.0) -> Algorithm:
     """Build ``cfg.name`` and wrap it with ``cfg.wrappers`` in order (first = innermost); :func:`registry.build`.
 
@@ -47,4 +53,4 @@ __all__ = ["Algorithm", "Wrapper", "InfeasibleSetting", "ClientContext", "Client
            "FedNova", "normalizer", "FedRS", "FedLC", "FedNLR", "mu_schedule", "neuron_scales", "CCVR", "FedDC",
            "FedBCGD", "FedBCGDPlus", "assign_blocks", "block_partition", "FedAvgM", "FedAdam", "FedYogi",
            "FedAdagrad", "Momentum", "Adaptive", "ServerOptimized", "TopK", "QSGD", "Moon", "contrastive_loss",
-           "build_algorithm", "registry"]
+           "build_algorithm", "prepare_model", "registry"]

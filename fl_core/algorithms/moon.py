@@ -110,7 +110,8 @@ def attach_projection_head(model: torch.nn.Module, out_dim: int) -> None:
     """Give ``model`` (an ``FLModel``) the head Linear(f, f) - ReLU - Linear(f, out_dim) as submodule ``moon_head``
     (``FLModel.attach_head``; f = ``model.feature_dim()``), on the model's device and dtype; built without
     touching the global random stream (the run initialises it with the model). A head of these sizes that is
-    already there is kept (the factory builds the stack a second time on the grown model).
+    already there is kept: the registry attaches it before the stack is built (``Rule.prepare_model``), and
+    :class:`Moon` attaches it when built directly on a model without one.
 
     Raises:
         ConfigError: the model has no feature width or no units, or holds a head of other sizes (names
@@ -247,5 +248,6 @@ register(Rule(
     name="moon", kind="base", label="MOON", citation="Li, He and Song, CVPR 2021, Eq. (2)-(3)",
     summary="model-contrastive loss: local features pulled to the global model's, pushed from the previous local one",
     params=MoonParams, neutral=("algorithm.moon.mu=0",), check=_check,
+    prepare_model=lambda p, model: attach_projection_head(model, int(p.projection_dim)) if p.projection_dim else None,
     build=lambda p, ctx: Moon(p.mu, p.tau, ctx.aggregation, ctx.eta_g, p.first_previous, p.projection_dim,
                               ctx.model)))

@@ -107,6 +107,9 @@ class Rule:
         own_aggregation: a base's own ``algorithm.aggregation`` given the ``algorithm`` node, where it depends on
             the rule's parameters (FedExP's ``fedbug_code`` variant averages uniformly); default: the first of
             ``aggregation``.
+        prepare_model: ``prepare_model(params, model)`` adds the parameters the rule trains besides the network's
+            (MOON's projection head) to the model, before the parameter layout is taken and the stack is built
+            (:func:`prepare_model`); None for rules that train the network as it is.
     """
 
     name: str
@@ -125,6 +128,7 @@ class Rule:
     preset: Optional[str] = None
     default_eta_g: float = 1.0
     own_aggregation: Optional[Callable[[Any], str]] = None
+    prepare_model: Optional[Callable[[Any, Any], None]] = None
 
     @property
     def config_section(self) -> Optional[str]:
@@ -313,6 +317,19 @@ def how_to_use(section: str) -> str:
 def section_labels(section: str) -> str:
     """The paper names of the rules that read ``algorithm.<section>`` (``FedBCGD / FedBCGD+``)."""
     return " / ".join(r.label for r in _RULES.values() if r.config_section == section)
+
+
+def prepare_model(a: Any, model: Any) -> None:
+    """Let every rule of the stack of the ``algorithm`` node ``a`` add its own parameters to ``model``
+    (:attr:`Rule.prepare_model`), before ``ParamSpec.from_model(model)`` and :func:`build`.
+
+    Raises:
+        ConfigError: a rule whose additions the model cannot take (one line naming the key).
+    """
+    for name in stack(a):
+        rule = _RULES[name]
+        if rule.prepare_model is not None:
+            rule.prepare_model(getattr(a, rule.config_section) if rule.config_section else None, model)
 
 
 def build(a: Any, spec: ParamSpec, model: Any = None, momentum: float = 0.0):

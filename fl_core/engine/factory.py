@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..algorithms import build_algorithm
+from ..algorithms import build_algorithm, prepare_model
 from ..algorithms.base import RoundContext
 from ..data.sampling import sample_clients
 from ..models import build_model
@@ -247,13 +247,10 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
+    prepare_model(cfg.algorithm, model)  # parameters a rule trains besides the network's (a head), before the layout
     spec = ParamSpec.from_model(model)
     t = cfg.train
     algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum))
-    grown = ParamSpec.from_model(model)
-    if grown != spec:  # a rule's builder added parameters to the model (a head, FLModel.attach_head): build the stack
-        spec = grown  # again on the final layout, so every rule of it (wrappers' units, blocks) sees the same d
-        algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum))
     distributed = cfg.engine.executor == "distributed"
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
