@@ -18,6 +18,7 @@ from fl_core.models import build_model
 from fl_core.schema import ConfigError
 
 from conftest import run_sim
+from test_fedbcgd_suite import _toy  # parameters [2], [2], [1]: blocks {a}, {b}, shared {head}
 
 ROUNDS = 1000
 # the MLP of test_fedbcgd_suite: blocks fc1 (64 * 200 + 200) and fc2 (200 * 200 + 200), shared fc3 (200 * 10 + 10)
@@ -136,18 +137,6 @@ def test_unknown_dealing_is_one_line_naming_the_key():
     for preset in ("fedbcgd", "fedbcgd_plus"):  # the config is refused when it is composed
         with pytest.raises(ConfigError, match=msg):
             compose(["model=mlp", f"algorithm={preset}", "algorithm.fedbcgd.dealing=fair"])
-
-
-def _toy():
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Parameter(torch.zeros(2))
-            self.b = torch.nn.Parameter(torch.zeros(2))
-            self.head = torch.nn.Parameter(torch.zeros(1))
-
-    m = Toy()
-    return m, ParamSpec.from_model(m)
 
 
 def test_measured_uplink_equals_a_hand_count(digits):

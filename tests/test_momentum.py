@@ -26,7 +26,8 @@ from fl_core.engine.executors import SequentialExecutor, VectorizedExecutor, bat
 from fl_core.engine.state import ClientStateStore, flatten_params, load_flat
 from fl_core.schema import ConfigError
 
-from test_conformance import BASES, SETTING, UNEQUAL, _close, _resumed_equals_uninterrupted, _run, _sim, _stack
+from test_conformance import (BASES, SETTING, UNEQUAL, _close, _resumed_equals_uninterrupted, _run,
+                              _sequential_equals_vectorized, _sim, _stack)
 
 MOMENTUM = ("train.momentum=0.9",)
 # the rules whose local math assumes plain SGD: the one-line refusal each gives with train.momentum=0.9
@@ -183,17 +184,6 @@ def test_momentum_zero_is_the_plain_path_bit_for_bit():
 # --------------------------------------------------------------------------- every base, both executors
 
 
-def _sequential_equals_vectorized_with_momentum(stack: tuple) -> None:
-    seq, _, algo, _ = _run(stack)
-    if not algo.vectorizable:
-        with pytest.raises(ValueError, match=r"^engine.executor=vectorized: .* only run sequentially"):
-            _sim(stack, "vectorized")
-        return
-    vec, _, _, _ = _run(stack, "vectorized")
-    gap = float((seq - vec).abs().max())
-    assert _close(seq, vec), f"{' '.join(stack)}: sequential and vectorised differ by {gap:.3g}"
-
-
 @pytest.mark.parametrize("base", BASES)
 def test_every_base_with_momentum_sequential_equals_vectorized(base):
     if base in REFUSED:
@@ -202,7 +192,7 @@ def test_every_base_with_momentum_sequential_equals_vectorized(base):
         _run(_stack(base))  # and it builds without momentum
         return
     for extra in (MOMENTUM, MOMENTUM + UNEQUAL + ("train.weight_decay=0.01",)):
-        _sequential_equals_vectorized_with_momentum(_stack(base, extra=extra))
+        _sequential_equals_vectorized(_stack(base, extra=extra))
     plain, _, _, _ = _run(_stack(base))
     moved, _, _, _ = _run(_stack(base, extra=MOMENTUM))
     assert not torch.equal(plain, moved), f"{base}: train.momentum=0.9 changed nothing"
@@ -211,12 +201,12 @@ def test_every_base_with_momentum_sequential_equals_vectorized(base):
 def test_fedbug_frozen_units_with_momentum_sequential_equals_vectorized():
     for extra in (("algorithm.fedbug.gu_percentage=0.6",),
                   ("algorithm.fedbug.gu_percentage=0.6", "algorithm.fedbug.strategy=top_down") + UNEQUAL):
-        _sequential_equals_vectorized_with_momentum(_stack("fedavg", "fedbug", MOMENTUM + extra))
+        _sequential_equals_vectorized(_stack("fedavg", "fedbug", MOMENTUM + extra))
 
 
 def test_fedbcgd_freezing_with_momentum_sequential_equals_vectorized():
     freezing = ("algorithm.fedbcgd.freezing=true",)
-    _sequential_equals_vectorized_with_momentum(_stack("fedbcgd", extra=MOMENTUM + freezing))
+    _sequential_equals_vectorized(_stack("fedbcgd", extra=MOMENTUM + freezing))
 
 
 @pytest.mark.parametrize("stack", [_stack("fedavg", extra=MOMENTUM), _stack("moon", extra=MOMENTUM),
