@@ -23,12 +23,13 @@ repro: $(STAMP)
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
 
 # lint (ruff) and the import contract (import-linter, pyproject.toml) first: seconds, before the suite.
+# The suite runs on every core (pytest-xdist, -n auto; each test pins torch to one thread, tests/conftest.py).
 # The end-to-end tests marked slow (DVC pipeline, kill campaigns, torchrun, PostgreSQL, the composition check) run
 # in `make test-slow`; CI (.ci/run) runs both.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -m "not slow" --durations=25
+	$(PY) -m pytest -q -n auto -m "not slow" --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --durations=25
