@@ -4,8 +4,8 @@ below its base's by more than seed noise (docs/cli.md, "Compositions take their 
 
 "Seed noise" is the larger of 5 points and two standard errors of the paired per-seed differences; a composition that
 loses more than that (as FedProx + server Adagrad did at Adam's step size: 20 points under FedProx) fails. The composed
-part's own early pace is not a clash: at 5 rounds the published FedAdam trails FedAvg (its step is 0.01) and FedBug
-trails FedAvg (its units start frozen), so a composition is held to the difference its part makes as published, over
+part's own early pace is not a clash: at 5 rounds FedAdam at FedDecorr's step 0.01 trailed FedAvg by
+5 points and FedBug trails FedAvg (its units start frozen), so a composition is held to the difference its part makes as published, over
 FedAvg, on the same seeds: ``(composition - base) - (preset - fedavg)`` must not be below minus the noise.
 """
 

@@ -194,9 +194,9 @@ def test_adaptive_state_keeps_the_global_dtype(cls):
 
 
 def test_adaptive_names_and_arguments():
-    assert FedAdam().describe() == "fedadam[eta_g=0.01,beta1=0.9,beta2=0.99,tau=0.001]"  # as algorithm=fedadam
-    assert FedAdagrad().describe() == "fedadagrad[eta_g=0.1,beta1=0.9,tau=0.001]"  # as algorithm=fedadagrad
-    assert FedYogi(v0="tau2").describe() == "fedyogi[eta_g=0.01,beta1=0.9,beta2=0.99,tau=0.001,v0=tau2]"
+    assert FedAdam().describe() == "fedadam[eta_g=0.03,beta1=0.9,beta2=0.99,tau=0.001]"  # as algorithm=fedadam
+    assert FedAdagrad().describe() == "fedadagrad[eta_g=0.3,beta1=0.9,tau=0.001]"  # as algorithm=fedadagrad
+    assert FedYogi(v0="tau2").describe() == "fedyogi[eta_g=0.03,beta1=0.9,beta2=0.99,tau=0.001,v0=tau2]"
     assert (FedAdam().name, FedYogi().name, FedAdagrad().name) == ("fedadam", "fedyogi", "fedadagrad")
     with pytest.raises(ValueError, match="tau"):
         FedAdam(tau=0.0)

@@ -109,7 +109,7 @@ def test_preset_values_are_not_user_keys_and_a_grid_shares_its_settings():
 def test_a_server_optimiser_brings_its_own_step_size():
     ours = compose(["algorithm=fedprox", "algorithm.server_opt=adam"])
     preset = compose(["algorithm=fedadam", "algorithm.name=fedprox"])
-    assert ours.algorithm.eta_g == 0.01
+    assert ours.algorithm.eta_g == 0.03
     assert to_container(ours) == to_container(preset)  # the same run, key for key
     assert compose(["algorithm=fedprox", "algorithm.server_opt=momentum"]).algorithm.eta_g == 1.0
     assert compose(["algorithm=fedprox"]).algorithm.eta_g == 1.0

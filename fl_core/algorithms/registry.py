@@ -289,7 +289,7 @@ def aggregation(a: Any) -> str:
 
 def eta_g(a: Any) -> float:
     """``algorithm.eta_g`` of node ``a``, or when it is unset (null) the server optimiser's own step size
-    (:attr:`Rule.default_eta_g`: 1 for ``sgd`` and ``momentum``, 0.01 for adam and yogi, 0.1 for adagrad)."""
+    (:attr:`Rule.default_eta_g`: 1 for ``sgd`` and ``momentum``, 0.03 for adam and yogi, 0.3 for adagrad)."""
     value = _key(a, "eta_g")
     if value is not None:
         return float(value)

@@ -31,10 +31,10 @@ m starts at 0; v starts at 0 (``algorithm.adaptive.v0=zero``, the default) as in
 ``approach/fedoptim.py`` (defaults beta1 = 0.9, beta2 = 0.99, tau = 1e-3, server lr 1.0; its run script uses
 server lr 0.01), or at tau^2 (``v0=tau2``) as Reddi et al.'s Alg. 2 requires (v_{-1} >= tau^2). When
 ``algorithm.eta_g`` is unset (null, every preset) the optimiser's own step size applies whatever rule it composes
-with: adam and yogi 0.01, adagrad 0.1 (the same first step, see ``ADAPTIVE_ETA_G``), momentum and sgd 1. With the zero init the first step of Adam and Yogi is, per coordinate,
+with: adam and yogi 0.03, adagrad 0.3 (the same first step, see ``ADAPTIVE_ETA_G``), momentum and sgd 1. With the zero init the first step of Adam and Yogi is, per coordinate,
 ``eta_g (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau)`` (Adagrad: ``sqrt(1 - beta2)`` -> 1), i.e.
 up to eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g for every coordinate with |Delta| >> tau: keep eta_g
-small (the conf files use 0.01). Yogi's v stays >= 0: it moves by exactly (1 - beta2) Delta_bar^2
+small (0.03 unless set; FedDecorr's run scripts use 0.01). Yogi's v stays >= 0: it moves by exactly (1 - beta2) Delta_bar^2
 towards Delta_bar^2, so where it decreases (v > Delta_bar^2) it ends above beta2 Delta_bar^2.
 
 Every server optimiser but sgd logs ``server_update_norm`` = ||x_new - x|| each round (kept in the server state).
@@ -75,10 +75,11 @@ class AdaptiveParams:
                     "Alg. 2: v_{-1} >= tau^2)", choices=("zero", "tau2"))
 
 
-# eta_g when algorithm.eta_g is unset: adam and yogi 0.01 (FedDecorr's run script); adagrad 0.1, the same first step:
+# eta_g when algorithm.eta_g is unset: adam and yogi 0.03 (~10^-1.5 of Reddi et al.'s grid; docs/algorithms.md gives the
+# measurement against FedDecorr's 0.01); adagrad 0.3, the same first step:
 # with v0 = zero a coordinate with |D| >> tau moves by eta_g (1 - beta1) / sqrt(1 - beta2) = eta_g under adam and
 # yogi (beta2 = 0.99) but by eta_g (1 - beta1) under adagrad (v = D^2), a tenth of it at the same eta_g
-ADAPTIVE_ETA_G = {"adam": 0.01, "yogi": 0.01, "adagrad": 0.1}
+ADAPTIVE_ETA_G = {"adam": 0.03, "yogi": 0.03, "adagrad": 0.3}
 
 
 def _check_momentum(a, prefix: str) -> None:
@@ -144,7 +145,7 @@ class Adaptive(ServerOptimizer):
 
     def __init__(self, rule: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3,
                  eta_g: Optional[float] = None, v0: str = "zero"):
-        super().__init__(ADAPTIVE_ETA_G.get(rule, 0.01) if eta_g is None else eta_g)
+        super().__init__(ADAPTIVE_ETA_G.get(rule, ADAPTIVE_ETA_G["adam"]) if eta_g is None else eta_g)
         if rule not in self.RULES:
             raise ValueError(f"algorithm.server_opt must be one of {', '.join(self.RULES)} here, got {rule!r}")
         self.name, self.preset = rule, f"fed{rule}"
