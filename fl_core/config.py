@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
-from .schema import (SECTIONS, ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig,
-                     TrackingConfig, TrainConfig, check_fields, format_value, select)
+from .schema import (DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, ConfigError, DatasetConfig, EngineConfig,
+                     ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_fields, format_value, select)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -82,14 +82,36 @@ def validate(cfg: Any) -> None:
     for name in ("dataset", "partition", "model"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
     _finite_positive("partition.alpha", cfg.partition.alpha, "use partition=iid for an IID split")
+    _check_natural(cfg)
     registry.check_algorithm(cfg.algorithm)
     for name in ("train", "engine", "tracking"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
+    if cfg.dataset.name in GENERATED_DATASETS and cfg.train.augmentation != "none":
+        raise ConfigError(f"train.augmentation={cfg.train.augmentation} flips and crops images; "
+                          f"dataset={cfg.dataset.name} holds feature vectors (use train.augmentation=none)")
     device = str(cfg.engine.device)
     if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
+
+
+def _check_natural(cfg: Any) -> None:
+    """``partition=natural`` needs a dataset made of devices, one client per device.
+
+    Raises:
+        ConfigError: another dataset (names ``partition.name``), or ``partition.num_clients`` !=
+            ``dataset.num_devices`` (conf/partition/natural.yaml derives it; a different value set by hand).
+    """
+    if cfg.partition.name != "natural":
+        return
+    if cfg.dataset.name not in DEVICE_DATASETS:
+        raise ConfigError(f"partition.name=natural needs a dataset made of devices ({', '.join(DEVICE_DATASETS)}), "
+                          f"got dataset.name={cfg.dataset.name}")
+    if int(cfg.partition.num_clients) != int(cfg.dataset.num_devices):
+        raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} must equal "
+                          f"dataset.num_devices={cfg.dataset.num_devices} with partition=natural (one client per "
+                          f"device; set dataset.num_devices)")
 
 
 # --------------------------------------------------------------------------- the keys a user types

@@ -17,10 +17,12 @@ class ConfigError(ValueError):
     """A configuration value is out of range or not one of the allowed choices."""
 
 
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d")
+GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
+DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
-          "vgg11", "vgg19")
-PARTITIONS = ("iid", "dirichlet", "shards")
+          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru")
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
 AGGREGATIONS = ("weighted", "uniform")
@@ -209,12 +211,27 @@ class DatasetConfig:
     name: str = param("digits", "data source", choices=DATASETS)
     root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
     download: bool = param(False, "let torchvision download into root (needs a network)",
-                           when=unless("dataset.name", "digits"))
+                           when=unless("dataset.name", "digits", *GENERATED_DATASETS))
     verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them",
-                         when=unless("dataset.name", "digits"))
-    test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1,
-                                 when=when("dataset.name", "digits"))
-    split_seed: int = param(0, "digits only: seed of the train/test split")
+                         when=unless("dataset.name", "digits", *GENERATED_DATASETS))
+    test_fraction: float = param(0.25, "digits: held-out share (stratified, fixed split); synthetic: test share of "
+                                 "every device (FedProx: 0.2)", gt=0, lt=1,
+                                 when=when("dataset.name", "digits", "synthetic"))
+    split_seed: int = param(0, "digits: seed of the train/test split; any dataset: of the validation split")
+    seed: int = param(0, "synthetic, mnist1d: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
+                      when=when("dataset.name", *GENERATED_DATASETS))
+    alpha: float = param(1.0, "synthetic: std of u_k, the mean of device k's W_k and b_k entries (how much the "
+                         "devices' models differ; FedProx Sec. 5.1)", ge=0,
+                         when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
+    beta: float = param(1.0, "synthetic: std of B_k, the mean of device k's input mean v_k (how much the devices' "
+                        "inputs differ)", ge=0, when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
+    iid: bool = param(False, "synthetic: the IID control (one W, b for every device, v_k = 0; alpha, beta unused)",
+                      when=when("dataset.name", "synthetic"))
+    num_devices: int = param(30, "synthetic: K devices (lognormal sample counts); partition=natural makes each "
+                             "one a client", ge=1, integer=True, when=when("dataset.name", "synthetic"))
+    shuffle_positions: bool = param(False, "mnist1d: the authors' spatially shuffled control (one fixed "
+                                    "permutation of the 40 positions for every sequence)",
+                                    when=when("dataset.name", "mnist1d"))
     validation_fraction: float = param(
         0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
         "instead of the test set; every test_* metric is then a validation metric (tuning)", ge=0, lt=1)
@@ -224,8 +241,9 @@ class DatasetConfig:
 class PartitionConfig:
     """How the training set is split across clients (docs/algorithms.md, Data)."""
 
-    name: str = param("iid", "client split", choices=PARTITIONS)
-    num_clients: int = param(10, "N, the number of clients", ge=1)
+    name: str = param("iid", "client split; natural: each device of the dataset is a client (synthetic)",
+                      choices=PARTITIONS)
+    num_clients: int = param(10, "N, the number of clients (natural: dataset.num_devices)", ge=1)
     alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)",
                          when=when("partition.name", "dirichlet"))
     variant: str = param("per_client", "dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | "
@@ -242,13 +260,15 @@ class PartitionConfig:
     shards_variant: str = param("label_S", "label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)",
                                 choices=("label_S", "mcmahan_sort_shard"), when=when("partition.name", "shards"))
     size_sigma: float = param(0.0, "lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client", ge=0)
-    seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)")
+    seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)",
+                      when=unless("partition.name", "natural"))
 
 
 @dataclass
 class ModelConfig:
     name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn "
-                      "(Tiny-ImageNet)", choices=MODELS)
+                      "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d); m1d_*: the MNIST-1D "
+                      "authors' models", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
     norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import signal
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ import torch
 
 from fl_core import faults
 from fl_core.config import ConfigError, compose, to_container
-from fl_core.data import DataSourceError, PartitionError
+from fl_core.data import DataSourceError, PartitionError, describe_source
 from fl_core.data.partition import partition_key, plot_label_distribution
 from fl_core.engine.diagnostics import effective_update
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
@@ -392,13 +393,15 @@ class _Experiment:
         ds, part = self.ds, self.part
         h = hashlib.sha256(ds.y_train.numpy().tobytes())
         h.update(repr(tuple(ds.input_shape)).encode())
+        if ds.provenance:  # generated data: the generator's arguments (mnist1d's shuffled control keeps the labels)
+            h.update(json.dumps(ds.provenance, sort_keys=True).encode())
         p = hashlib.sha256()
         for ix in part.client_indices:
             p.update(np.asarray(ix, dtype=np.int64).tobytes())
             p.update(b"|")
         split = "validation" if self.cfg0.dataset.validation_fraction > 0 else "test"
         return [{"name": self.cfg0.dataset.name, "digest": h.hexdigest()[:16], "context": "training",
-                 "source": f"dataset={self.cfg0.dataset.name} root={self.cfg0.dataset.root} (evaluation: {split} split)"},
+                 "source": f"{describe_source(self.cfg0.dataset)} (evaluation: {split} split)"},
                 {"name": self.pkey, "digest": p.hexdigest()[:16], "context": "partition",
                  "source": f"partition={self.cfg0.partition.name} over {part.num_clients} clients"}]
 
