@@ -100,8 +100,9 @@ def _check_natural(cfg: Any) -> None:
     """``partition=natural`` needs a dataset made of devices, one client per device.
 
     Raises:
-        ConfigError: another dataset (names ``partition.name``), or ``partition.num_clients`` !=
-            ``dataset.num_devices`` (conf/partition/natural.yaml derives it; a different value set by hand).
+        ConfigError: another dataset (names ``partition.name``), ``partition.num_clients`` !=
+            ``dataset.num_devices`` (conf/partition/natural.yaml derives it; a different value set by hand), or
+            ``partition.size_sigma`` != 0.
     """
     if cfg.partition.name != "natural":
         return
@@ -112,6 +113,9 @@ def _check_natural(cfg: Any) -> None:
         raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} must equal "
                           f"dataset.num_devices={cfg.dataset.num_devices} with partition=natural (one client per "
                           f"device; set dataset.num_devices)")
+    if float(cfg.partition.size_sigma) != 0:
+        raise ConfigError(f"partition.size_sigma={cfg.partition.size_sigma}: the devices of partition=natural keep "
+                          f"their own sizes (set it to 0)")
 
 
 # --------------------------------------------------------------------------- the keys a user types

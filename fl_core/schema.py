@@ -220,8 +220,8 @@ class DatasetConfig:
     split_seed: int = param(0, "digits: seed of the train/test split; any dataset: of the validation split")
     seed: int = param(0, "synthetic, mnist1d: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
                       when=when("dataset.name", *GENERATED_DATASETS))
-    alpha: float = param(1.0, "synthetic: std of u_k, the mean of device k's W_k and b_k entries (how much the "
-                         "devices' models differ; FedProx Sec. 5.1)", ge=0,
+    alpha: float = param(1.0, "synthetic: std of u_k, the common mean of device k's W_k and b_k entries (FedProx "
+                         "Sec. 5.1; it shifts all logits alike, so no label changes)", ge=0,
                          when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
     beta: float = param(1.0, "synthetic: std of B_k, the mean of device k's input mean v_k (how much the devices' "
                         "inputs differ)", ge=0, when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))

@@ -51,8 +51,17 @@ def test_synthetic_is_a_function_of_its_seed_and_arguments():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     other = _synthetic("dataset.seed=1")
     assert other.x_train.shape != a.x_train.shape or not torch.equal(other.x_train, a.x_train)
-    half = _synthetic("dataset.alpha=0.5", "dataset.beta=0.5")
+    half = _synthetic("dataset.beta=0.5")
     assert not torch.equal(half.x_train, a.x_train)
+
+
+def test_alpha_shifts_every_logit_alike_so_no_label_changes():
+    # u_k is the mean of every entry of W_k and b_k: it adds u_k (sum x + 1) to all ten logits, so with the same
+    # draws the argmax, hence every label, is the same for any alpha (FedProx's generator has the same property)
+    a, b = _synthetic("dataset.alpha=0"), _synthetic("dataset.alpha=3")
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_train, b.y_train)
+    assert torch.equal(a.y_test, b.y_test)
+    assert a.provenance["args"]["alpha"] == 0.0 and b.provenance["args"]["alpha"] == 3.0
 
 
 def test_synthetic_shapes_classes_devices_and_split():
@@ -133,6 +142,8 @@ def test_natural_partition_is_the_devices():
     (["dataset=synthetic", "dataset.alpha=-1"], "dataset.alpha must be >= 0, got -1"),
     (["dataset=synthetic", "dataset.beta=-0.5"], "dataset.beta must be >= 0, got -0.5"),
     (["dataset=synthetic", "dataset.num_devices=0"], "dataset.num_devices must be >= 1, got 0"),
+    (["dataset=synthetic", "partition=natural", "partition.size_sigma=0.5"],
+     "partition.size_sigma=0.5: the devices of partition=natural keep their own sizes (set it to 0)"),
     (["dataset=synthetic", "dataset.seed=-1"], "dataset.seed must be >= 0, got -1"),
     (["dataset=synthetic", "dataset.iid=true", "dataset.alpha=0.5"],
      "dataset.alpha has no effect with dataset.iid=true: it is used only with dataset.iid=false; remove it"),
