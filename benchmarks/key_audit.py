@@ -40,10 +40,11 @@ the run cannot train it alone, with the first of :data:`COMPANIONS` beside it th
 :data:`SETTING_SWITCHES` (a decaying lr, partial participation, both over 3 rounds, and partition=dirichlet),
 where a rule's state or schedule can show. The sections that are not rules get the contexts of
 :data:`NONRULE_SWITCHES` (partition=dirichlet and its variants, partition=iid, participation 0.5, crop_flip
-augmentation, stragglers 0.5 at E = 2, model=mlp), audited once, on ``algorithm=fedavg``. A NO-OP is then explained from the contexts
-where the same key changes the run: ``out-of-stack section``; ``switched off by <switch>`` (a NO-OP in a switch
-context of a key that changes the preset's own run); ``switched off here; changes under <contexts>``; ``no effect
-with this preset; changes with <presets>`` (non-rule keys); ``no effect measured`` (in no context).
+augmentation, stragglers 0.5 at E = 2, model=mlp), audited once, on ``algorithm=fedavg``. A NO-OP is then
+explained from the contexts where the same key changes the run: ``out-of-stack section``; ``switched off by
+<switch>`` (a NO-OP in a switch context of a key that changes the preset's own run); ``switched off here; changes
+under <contexts>``; ``no effect with this preset; changes with <presets>`` (non-rule keys); ``no effect measured``
+(in no context).
 
 The script also runs the cross-cutting cases :data:`CROSS`: a misspelt key added with ``+``, an infinite
 learning rate, FedProx with the server optimiser Adam against FedProx over 5 rounds of the default setting

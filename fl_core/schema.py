@@ -268,7 +268,8 @@ class TrainConfig:
                               when=when("train.local_steps", 0))
     local_epochs_max: Optional[int] = param(
         None, "null = every client runs E epochs; an integer b >= E: each client draws its own E_i uniformly from "
-        "the integers E..b every round (FedNova, Wang et al. 2020, Sec. 6; seeded by (seed, round, client))", ge=1,
+        "the integers E..b every round (as the experiments of FedNova, Wang et al. 2020; seeded by (seed, round, "
+        "client))", ge=1,
         integer=True, when=when("train.local_steps", 0))
     stragglers: float = param(
         0.0, "fraction s of each round's sampled clients that straggle (chosen anew each round): a straggler runs "

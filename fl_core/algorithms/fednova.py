@@ -6,7 +6,8 @@ a_i = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho); with FedNova's proximal term mu:
 a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused). tau_i is the client's real
 step count this round, so drawn epochs (``train.local_epochs_max``) and stragglers (``train.stragglers``) give the
 heterogeneous tau_i the normalisation is made for. ``train.optimizer=adam`` is refused: a_i is derived for SGD
-steps (Wang et al. 2020, Sec. 4), and an Adam step is not a fixed linear combination of the local gradients.
+steps (Wang et al. 2020: the a_i of plain, momentum and proximal SGD), and an Adam step is not a fixed linear
+combination of the local gradients.
 Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
 
     tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
@@ -97,7 +98,7 @@ class FedNova(FedAvg):
 
 def _build(p, ctx):
     refuse_local_adam(ctx, "algorithm.name=fednova", "its normaliser a_i counts SGD steps (plain, momentum or "
-                      "proximal; Wang et al. 2020, Sec. 4), and an Adam step has no such a_i")
+                      "proximal; Wang et al. 2020), and an Adam step has no such a_i")
     return FedNova(p.mu, ctx.eta_g, ctx.aggregation, ctx.momentum)
 
 

@@ -4,7 +4,7 @@ docs/algorithms.md, Local work. Three ``train`` keys set it; with their defaults
 (``train.local_epochs``) and this module is not used:
 
 - ``train.local_epochs_max`` = b: each client i of round r draws E_i uniformly from the integers E..b (inclusive),
-  as the heterogeneous-steps experiments of Wang et al. (NeurIPS 2020, Sec. 6) draw a client's epochs each round;
+  as the experiments of Wang et al. (NeurIPS 2020) with heterogeneous local work draw a client's epochs each round;
 - ``train.stragglers`` = s in [0, 1): each round, :func:`num_stragglers` of the round's sampled clients S, chosen
   uniformly at random, are stragglers; a straggler runs E'_i epochs drawn uniformly from 1..E_i - 1 (Li et al.,
   MLSys 2020, Sec. 5.2, "systems heterogeneity"; their code draws the stragglers with ``np.random.choice`` over the
