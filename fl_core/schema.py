@@ -29,6 +29,7 @@ AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto", "distributed")
 RANK_EXECUTORS = ("sequential", "vectorized", "auto")  # what each rank of engine.executor=distributed runs
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
+LOCAL_OPTIMIZERS = ("sgd", "adam")
 
 
 # --------------------------------------------------------------------------- checks
@@ -283,15 +284,32 @@ class TrainConfig:
     participation: float = param(0.5, "client participation rate p", gt=0, le=1)
     sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
                          choices=SAMPLERS)
-    local_epochs: int = param(3, "E", ge=1, when=when("train.local_steps", 0))
+    local_epochs: int = param(3, "E; with local_epochs_max: the smallest E_i of the draw", ge=1,
+                              when=when("train.local_steps", 0))
+    local_epochs_max: Optional[int] = param(
+        None, "null = every client runs E epochs; an integer b >= E: each client draws its own E_i uniformly from "
+        "the integers E..b every round (as the experiments of FedNova, Wang et al. 2020; seeded by (seed, round, "
+        "client))", ge=1,
+        integer=True, when=when("train.local_steps", 0))
+    stragglers: float = param(
+        0.0, "fraction s of each round's sampled clients that straggle (chosen anew each round): a straggler runs "
+        "a uniform 1..E_i-1 epochs (FedProx, Li et al. 2020, Sec. 5.2); needs E >= 2", ge=0, lt=1,
+        when=when("train.local_steps", 0))
+    drop_stragglers: bool = param(
+        False, "true: the stragglers are left out of the round, as if not sampled (FedAvg in Li et al. 2020, Sec. "
+        "5.2); false: their partial work is aggregated", when=unless("train.stragglers", 0))
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)
     batch_size: int = param(16, "B", ge=1)
     lr: float = param(0.05, "eta_l", gt=0)
     lr_decay: float = param(1.0, "eta_l(r) = lr * lr_decay**(r-1)", gt=0, le=1)
     weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0)
+    optimizer: str = param("sgd", "the clients' local optimiser: sgd (plain, or with momentum) | adam "
+                           "(torch.optim.Adam: betas (0.9, 0.999), eps 1e-8, L2 weight decay; a new state for every "
+                           "client and round)", choices=LOCAL_OPTIMIZERS)
     momentum: float = param(0.0, "rho, the clients' local SGD momentum (torch.optim.SGD: dampening 0, no Nesterov; "
-                            "a new buffer for every client and round); 0 = plain SGD", ge=0, lt=1)
+                            "a new buffer for every client and round); 0 = plain SGD", ge=0, lt=1,
+                            when=when("train.optimizer", "sgd"))
     grad_clip: Optional[float] = param(None, "max global grad norm over trainable params; None = off", gt=0)
     augmentation: str = param("none", "none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | "
                               "flip", choices=AUGMENTATIONS)

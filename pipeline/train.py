@@ -83,7 +83,9 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
 {rules}
   +experiment={opts("experiment")}
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
-  train.lr  train.weight_decay  train.momentum  train.grad_clip  train.augmentation
+  train.lr  train.weight_decay  train.optimizer=sgd|adam  train.momentum (sgd)  train.grad_clip  train.augmentation
+  train.local_epochs_max (null: E for all | b: E_i ~ U{{E..b}} per client and round)
+  train.stragglers (fraction s in [0, 1): run U{{1..E_i-1}} epochs)  train.drop_stragglers (only with stragglers > 0)
   engine.executor={"|".join(EXECUTORS)}
     (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
