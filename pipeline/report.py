@@ -40,6 +40,7 @@ import yaml
 
 from fl_core.algorithms import registry
 from fl_core.config import ConfigError
+from fl_core.metrics import mean_std
 from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .files import write_text
@@ -429,15 +430,37 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
-def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
-    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
+def seed_values(e: Experiment, metric: str = "final_acc") -> Dict[str, float]:
+    """{seed: ``metric``} of the seeds that finished, from ``experiment.json``'s ``per_seed`` summaries (the
+    keys of :data:`fl_core.metrics.SUMMARY_KEYS`, in their units: accuracies as fractions); seeds whose value is
+    missing, None or not finite (``rounds_to_target`` of a seed that never reached the target) are left out."""
     per_seed = (e.metrics or {}).get("per_seed") or {}
     out = {}
     for seed, summ in per_seed.items():
-        v = _num((summ or {}).get("final_acc")) if isinstance(summ, dict) else None
+        v = _num((summ or {}).get(metric)) if isinstance(summ, dict) else None
         if v is not None:
             out[str(seed)] = v
     return out
+
+
+def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
+    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
+    return seed_values(e, "final_acc")
+
+
+def sample_stats(values: Sequence[float]) -> Dict[str, float]:
+    """``mean``, ``std`` (sample std, ddof = 1; 0 for one value) and ``n`` of ``values`` (at least one)."""
+    ms = mean_std(list(values))
+    return {"mean": ms["mean"], "std": ms["std"], "n": ms["n"]}
+
+
+def paired_values(a: Dict[str, float], b: Dict[str, float], scale: float = 1.0) -> Optional[Dict[str, float]]:
+    """:func:`sample_stats` of ``scale * (a[s] - b[s])`` over the seeds s in both mappings ({seed: value});
+    None without a common seed."""
+    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
+    if not common:
+        return None
+    return sample_stats([scale * (a[s] - b[s]) for s in common])
 
 
 def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, float]]:
@@ -445,19 +468,13 @@ def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, floa
     ``mean``, ``std`` (sample std over seeds, ddof = 1; 0 for one seed) and ``n`` (seeds both finished).
     Pairing by seed removes what the seeds share (model initialisation, client sampling, the partition
     draw), so the spread is that of the difference itself. None without a common seed."""
-    a, b = final_acc_per_seed(e), final_acc_per_seed(ref)
-    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
-    if not common:
-        return None
-    d = [100.0 * (a[s] - b[s]) for s in common]
-    m = sum(d) / len(d)
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else 0.0
-    return {"mean": m, "std": sd, "n": len(d)}
+    return paired_values(final_acc_per_seed(e), final_acc_per_seed(ref), 100.0)
 
 
 def confidence_interval(d: Dict[str, float], level: float = 0.95) -> Tuple[Optional[float], Optional[float]]:
-    """The ``level`` confidence interval of a :func:`paired_difference`'s mean: mean +- t_{(1+level)/2, n-1}
-    std / sqrt(n) (Student t; scipy), in its units; (None, None) for fewer than 2 seeds."""
+    """The ``level`` confidence interval of the mean of a :func:`sample_stats` / :func:`paired_values` /
+    :func:`paired_difference` result: mean +- t_{(1+level)/2, n-1} std / sqrt(n) (Student t; scipy), in its
+    units; (None, None) for fewer than 2 seeds."""
     n = int(d["n"])
     if n < 2:
         return None, None
