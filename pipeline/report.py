@@ -7,7 +7,9 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
 * ``report.md``: an "All experiments" table, a "Comparison" table (algorithm x partition, final
   accuracy, best cell per column in bold), each method's difference to FedAvg on the same partition
   with its paired-seed spread, the curves figure, a "How to read" note, and the experiments that
-  have no results yet ("Missing") or lost seeds ("Notes").
+  have no results yet ("Missing") or lost seeds ("Notes"); last, when the grid has a claims file
+  (``--claims``, default ``claims.yaml`` beside ``params.yaml``), the "Claims" table: each paper claim with its
+  measured effect, 95% interval and verdict (:mod:`pipeline.claims`, docs/claims.md).
 * ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
   accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
   loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
@@ -19,7 +21,8 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
   to FedAvg (percentage points): what ``dvc metrics show`` and ``dvc exp show`` list.
 
 Exit status: 0 when at least one experiment has results; 2 (one-line ``error:`` on stderr, nothing
-written) for an unreadable ``params.yaml`` or when no experiment has results.
+written) for an unreadable ``params.yaml``, a malformed claims file (naming the file, claim and key) or when
+no experiment has results.
 """
 
 from __future__ import annotations
@@ -771,8 +774,10 @@ def _problem_sections(exps: List[Experiment], missing: List[Experiment]) -> List
 
 
 def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Experiment]] = None,
-                 params_name: str = "params.yaml", curves_name: str = "curves.png") -> str:
-    """The markdown report of ``grid``'s experiments under ``results_dir``.
+                 params_name: str = "params.yaml", curves_name: str = "curves.png",
+                 claims: Optional[Sequence] = None, claims_name: str = "claims.yaml") -> str:
+    """The markdown report of ``grid``'s experiments under ``results_dir``; with ``claims`` it ends with the
+    "Claims" table (:func:`pipeline.claims.claims_section`).
 
     Args:
         grid: the experiment grid (its order is the order of the tables).
@@ -780,6 +785,8 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
         experiments: already loaded experiments (from :func:`load_experiments`); loaded if None.
         params_name: how the grid file is named in the text.
         curves_name: the figure's path relative to the report (its PDF has the same stem).
+        claims: the study's claims (:func:`pipeline.claims.load_claims`), measured on these experiments.
+        claims_name: how the claims file is named in the text.
     """
     exps_all = experiments if experiments is not None else load_experiments(grid, Path(results_dir))
     exps = [e for e in exps_all if e.metrics is not None]
@@ -796,6 +803,10 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += _curves_section(curves_name)
     out += _how_to_read_section(ms, target)
     out += _problem_sections(exps, missing)
+    if claims:
+        from .claims import claims_section, evaluate  # claims builds on this module's paired differences
+
+        out += claims_section(evaluate(claims, exps_all, Path(results_dir)), claims_name)
     return "\n".join(out)
 
 
@@ -833,12 +844,15 @@ def _parser() -> argparse.ArgumentParser:
                     "test_acc.csv (accuracy per round, one column per experiment) and metrics.json (final "
                     "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
                     "<results>/<name>/metrics.json, experiment.json and runs.csv.",
-        epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid "
-               "cannot be read). Experiments without results are listed under 'Missing'.")
+        epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid or the "
+               "claims file cannot be read). Experiments without results are listed under 'Missing'.")
     p.add_argument("--params", type=Path, default=Path("params.yaml"), metavar="FILE",
                    help="the experiment grid (default: params.yaml)")
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
                    help="folder with one sub-folder per experiment (default: results)")
+    p.add_argument("--claims", type=Path, default=None, metavar="FILE",
+                   help="the study's paper claims, whose verdicts end the report (default: claims.yaml beside "
+                        "--params, when it exists; docs/claims.md)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
                    help="the markdown report; curves.png, curves.pdf, summary.csv, test_acc.csv and metrics.json "
                         "go beside it "
@@ -848,10 +862,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point; returns the exit status."""
+    from .claims import default_claims_path, load_claims  # claims builds on this module
+
     args = _parser().parse_args(argv)
     out = args.out if args.out is not None else args.results / "report.md"
     try:
         grid = load_grid(args.params)
+        claims_path = args.claims
+        if claims_path is None and default_claims_path(args.params).exists():
+            claims_path = default_claims_path(args.params)
+        claims = load_claims(claims_path, list(grid.experiments)) if claims_path is not None else None
     except (ConfigError, yaml.YAMLError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -867,7 +887,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
     write_text(out.parent / "metrics.json", json.dumps(root_metrics(done), indent=2) + "\n")
     write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
-                                  curves_name=curves.name))
+                                  curves_name=curves.name, claims=claims,
+                                  claims_name=claims_path.name if claims_path is not None else "claims.yaml"))
     missing = len(exps) - len(done)
     print(f"report: {out} ({len(done)} experiment(s)" + (f", {missing} missing" if missing else "") + ")")
     return 0
