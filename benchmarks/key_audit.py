@@ -40,7 +40,8 @@ the run cannot train it alone, with the first of :data:`COMPANIONS` beside it th
 :data:`SETTING_SWITCHES` (a decaying lr, partial participation, both over 3 rounds, and partition=dirichlet),
 where a rule's state or schedule can show. The sections that are not rules get the contexts of
 :data:`NONRULE_SWITCHES` (partition=dirichlet and its variants, partition=iid, participation 0.5, crop_flip
-augmentation, model=mlp), audited once, on ``algorithm=fedavg``. A NO-OP is then explained from the contexts
+augmentation, stragglers 0.5 at E = 2, model=mlp, dataset=synthetic, dataset=mnist1d, partition=natural on
+synthetic), audited once, on ``algorithm=fedavg``. A NO-OP is then explained from the contexts
 where the same key changes the run: ``out-of-stack section``; ``switched off by <switch>`` (a NO-OP in a switch
 context of a key that changes the preset's own run); ``switched off here; changes under <contexts>``; ``no effect
 with this preset; changes with <presets>`` (non-rule keys); ``no effect measured`` (in no context).
@@ -102,6 +103,8 @@ HINTS: Dict[str, List[Any]] = {
     "train.eval_every": [2],
     "partition.min_size": [11, 250],  # 250: above the smallest client of dirichlet/per_class -> redraws
     "model.units": ["module", "block", "code5", "paper6"],
+    "train.local_epochs_max": [3],  # unset -> a range above E = 1 (b = E is the fixed run)
+    "train.stragglers": [0.5, 0.25],  # refused at E = 1; under the straggler switch (s = 0.5) -> 0.25
 }
 # Contexts that switch on keys of the sections that are not rules: (overrides, section audited).
 NONRULE_SWITCHES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
@@ -111,7 +114,12 @@ NONRULE_SWITCHES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("partition.name=iid",), "partition"),
     (("train.participation=0.5",), "train"),
     (("train.augmentation=crop_flip",), "train"),
+    (("train.local_epochs=2", "train.stragglers=0.5"), "train"),  # stragglers need E >= 2; drop_stragglers acts
     (("model.name=mlp",), "model"),
+    # the generated datasets' keys act only with their dataset (partition=natural only with synthetic's devices)
+    (("dataset.name=synthetic",), "dataset"),
+    (("dataset.name=mnist1d",), "dataset"),
+    (("dataset.name=synthetic", "dataset.num_devices=4", "partition.name=natural"), "partition"),
 )
 NONRULE_SWITCH_PRESET = "fedavg"
 # Beside a switch that the config refuses or the run cannot train alone (fedexp.variant=fedbug_code needs

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
-from .schema import (SECTIONS, ConfigError, DatasetConfig, EngineConfig, ModelConfig, PartitionConfig,
-                     TrackingConfig, TrainConfig, check_fields, format_value, select)
+from .schema import (DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, ConfigError, DatasetConfig, EngineConfig,
+                     ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_fields, fmt, format_value,
+                     select)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -82,14 +83,66 @@ def validate(cfg: Any) -> None:
     for name in ("dataset", "partition", "model"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
     _finite_positive("partition.alpha", cfg.partition.alpha, "use partition=iid for an IID split")
+    _check_natural(cfg)
     registry.check_algorithm(cfg.algorithm)
     for name in ("train", "engine", "tracking"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
+    check_local_work(cfg.train)
+    if cfg.dataset.name in GENERATED_DATASETS and cfg.train.augmentation != "none":
+        raise ConfigError(f"train.augmentation={cfg.train.augmentation} flips and crops images; "
+                          f"dataset={cfg.dataset.name} holds feature vectors (use train.augmentation=none)")
     device = str(cfg.engine.device)
     if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")
     if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
         raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
+
+
+def _check_natural(cfg: Any) -> None:
+    """``partition=natural`` needs a dataset made of devices, one client per device.
+
+    Raises:
+        ConfigError: another dataset (names ``partition.name``), ``partition.num_clients`` !=
+            ``dataset.num_devices`` (conf/partition/natural.yaml derives it; a different value set by hand), or
+            ``partition.size_sigma`` != 0.
+    """
+    if cfg.partition.name != "natural":
+        return
+    if cfg.dataset.name not in DEVICE_DATASETS:
+        raise ConfigError(f"partition.name=natural needs a dataset made of devices ({', '.join(DEVICE_DATASETS)}), "
+                          f"got dataset.name={cfg.dataset.name}")
+    if int(cfg.partition.num_clients) != int(cfg.dataset.num_devices):
+        raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} must equal "
+                          f"dataset.num_devices={cfg.dataset.num_devices} with partition=natural (one client per "
+                          f"device; set dataset.num_devices)")
+    if float(cfg.partition.size_sigma) != 0:
+        raise ConfigError(f"partition.size_sigma={cfg.partition.size_sigma}: the devices of partition=natural keep "
+                          f"their own sizes (set it to 0)")
+
+
+def check_local_work(t: Any) -> None:
+    """What the ``train`` keys of the local work cannot say one by one (their ranges are checked before).
+
+    Raises:
+        ConfigError: one line naming the key: ``train.local_epochs_max`` below ``train.local_epochs``;
+            ``train.stragglers`` > 0 with E = 1 (a straggler runs 1..E_i - 1 epochs); drawn epochs or
+            stragglers with ``train.local_steps`` > 0 (they are counted in epochs); ``train.momentum`` > 0 with
+            ``train.optimizer=adam`` (Adam keeps its own moments).
+    """
+    drawn = t.local_epochs_max is not None
+    if t.local_steps > 0 and (drawn or t.stragglers > 0):
+        key = "train.local_epochs_max" if drawn else "train.stragglers"
+        raise ConfigError(f"{key} counts local work in epochs; it does not compose with train.local_steps="
+                          f"{t.local_steps} (set train.local_steps=0)")
+    if drawn and t.local_epochs_max < t.local_epochs:
+        raise ConfigError(f"train.local_epochs_max must be >= train.local_epochs ({t.local_epochs}), got "
+                          f"{t.local_epochs_max}")
+    if t.stragglers > 0 and t.local_epochs < 2:
+        raise ConfigError(f"train.stragglers={fmt(float(t.stragglers))} needs train.local_epochs >= 2 (a straggler "
+                          f"runs 1..E_i-1 epochs), got train.local_epochs={t.local_epochs}")
+    if t.optimizer == "adam" and t.momentum:
+        raise ConfigError(f"train.momentum={fmt(float(t.momentum))} does not compose with train.optimizer=adam: "
+                          "Adam keeps its own moment estimates (betas 0.9, 0.999); set train.momentum=0")
 
 
 # --------------------------------------------------------------------------- the keys a user types

@@ -17,16 +17,19 @@ class ConfigError(ValueError):
     """A configuration value is out of range or not one of the allowed choices."""
 
 
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10")
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d")
+GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
+DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
-          "vgg11", "vgg19")
-PARTITIONS = ("iid", "dirichlet", "shards")
+          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru")
+PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
 AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto", "distributed")
 RANK_EXECUTORS = ("sequential", "vectorized", "auto")  # what each rank of engine.executor=distributed runs
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
+LOCAL_OPTIMIZERS = ("sgd", "adam")
 
 
 # --------------------------------------------------------------------------- checks
@@ -209,12 +212,27 @@ class DatasetConfig:
     name: str = param("digits", "data source", choices=DATASETS)
     root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
     download: bool = param(False, "let torchvision download into root (needs a network)",
-                           when=unless("dataset.name", "digits"))
+                           when=unless("dataset.name", "digits", *GENERATED_DATASETS))
     verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them",
-                         when=unless("dataset.name", "digits"))
-    test_fraction: float = param(0.25, "digits only: held-out share (stratified, fixed split)", gt=0, lt=1,
-                                 when=when("dataset.name", "digits"))
-    split_seed: int = param(0, "digits only: seed of the train/test split")
+                         when=unless("dataset.name", "digits", *GENERATED_DATASETS))
+    test_fraction: float = param(0.25, "digits: held-out share (stratified, fixed split); synthetic: test share of "
+                                 "every device (FedProx: 0.2)", gt=0, lt=1,
+                                 when=when("dataset.name", "digits", "synthetic"))
+    split_seed: int = param(0, "digits: seed of the train/test split; any dataset: of the validation split")
+    seed: int = param(0, "synthetic, mnist1d: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
+                      when=when("dataset.name", *GENERATED_DATASETS))
+    alpha: float = param(1.0, "synthetic: std of u_k, the common mean of device k's W_k and b_k entries (FedProx "
+                         "Sec. 5.1; it shifts all logits alike, so no label changes)", ge=0,
+                         when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
+    beta: float = param(1.0, "synthetic: std of B_k, the mean of device k's input mean v_k (how much the devices' "
+                        "inputs differ)", ge=0, when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
+    iid: bool = param(False, "synthetic: the IID control (one W, b for every device, v_k = 0; alpha, beta unused)",
+                      when=when("dataset.name", "synthetic"))
+    num_devices: int = param(30, "synthetic: K devices (lognormal sample counts); partition=natural makes each "
+                             "one a client", ge=1, integer=True, when=when("dataset.name", "synthetic"))
+    shuffle_positions: bool = param(False, "mnist1d: the authors' spatially shuffled control (one fixed "
+                                    "permutation of the 40 positions for every sequence)",
+                                    when=when("dataset.name", "mnist1d"))
     validation_fraction: float = param(
         0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
         "instead of the test set; every test_* metric is then a validation metric (tuning)", ge=0, lt=1)
@@ -224,8 +242,9 @@ class DatasetConfig:
 class PartitionConfig:
     """How the training set is split across clients (docs/algorithms.md, Data)."""
 
-    name: str = param("iid", "client split", choices=PARTITIONS)
-    num_clients: int = param(10, "N, the number of clients", ge=1)
+    name: str = param("iid", "client split; natural: each device of the dataset is a client (synthetic)",
+                      choices=PARTITIONS)
+    num_clients: int = param(10, "N, the number of clients (natural: dataset.num_devices)", ge=1)
     alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)",
                          when=when("partition.name", "dirichlet"))
     variant: str = param("per_client", "dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | "
@@ -242,13 +261,15 @@ class PartitionConfig:
     shards_variant: str = param("label_S", "label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)",
                                 choices=("label_S", "mcmahan_sort_shard"), when=when("partition.name", "shards"))
     size_sigma: float = param(0.0, "lognormal client sizes (SGM); 0 = balanced; iid and dirichlet/per_client", ge=0)
-    seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)")
+    seed: int = param(0, "partition seed: one partition serves every training seed (as in Acar/FedBug)",
+                      when=unless("partition.name", "natural"))
 
 
 @dataclass
 class ModelConfig:
     name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn "
-                      "(Tiny-ImageNet)", choices=MODELS)
+                      "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d); m1d_*: the MNIST-1D "
+                      "authors' models", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
     norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,
@@ -263,15 +284,32 @@ class TrainConfig:
     participation: float = param(0.5, "client participation rate p", gt=0, le=1)
     sampler: str = param("bernoulli", "bernoulli: each client w.p. p, redraw if empty | fixed: round(pN) clients",
                          choices=SAMPLERS)
-    local_epochs: int = param(3, "E", ge=1, when=when("train.local_steps", 0))
+    local_epochs: int = param(3, "E; with local_epochs_max: the smallest E_i of the draw", ge=1,
+                              when=when("train.local_steps", 0))
+    local_epochs_max: Optional[int] = param(
+        None, "null = every client runs E epochs; an integer b >= E: each client draws its own E_i uniformly from "
+        "the integers E..b every round (as the experiments of FedNova, Wang et al. 2020; seeded by (seed, round, "
+        "client))", ge=1,
+        integer=True, when=when("train.local_steps", 0))
+    stragglers: float = param(
+        0.0, "fraction s of each round's sampled clients that straggle (chosen anew each round): a straggler runs "
+        "a uniform 1..E_i-1 epochs (FedProx, Li et al. 2020, Sec. 5.2); needs E >= 2", ge=0, lt=1,
+        when=when("train.local_steps", 0))
+    drop_stragglers: bool = param(
+        False, "true: the stragglers are left out of the round, as if not sampled (FedAvg in Li et al. 2020, Sec. "
+        "5.2); false: their partial work is aggregated", when=unless("train.stragglers", 0))
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)
     batch_size: int = param(16, "B", ge=1)
     lr: float = param(0.05, "eta_l", gt=0)
     lr_decay: float = param(1.0, "eta_l(r) = lr * lr_decay**(r-1)", gt=0, le=1)
     weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0)
+    optimizer: str = param("sgd", "the clients' local optimiser: sgd (plain, or with momentum) | adam "
+                           "(torch.optim.Adam: betas (0.9, 0.999), eps 1e-8, L2 weight decay; a new state for every "
+                           "client and round)", choices=LOCAL_OPTIMIZERS)
     momentum: float = param(0.0, "rho, the clients' local SGD momentum (torch.optim.SGD: dampening 0, no Nesterov; "
-                            "a new buffer for every client and round); 0 = plain SGD", ge=0, lt=1)
+                            "a new buffer for every client and round); 0 = plain SGD", ge=0, lt=1,
+                            when=when("train.optimizer", "sgd"))
     grad_clip: Optional[float] = param(None, "max global grad norm over trainable params; None = off", gt=0)
     augmentation: str = param("none", "none | crop_flip (torchvision style) | fedbug (flip, then crop w.p. 0.5) | "
                               "flip", choices=AUGMENTATIONS)

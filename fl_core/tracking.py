@@ -57,7 +57,8 @@ GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS = (
     "1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
 METRIC_GROUPS = (GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS)
 #: per-round bookkeeping of the round loop
-ROUND_KEYS = ("lr", "num_clients", "round_time_s")
+ROUND_KEYS = ("lr", "num_clients", "round_time_s", "local_steps_mean", "local_steps_min", "local_steps_max",
+              "stragglers")
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:

@@ -7,7 +7,9 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
 * ``report.md``: an "All experiments" table, a "Comparison" table (algorithm x partition, final
   accuracy, best cell per column in bold), each method's difference to FedAvg on the same partition
   with its paired-seed spread, the curves figure, a "How to read" note, and the experiments that
-  have no results yet ("Missing") or lost seeds ("Notes").
+  have no results yet ("Missing") or lost seeds ("Notes"); last, when the grid has a claims file
+  (``--claims``, default ``claims.yaml`` beside ``params.yaml``), the "Claims" table: each paper claim with its
+  measured effect, 95% interval and verdict (:mod:`pipeline.claims`, docs/claims.md).
 * ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
   accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
   loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
@@ -19,7 +21,8 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
   to FedAvg (percentage points): what ``dvc metrics show`` and ``dvc exp show`` list.
 
 Exit status: 0 when at least one experiment has results; 2 (one-line ``error:`` on stderr, nothing
-written) for an unreadable ``params.yaml`` or when no experiment has results.
+written) for an unreadable ``params.yaml``, a malformed claims file (naming the file, claim and key) or when
+no experiment has results.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import yaml
 
 from fl_core.algorithms import registry
 from fl_core.config import ConfigError
+from fl_core.metrics import mean_std
 from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .files import write_text
@@ -429,15 +433,37 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
-def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
-    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
+def seed_values(e: Experiment, metric: str = "final_acc") -> Dict[str, float]:
+    """{seed: ``metric``} of the seeds that finished, from ``experiment.json``'s ``per_seed`` summaries (the
+    keys of :data:`fl_core.metrics.SUMMARY_KEYS`, in their units: accuracies as fractions); seeds whose value is
+    missing, None or not finite (``rounds_to_target`` of a seed that never reached the target) are left out."""
     per_seed = (e.metrics or {}).get("per_seed") or {}
     out = {}
     for seed, summ in per_seed.items():
-        v = _num((summ or {}).get("final_acc")) if isinstance(summ, dict) else None
+        v = _num((summ or {}).get(metric)) if isinstance(summ, dict) else None
         if v is not None:
             out[str(seed)] = v
     return out
+
+
+def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
+    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
+    return seed_values(e, "final_acc")
+
+
+def sample_stats(values: Sequence[float]) -> Dict[str, float]:
+    """``mean``, ``std`` (sample std, ddof = 1; 0 for one value) and ``n`` of ``values`` (at least one)."""
+    ms = mean_std(list(values))
+    return {"mean": ms["mean"], "std": ms["std"], "n": ms["n"]}
+
+
+def paired_values(a: Dict[str, float], b: Dict[str, float], scale: float = 1.0) -> Optional[Dict[str, float]]:
+    """:func:`sample_stats` of ``scale * (a[s] - b[s])`` over the seeds s in both mappings ({seed: value});
+    None without a common seed."""
+    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
+    if not common:
+        return None
+    return sample_stats([scale * (a[s] - b[s]) for s in common])
 
 
 def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, float]]:
@@ -445,19 +471,13 @@ def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, floa
     ``mean``, ``std`` (sample std over seeds, ddof = 1; 0 for one seed) and ``n`` (seeds both finished).
     Pairing by seed removes what the seeds share (model initialisation, client sampling, the partition
     draw), so the spread is that of the difference itself. None without a common seed."""
-    a, b = final_acc_per_seed(e), final_acc_per_seed(ref)
-    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
-    if not common:
-        return None
-    d = [100.0 * (a[s] - b[s]) for s in common]
-    m = sum(d) / len(d)
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else 0.0
-    return {"mean": m, "std": sd, "n": len(d)}
+    return paired_values(final_acc_per_seed(e), final_acc_per_seed(ref), 100.0)
 
 
 def confidence_interval(d: Dict[str, float], level: float = 0.95) -> Tuple[Optional[float], Optional[float]]:
-    """The ``level`` confidence interval of a :func:`paired_difference`'s mean: mean +- t_{(1+level)/2, n-1}
-    std / sqrt(n) (Student t; scipy), in its units; (None, None) for fewer than 2 seeds."""
+    """The ``level`` confidence interval of the mean of a :func:`sample_stats` / :func:`paired_values` /
+    :func:`paired_difference` result: mean +- t_{(1+level)/2, n-1} std / sqrt(n) (Student t; scipy), in its
+    units; (None, None) for fewer than 2 seeds."""
     n = int(d["n"])
     if n < 2:
         return None, None
@@ -754,8 +774,10 @@ def _problem_sections(exps: List[Experiment], missing: List[Experiment]) -> List
 
 
 def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Experiment]] = None,
-                 params_name: str = "params.yaml", curves_name: str = "curves.png") -> str:
-    """The markdown report of ``grid``'s experiments under ``results_dir``.
+                 params_name: str = "params.yaml", curves_name: str = "curves.png",
+                 claims: Optional[Sequence] = None, claims_name: str = "claims.yaml") -> str:
+    """The markdown report of ``grid``'s experiments under ``results_dir``; with ``claims`` it ends with the
+    "Claims" table (:func:`pipeline.claims.claims_section`).
 
     Args:
         grid: the experiment grid (its order is the order of the tables).
@@ -763,6 +785,8 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
         experiments: already loaded experiments (from :func:`load_experiments`); loaded if None.
         params_name: how the grid file is named in the text.
         curves_name: the figure's path relative to the report (its PDF has the same stem).
+        claims: the study's claims (:func:`pipeline.claims.load_claims`), measured on these experiments.
+        claims_name: how the claims file is named in the text.
     """
     exps_all = experiments if experiments is not None else load_experiments(grid, Path(results_dir))
     exps = [e for e in exps_all if e.metrics is not None]
@@ -779,6 +803,10 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += _curves_section(curves_name)
     out += _how_to_read_section(ms, target)
     out += _problem_sections(exps, missing)
+    if claims:
+        from .claims import claims_section, evaluate  # claims builds on this module's paired differences
+
+        out += claims_section(evaluate(claims, exps_all, Path(results_dir)), claims_name)
     return "\n".join(out)
 
 
@@ -816,12 +844,15 @@ def _parser() -> argparse.ArgumentParser:
                     "test_acc.csv (accuracy per round, one column per experiment) and metrics.json (final "
                     "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
                     "<results>/<name>/metrics.json, experiment.json and runs.csv.",
-        epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid "
-               "cannot be read). Experiments without results are listed under 'Missing'.")
+        epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid or the "
+               "claims file cannot be read). Experiments without results are listed under 'Missing'.")
     p.add_argument("--params", type=Path, default=Path("params.yaml"), metavar="FILE",
                    help="the experiment grid (default: params.yaml)")
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
                    help="folder with one sub-folder per experiment (default: results)")
+    p.add_argument("--claims", type=Path, default=None, metavar="FILE",
+                   help="the study's paper claims, whose verdicts end the report (default: claims.yaml beside "
+                        "--params, when it exists; docs/claims.md)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
                    help="the markdown report; curves.png, curves.pdf, summary.csv, test_acc.csv and metrics.json "
                         "go beside it "
@@ -831,10 +862,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point; returns the exit status."""
+    from .claims import default_claims_path, load_claims  # claims builds on this module
+
     args = _parser().parse_args(argv)
     out = args.out if args.out is not None else args.results / "report.md"
     try:
         grid = load_grid(args.params)
+        claims_path = args.claims
+        if claims_path is None and default_claims_path(args.params).exists():
+            claims_path = default_claims_path(args.params)
+        claims = load_claims(claims_path, list(grid.experiments)) if claims_path is not None else None
     except (ConfigError, yaml.YAMLError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -850,7 +887,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
     write_text(out.parent / "metrics.json", json.dumps(root_metrics(done), indent=2) + "\n")
     write_text(out, build_report(grid, args.results, exps, params_name=args.params.name,
-                                  curves_name=curves.name))
+                                  curves_name=curves.name, claims=claims,
+                                  claims_name=claims_path.name if claims_path is not None else "claims.yaml"))
     missing = len(exps) - len(done)
     print(f"report: {out} ({len(done)} experiment(s)" + (f", {missing} missing" if missing else "") + ")")
     return 0

@@ -20,11 +20,13 @@ Outputs under ``<results>/study/``:
 * ``cosine_layers.png``: per layer, the mean pairwise cosine similarity of client updates per round, IID vs
   non-IID; ``client_losses.png``: the traced clients' local training losses; ``labels_per_client.png``:
   the label histogram of every client for each alpha.
-* ``findings.md``: each finding of the paper (docs/algorithms.md, Study findings) with the numbers of our runs
-  and a verdict (reproduced / not reproduced / not run); ``stats.csv``: the per-experiment numbers behind it.
+* ``findings.md``: the paper's findings, the claims of ``claims.yaml`` beside the grid (docs/claims.md), each
+  with its measured effect paired over seeds, its 95% interval and a verdict (:mod:`pipeline.claims`, the table
+  that also ends the study's report), then the figures; ``stats.csv``: per-experiment numbers of the curves
+  (means over seeds).
 
 The figures are also logged as artifacts of an MLflow run "study-figures" in ``tracking.experiment``.
-Exit status 0, or 2 when the grid or the sweep section cannot be read (one line naming the key).
+Exit status 0, or 2 when the grid, the sweep section or the claims file cannot be read (one line naming the key).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
@@ -44,7 +46,8 @@ from fl_core.config import ConfigError
 
 from .files import atomic_write, write_text
 from .grid import load_grid
-from .report import _cell, read_runs_rows
+from .claims import claims_section, default_claims_path, evaluate, load_claims
+from .report import load_experiments, read_runs_rows
 
 # ----------------------------------------------------------------------------- per-experiment curves
 
@@ -189,160 +192,6 @@ def read_sweeps(params: Path, experiments: Sequence[str]) -> Tuple[List[Sweep], 
     return sweeps, extra
 
 
-# ----------------------------------------------------------------------------- findings
-
-
-@dataclass
-class Finding:
-    """A claim of the paper (docs/algorithms.md, Study findings) and how our runs test it."""
-
-    claim: str  # the paper's statement
-    needs: Tuple[str, ...]  # sweeps (or "cosine" / "clients") it reads
-    check: Callable[[Dict[str, List[Tuple[str, Stats]]], Dict[str, Stats]], Tuple[Optional[bool], str]]
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}%"
-
-
-def _ends(rows: List[Tuple[str, Stats]]) -> Tuple[Tuple[str, Stats], Tuple[str, Stats]]:
-    return rows[0], rows[-1]
-
-
-def _compare(sweep: str, attr: str, expect: str, tol: float = 0.0, fmt=_pct):
-    """Finding check: ``attr`` of the sweep's first vs last setting; ``expect`` "first>last" or "last>first"."""
-
-    def check(sw, _):
-        (la, a), (lb, b) = _ends(sw[sweep])
-        va, vb = getattr(a, attr), getattr(b, attr)
-        if not (math.isfinite(va) and math.isfinite(vb)):
-            return None, "no data"
-        ok = (va - vb > tol) if expect == "first>last" else (vb - va > tol)
-        return ok, f"{la}: {fmt(va)} vs {lb}: {fmt(vb)} ({'+' if vb >= va else ''}{fmt(vb - va)} first to last)"
-    return check
-
-
-def _spread(sweep: str, attr: str, tol: float):
-    def check(sw, _):
-        vals = [(lab, getattr(s, attr)) for lab, s in sw[sweep]]
-        vs = [v for _, v in vals if math.isfinite(v)]
-        if len(vs) < 2:
-            return None, "no data"
-        spread = max(vs) - min(vs)
-        text = ", ".join(f"{lab}: {_pct(v)}" for lab, v in vals) + f"; spread {_pct(spread)}"
-        return spread <= tol, text
-    return check
-
-
-def _k_sweep(sw, _):
-    """K=1 beats the largest K at fixed B/E/eta; some u-matched setting (k_matched, labels not in k_fixed) beats
-    that K and comes within 1 point of K=1."""
-    fixed = sw["k_fixed"]
-    cl, fl = fixed[0], fixed[-1]
-    text = f"{cl[0]}: {_pct(cl[1].final_acc)}, {fl[0]} at fixed B/E/eta: {_pct(fl[1].final_acc)}"
-    ok = cl[1].final_acc > fl[1].final_acc
-    labels = {lab for lab, _ in fixed}
-    matched = [(lab, s) for lab, s in sw.get("k_matched", []) if lab not in labels]
-    if matched:
-        best = max(matched, key=lambda t: t[1].final_acc)
-        text += "; u matched: " + ", ".join(f"{lab}: {_pct(s.final_acc)}" for lab, s in matched)
-        ok = ok and best[1].final_acc > fl[1].final_acc and best[1].final_acc >= cl[1].final_acc - 0.01
-    return ok, text
-
-
-def _pp_noniid(sw, _):
-    (la, a), (lb, b) = _ends(sw["pp_noniid"])  # fewest participants first
-    ok = a.final_acc < b.final_acc and a.oscillation > b.oscillation
-    return ok, (f"{la}: acc {_pct(a.final_acc)}, test loss {a.final_test_loss:.3f}, oscillation {_pct(a.oscillation)}"
-                f" | {lb}: acc {_pct(b.final_acc)}, test loss {b.final_test_loss:.3f}, oscillation "
-                f"{_pct(b.oscillation)}")
-
-
-def _sgm(sw, _):
-    rows = sw["sgm_weighting"]
-    pairs = [(lab, s) for lab, s in rows if "0.9" in lab]
-    w = next((s for lab, s in pairs if "weighted" in lab), None)
-    n = next((s for lab, s in pairs if "naive" in lab or "uniform" in lab), None)
-    if w is None or n is None:
-        return None, "needs the sigma=0.9 weighted and naive settings"
-    return w.early_acc > n.early_acc, (f"sigma 0.9, mean accuracy over the first third of the rounds: weighted "
-                                       f"{_pct(w.early_acc)} vs naive {_pct(n.early_acc)}")
-
-
-def _eta_loss(sw, _):
-    rows = sw["noniid_lr"]
-    vals = [s.min_test_loss for _, s in rows]
-    if not all(math.isfinite(v) for v in vals):
-        return None, "no data"
-    ok = vals[-1] < vals[0]
-    return ok, ", ".join(f"{lab}: min test loss {s.min_test_loss:.3f} (round {s.min_test_loss_round:.0f})"
-                         for lab, s in rows)
-
-
-def _cosine(_, picks):
-    iid, non = picks.get("iid"), picks.get("noniid")
-    if iid is None or non is None or not iid.cosine or not non.cosine:
-        return None, "needs runs with tracking.layer_cosine=true"
-    layers = [l for l in iid.cosine if l in non.cosine]
-    ok = all(iid.cosine[l] > non.cosine[l] for l in layers)
-    return ok, ", ".join(f"{l}: IID {iid.cosine[l]:.3f} vs non-IID {non.cosine[l]:.3f}" for l in layers)
-
-
-def _clients(_, picks):
-    iid, non = picks.get("clients_iid"), picks.get("clients_noniid")
-    if iid is None or non is None or not math.isfinite(iid.client_loss_spread) \
-            or not math.isfinite(non.client_loss_spread):
-        return None, "needs runs with tracking.client_loss_trace > 0"
-    return non.client_loss_spread > iid.client_loss_spread, (
-        f"std across traced clients of their late-round local loss: IID {iid.client_loss_spread:.4f}, "
-        f"non-IID {non.client_loss_spread:.4f}")
-
-
-FINDINGS: List[Finding] = [
-    Finding("CL to FL: at fixed B, E, eta more clients K lower the accuracy; matching the effective update "
-            "u = eta E |D| / (B K) through B, E or eta recovers it", ("k_fixed",), _k_sweep),
-    Finding("IID: larger E speeds up convergence but lowers the final accuracy (68.75% -> 67.2%)",
-            ("iid_epochs",), _compare("iid_epochs", "final_acc", "first>last")),
-    Finding("IID: smaller batches are better (67.77% -> 71.34% from the largest to the smallest B)",
-            ("iid_batch",), _compare("iid_batch", "final_acc", "first>last")),
-    Finding("IID: larger eta is better (63.22% -> 71.01%)", ("iid_lr",), _compare("iid_lr", "final_acc", "last>first")),
-    Finding("IID: 1, 2, 5 or 10 of 10 clients per round reach near-identical final accuracy (within 2 points here)",
-            ("pp_iid",), _spread("pp_iid", "final_acc", 0.02)),
-    Finding("Quantity skew (lognormal sizes, IID labels): weighted aggregation converges faster than naive "
-            "averaging at sigma 0.9", ("sgm_weighting",), _sgm),
-    Finding("Non-IID: a smaller Dirichlet alpha lowers the accuracy (69% -> 55%)", ("alpha",),
-            _compare("alpha", "final_acc", "first>last")),
-    Finding("Non-IID (alpha 0.1): fewer participants per round give lower accuracy and more oscillation",
-            ("pp_noniid",), _pp_noniid),
-    Finding("Non-IID: larger E is slightly better (56.16% -> 57.86%)", ("noniid_epochs",),
-            _compare("noniid_epochs", "final_acc", "last>first")),
-    Finding("Non-IID: smaller batches are better (53.74% -> 60.19% from the largest to the smallest B)",
-            ("noniid_batch",), _compare("noniid_batch", "final_acc", "first>last")),
-    Finding("Non-IID: larger eta is better (46.43% -> 61.91%)", ("noniid_lr",),
-            _compare("noniid_lr", "final_acc", "last>first")),
-    Finding("Non-IID: the minimum of the test loss decreases as eta grows", ("noniid_lr",), _eta_loss),
-    Finding("Client updates are more aligned (higher layer-wise cosine similarity) under IID than non-IID, "
-            "in every layer", ("cosine",), _cosine),
-    Finding("Under non-IID the clients' training losses decrease at different rates", ("clients",), _clients),
-]
-
-
-def evaluate_findings(sweeps: Dict[str, List[Tuple[str, Stats]]], picks: Dict[str, Stats]) -> List[Tuple[str, str, str]]:
-    """(claim, verdict, evidence) per finding; verdict is "reproduced", "not reproduced" or "not run"."""
-    out = []
-    for f in FINDINGS:
-        missing = [n for n in f.needs if n not in sweeps and n not in ("cosine", "clients")]
-        if missing:
-            out.append((f.claim, "not run", f"the grid has no sweep {missing[0]!r}"))
-            continue
-        try:
-            ok, text = f.check(sweeps, picks)
-        except (KeyError, IndexError, ValueError) as err:
-            ok, text = None, f"incomplete results ({err})"
-        out.append((f.claim, "not run" if ok is None else ("reproduced" if ok else "not reproduced"), text))
-    return out
-
-
 # ----------------------------------------------------------------------------- figures
 
 
@@ -461,14 +310,21 @@ def plot_labels(picks: Dict[str, str], results: Path, path: Path) -> Optional[Pa
 # ----------------------------------------------------------------------------- main
 
 
-def build(params: Path, results: Path) -> Tuple[List[Path], str]:
+def build(params: Path, results: Path, claims: Optional[Path] = None) -> Tuple[List[Path], str]:
     """Write every figure, ``findings.md`` and ``stats.csv`` under ``<results>/study``; returns (files, findings).
 
+    ``claims`` is the study's claims file (default: ``claims.yaml`` beside ``params`` when it exists; without
+    one ``findings.md`` holds only the figures).
+
     Raises:
-        ConfigError: see :func:`read_sweeps` and :func:`pipeline.grid.load_grid`.
+        ConfigError: see :func:`read_sweeps`, :func:`pipeline.grid.load_grid` and
+            :func:`pipeline.claims.load_claims` (raised before anything is written).
     """
     grid = load_grid(params)
     sweeps, extra = read_sweeps(params, list(grid.experiments))
+    if claims is None and default_claims_path(params).exists():
+        claims = default_claims_path(params)
+    claim_list = load_claims(claims, list(grid.experiments)) if claims is not None else []
     out = results / "study"
     curves: Dict[str, Curves] = {}
     for name in grid.experiments:
@@ -488,22 +344,13 @@ def build(params: Path, results: Path) -> Tuple[List[Path], str]:
     f = plot_labels(extra["labels"], results, out / "labels_per_client.png")
     files += [f] if f else []
 
-    by_sweep = {sw.name: [(lab, stats[e]) for e, lab in sw.settings if e in stats] for sw in sweeps}
-    by_sweep = {k: v for k, v in by_sweep.items() if v}
-    picks = {k: stats[v] for k, v in cos.items() if v in stats}
-    picks.update({f"clients_{k}": stats[v] for k, v in cl.items() if v in stats})
-    verdicts = evaluate_findings(by_sweep, picks)
     lines = ["# IID to non-IID study: findings", "",
-             f"From `{params}` and `{results}/<experiment>/runs.csv` by `python -m pipeline.study`. Accuracy is the "
-             f"test accuracy averaged over the last {window} rounds and over seeds; each claim is the paper's "
-             "(docs/algorithms.md, Study findings; CIFAR-10 numbers in brackets); the verdict compares our runs' "
-             "numbers in the direction the paper states.", "",
-             "| # | finding (paper) | verdict | our numbers |", "|---:|:---|:---|:---|"]
-    for i, (claim, verdict, text) in enumerate(verdicts, start=1):
-        lines.append(f"| {i} | {_cell(claim)} | **{verdict}** | {_cell(text)} |")
-    n_ok = sum(v == "reproduced" for _, v, _ in verdicts)
-    n_run = sum(v != "not run" for _, v, _ in verdicts)
-    lines += ["", f"{n_ok} of {n_run} tested findings reproduced.", "", "## Figures", ""]
+             f"From `{params}` and `{results}/<experiment>/` by `python -m pipeline.study`.", ""]
+    if claim_list:
+        lines += claims_section(evaluate(claim_list, load_experiments(grid, results), results), claims.name)
+    else:
+        lines += [f"No claims file ({default_claims_path(params)}): no verdicts.", ""]
+    lines += ["## Figures", ""]
     lines += [f"![{p.stem}]({p.name})" for p in files]
     text = "\n".join(lines) + "\n"
     write_text(out / "findings.md", text)
@@ -541,10 +388,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the experiment grid with its report.sweeps section (default: params.yaml)")
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
                    help="folder with one sub-folder per experiment (default: results)")
+    p.add_argument("--claims", type=Path, default=None, metavar="FILE",
+                   help="the paper's claims whose verdicts findings.md lists (default: claims.yaml beside --params, "
+                        "when it exists; docs/claims.md)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the figures to MLflow")
     args = p.parse_args(argv)
     try:
-        files, text = build(args.params, args.results)
+        files, text = build(args.params, args.results, args.claims)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import signal
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ import torch
 
 from fl_core import faults
 from fl_core.config import ConfigError, compose, to_container
-from fl_core.data import DataSourceError, PartitionError
+from fl_core.data import DataSourceError, PartitionError, describe_source
 from fl_core.data.partition import partition_key, plot_label_distribution
 from fl_core.engine.diagnostics import effective_update
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
@@ -82,7 +83,9 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
 {rules}
   +experiment={opts("experiment")}
   train.rounds  train.participation  train.sampler=bernoulli|fixed  train.local_epochs  train.batch_size
-  train.lr  train.weight_decay  train.momentum  train.grad_clip  train.augmentation
+  train.lr  train.weight_decay  train.optimizer=sgd|adam  train.momentum (sgd)  train.grad_clip  train.augmentation
+  train.local_epochs_max (null: E for all | b: E_i ~ U{{E..b}} per client and round)
+  train.stragglers (fraction s in [0, 1): run U{{1..E_i-1}} epochs)  train.drop_stragglers (only with stragglers > 0)
   engine.executor={"|".join(EXECUTORS)}
     (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
@@ -392,13 +395,15 @@ class _Experiment:
         ds, part = self.ds, self.part
         h = hashlib.sha256(ds.y_train.numpy().tobytes())
         h.update(repr(tuple(ds.input_shape)).encode())
+        if ds.provenance:  # generated data: the generator's arguments (mnist1d's shuffled control keeps the labels)
+            h.update(json.dumps(ds.provenance, sort_keys=True).encode())
         p = hashlib.sha256()
         for ix in part.client_indices:
             p.update(np.asarray(ix, dtype=np.int64).tobytes())
             p.update(b"|")
         split = "validation" if self.cfg0.dataset.validation_fraction > 0 else "test"
         return [{"name": self.cfg0.dataset.name, "digest": h.hexdigest()[:16], "context": "training",
-                 "source": f"dataset={self.cfg0.dataset.name} root={self.cfg0.dataset.root} (evaluation: {split} split)"},
+                 "source": f"{describe_source(self.cfg0.dataset)} (evaluation: {split} split)"},
                 {"name": self.pkey, "digest": p.hexdigest()[:16], "context": "partition",
                  "source": f"partition={self.cfg0.partition.name} over {part.num_clients} clients"}]
 

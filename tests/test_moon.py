@@ -209,7 +209,7 @@ def test_moon_resumed_equals_uninterrupted_with_late_first_participants(digits, 
 MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
                  ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("resnet18", "module"),
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
-                 ("vgg19", "default")]
+                 ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)
@@ -220,7 +220,10 @@ def test_feature_dim_is_the_width_of_the_features_and_a_head_is_a_unit_before_th
 
     assert {n for n, _ in MODEL_LAYOUTS} == set(MODELS)
     shape, classes = ((3, 64, 64), 200) if name == "tiny_cnn" else ((3, 32, 32), 10)
-    m = build_model(ModelConfig(name=name, units=units), "cifar10", shape, classes)
+    dataset = "cifar10"
+    if name.startswith("m1d_"):  # the MNIST-1D models read sequences [1, 1, 40]
+        shape, dataset = (1, 1, 40), "mnist1d"
+    m = build_model(ModelConfig(name=name, units=units), dataset, shape, classes)
     with torch.no_grad():
         _, f = m.eval().forward_features(torch.randn(2, *shape))
     assert m.feature_dim() == f.shape[1]

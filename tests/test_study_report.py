@@ -1,4 +1,4 @@
-"""pipeline.study: sweep figures and the findings table from synthetic per-round results."""
+"""pipeline.study: sweep figures and the claims table (findings.md) from synthetic per-round results."""
 
 from __future__ import annotations
 
@@ -43,19 +43,42 @@ def _grid(tmp_path, sweeps_yaml: str, names):
     return tmp_path / "params.yaml"
 
 
-def test_findings_verdicts_and_figures(tmp_path):
+CLAIMS = """\
+claims:
+  - {id: iid_eta, claim: "IID: larger eta is better", source: "S2 4.1", metric: final_acc, a: lr_big, b: lr_small,
+     expect: greater}
+  - {id: noniid_e, claim: "Non-IID: larger E is slightly better", source: "S2 4.3.2", metric: final_acc, a: e5, b: e1,
+     expect: greater}
+  - {id: aligned, claim: "Updates are more aligned under IID", source: "S2 Fig. 13", metric: cos_fc1, a: iid, b: non,
+     expect: greater}
+  - {id: spread, claim: "Client losses spread under non-IID", source: "S2 Fig. 12", metric: client_loss_spread,
+     a: non, b: iid, expect: greater}
+  - {id: alpha, claim: "A smaller alpha lowers the accuracy", source: "S2 4.3.1", metric: final_acc, a: a10, b: non,
+     expect: greater}
+"""
+
+
+def _metrics(path, acc_end, seeds=(1, 2, 3), rounds=9):
+    """metrics.json with each seed's final accuracy (mean of the last 3 rounds of :func:`_runs`' curve)."""
+    final = {str(s): acc_end * (rounds - 1) / rounds + 0.001 * s for s in seeds}
+    (path / "metrics.json").write_text(json.dumps({"seeds": list(seeds), "per_seed": {
+        s: {"final_acc": v} for s, v in final.items()}}))
+
+
+def test_findings_are_the_claims_verdicts_and_figures(tmp_path):
     res = tmp_path / "results"
     # IID learning-rate sweep: larger eta is better (reproduced); non-IID E sweep: larger E worse (not reproduced)
-    _runs(res / "lr_small", 0.6)
-    _runs(res / "lr_big", 0.8)
-    _runs(res / "e1", 0.7)
-    _runs(res / "e5", 0.6)
+    for name, acc in (("lr_small", 0.6), ("lr_big", 0.8), ("e1", 0.7), ("e5", 0.6)):
+        _runs(res / name, acc)
+        _metrics(res / name, acc)
     layer = {"cos_conv1": lambda s, r: 0.9, "cos_fc1": lambda s, r: 0.5,
              "client_loss_0": lambda s, r: 1.0 / r, "client_loss_1": lambda s, r: 1.0 / r}
     _runs(res / "iid", 0.9, extra=layer)
+    _metrics(res / "iid", 0.9)
     non = {"cos_conv1": lambda s, r: 0.3, "cos_fc1": lambda s, r: 0.6,  # fc1 is MORE aligned under non-IID
            "client_loss_0": lambda s, r: 2.0 / r, "client_loss_1": lambda s, r: 0.2 / r}
     _runs(res / "non", 0.7, extra=non)
+    _metrics(res / "non", 0.7)
     for name, hist in (("iid", [[5, 5], [5, 5]]), ("non", [[10, 0], [0, 10]])):
         (res / name / "partition").mkdir(parents=True)
         (res / name / "partition" / "stats.json").write_text(json.dumps({"label_hist": hist}))
@@ -65,7 +88,8 @@ def test_findings_verdicts_and_figures(tmp_path):
   cosine: {iid: iid, noniid: non}
   clients: {iid: iid, noniid: non}
   labels: {"alpha=10": iid, "alpha=0.1": non}
-""", ["lr_small", "lr_big", "e1", "e5", "iid", "non"])
+""", ["lr_small", "lr_big", "e1", "e5", "iid", "non", "a10"])
+    (tmp_path / "claims.yaml").write_text(CLAIMS)
     files, text = study.build(params, res)
     names = {p.name for p in files}
     assert {"iid_lr.png", "noniid_epochs.png", "cosine_layers.png", "client_losses.png", "labels_per_client.png",
@@ -73,19 +97,23 @@ def test_findings_verdicts_and_figures(tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in files)
     header = (res / "study" / "stats.csv").read_text().splitlines()[0].split(",")
     assert header[-2:] == ["cos_conv1", "cos_fc1"]  # the layers the runs logged, nothing else
-    rows = {line.split("|")[2].strip(): line.split("|")[3].strip() for line in text.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    rows = {line.split("`")[1]: line.split("|")[-2].strip() for line in text.splitlines()
+            if line.startswith("| ") and "`)" in line}
+    assert rows == {"iid_eta": "**reproduced**", "noniid_e": "**not reproduced**",
+                    "aligned": "**not reproduced**",  # fc1: 0.5 under IID vs 0.6 on every seed
+                    "spread": "**reproduced**", "alpha": "**not run**"}
+    # lr_big - lr_small: 0.2 * 8/9 on every seed (std 0): the interval is the point +17.78 pp
+    assert "`lr_big` - `lr_small` (final_acc): +17.78 pp [+17.78, +17.78] (3 seeds)" in text
+    assert text.index("## Claims") < text.index("## Figures")
 
-    def verdict(prefix):
-        (v,) = [v for k, v in rows.items() if k.startswith(prefix)]
-        return v
 
-    assert verdict("IID: larger eta is better") == "**reproduced**"
-    assert verdict("Non-IID: larger E is slightly better") == "**not reproduced**"
-    assert verdict("Client updates are more aligned") == "**not reproduced**"  # fc1 contradicts it
-    assert verdict("Under non-IID the clients' training losses") == "**reproduced**"
-    assert verdict("Non-IID: a smaller Dirichlet alpha") == "**not run**"
-    assert "eta=0.01: 53.53% vs eta=0.1: 71.31%" in text  # 0.6 (or 0.8) * 24/27 + 0.002, last 3 rounds
+def test_a_bad_claims_file_is_a_one_line_error(tmp_path, capsys):
+    params = _grid(tmp_path, "  sweeps: {}\n", ["a", "b"])
+    (tmp_path / "claims.yaml").write_text(CLAIMS)
+    assert study.main(["--params", str(params), "--results", str(tmp_path / "r"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "claim 'iid_eta': a: 'lr_big' is not an experiment" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_unknown_experiment_in_a_sweep_is_a_one_line_error(tmp_path, capsys):

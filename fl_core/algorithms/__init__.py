@@ -33,19 +33,20 @@ def prepare_model(cfg, model) -> None:
     registry.prepare_model(cfg, model)
 
 
-def build_algorithm(cfg, spec: ParamSpec, model=None, momentum: float = 0.0) -> Algorithm:
+def build_algorithm(cfg, spec: ParamSpec, model=None, momentum: float = 0.0, optimizer: str = "sgd") -> Algorithm:
     """Build ``cfg.name`` and wrap it with ``cfg.wrappers`` in order (first = innermost); :func:`registry.build`.
 
     ``model`` gives rules the structure they need (FedNLR's neuron layers, CCVR's classifier, FedBCGD's blocks);
     ``momentum`` is ``train.momentum``, the clients' local SGD momentum (FedNova's normaliser depends on it; rules
-    whose math assumes plain local SGD refuse it).
+    whose math assumes plain local SGD refuse it); ``optimizer`` is ``train.optimizer`` (``sgd`` | ``adam``; the
+    same rules refuse adam, and FedNova, whose normaliser a_i is derived for SGD steps).
 
     Raises:
         ConfigError: unknown base (``algorithm.name``) or wrapper (``algorithm.wrappers``), a value out of range,
             a shared key (``algorithm.aggregation``, ``algorithm.eta_g``) the base would ignore, or
-            ``train.momentum`` > 0 with a rule that assumes plain local SGD.
+            ``train.momentum`` > 0 or ``train.optimizer=adam`` with a rule that assumes plain local SGD.
     """
-    return registry.build(cfg, spec, model, momentum)
+    return registry.build(cfg, spec, model, momentum, optimizer)
 
 
 __all__ = ["Algorithm", "Wrapper", "InfeasibleSetting", "ClientContext", "ClientUpdate", "RoundContext", "FedAvg",

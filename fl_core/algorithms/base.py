@@ -55,6 +55,9 @@ class RoundContext:
     sampled: Tuple[int, ...] = ()  # the clients S of this round (sorted)
     seed: int = 0  # the run seed (for algorithm randomness keyed by seed and round)
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)  # algorithm broadcast (e.g. SCAFFOLD's c)
+    # client -> its local epochs this round when the round plans them (train.local_epochs_max, train.stragglers;
+    # fl_core.engine.localwork); empty: every client runs train.local_epochs
+    epochs: Dict[int, int] = field(default_factory=dict)
 
     def global_params(self) -> Dict[str, torch.Tensor]:
         return self.spec.views(self.global_flat)
@@ -73,7 +76,7 @@ class ClientContext:
     round: RoundContext
     client_id: int
     num_samples: Any  # n_i (int, or 0-d tensor under vmap)
-    num_steps: Any  # K_i = E * ceil(n_i / B), or train.local_steps when > 0
+    num_steps: Any  # K_i = E_i * ceil(n_i / B) (E_i: its epochs this round), or train.local_steps when > 0
     label_counts: Optional[torch.Tensor] = None  # [C] local class counts
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)

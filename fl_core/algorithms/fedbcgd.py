@@ -58,7 +58,7 @@ import torch
 from ..schema import ConfigError, check_choice, checked, param, when
 from ..seeding import derive_seed, torch_generator
 from .base import Algorithm
-from .registry import Rule, refuse_local_momentum, register
+from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 from .scaffold import MOMENTUM_WHY, add_drift_correction
 
 
@@ -415,6 +415,7 @@ def _blocks(p, ctx):
 def _build_plus(p, ctx):
     if p.plus_variant == "code":
         refuse_local_momentum(ctx, "algorithm.fedbcgd.plus_variant=code", MOMENTUM_WHY)
+        refuse_local_adam(ctx, "algorithm.fedbcgd.plus_variant=code", MOMENTUM_WHY)
     return FedBCGDPlus(ctx.spec, *_blocks(p, ctx), lam=p.lam, momentum=p.momentum, freezing=p.freezing,
                        variant=p.plus_variant, dealing=p.dealing)
 

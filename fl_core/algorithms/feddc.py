@@ -10,7 +10,7 @@ Client i holds a drift h_i and a gradient state g_i; the server a global gradien
              theta_g <- mean_{i in S} theta_i + mean_{all N} h_i
 
 The clients' size weights w_i of the reference code are kept only in alpha_i (balanced data: w_i = 1).
-The g_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused.
+The g_i update assumes plain local SGD steps; ``train.momentum`` > 0 and ``train.optimizer=adam`` are refused.
 Communication: 2d up (model and gradient-state change), 2d down (model and g).
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from ..schema import checked, param
 from .base import Algorithm
-from .registry import Rule, refuse_local_momentum, register
+from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 
 
 @dataclass
@@ -81,8 +81,10 @@ class FedDC(Algorithm):
 
 
 def _build(p, ctx):
-    refuse_local_momentum(ctx, "algorithm.name=feddc", "its g_i update Delta_i / (K_i eta_l0) is the mean local "
-                          "gradient only for plain local SGD steps (Gao et al., Alg. 1)")
+    why = ("its g_i update Delta_i / (K_i eta_l0) is the mean local gradient only for plain local SGD steps "
+           "(Gao et al., Alg. 1)")
+    refuse_local_momentum(ctx, "algorithm.name=feddc", why)
+    refuse_local_adam(ctx, "algorithm.name=feddc", why)
     return FedDC(p.alpha)
 
 

@@ -3,7 +3,11 @@
 Client i runs tau_i local steps and sends d_i = Delta_i / a_i with its normaliser a_i
 (:func:`normalizer`; plain SGD: a_i = tau_i; with local momentum rho = ``train.momentum``:
 a_i = sum_{k=1..tau_i} (1 - rho^k) / (1 - rho); with FedNova's proximal term mu:
-a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused).
+a_i = [1 - (1 - eta_l mu)^tau_i] / (eta_l mu); momentum and mu together are refused). tau_i is the client's real
+step count this round, so drawn epochs (``train.local_epochs_max``) and stragglers (``train.stragglers``) give the
+heterogeneous tau_i the normalisation is made for. ``train.optimizer=adam`` is refused: a_i is derived for SGD
+steps (Wang et al. 2020: the a_i of plain, momentum and proximal SGD), and an Adam step is not a fixed linear
+combination of the local gradients.
 Server, p_i = n_i / n_S over the participants (1 / |S| with ``aggregation=uniform``)::
 
     tau_eff = sum_i p_i a_i;        theta <- theta + eta_g * tau_eff * sum_i p_i d_i
@@ -20,7 +24,7 @@ import torch
 from ..schema import ConfigError, checked, fmt, param
 from .fedavg import FedAvg
 from .fedprox import proximal_term
-from .registry import Rule, register
+from .registry import Rule, refuse_local_adam, register
 
 
 @dataclass
@@ -92,8 +96,14 @@ class FedNova(FedAvg):
         return float(d) + 1.0, float(d)
 
 
+def _build(p, ctx):
+    refuse_local_adam(ctx, "algorithm.name=fednova", "its normaliser a_i counts SGD steps (plain, momentum or "
+                      "proximal; Wang et al. 2020), and an Adam step has no such a_i")
+    return FedNova(p.mu, ctx.eta_g, ctx.aggregation, ctx.momentum)
+
+
 register(Rule(
     name="fednova", kind="base", label="FedNova", citation="Wang et al., NeurIPS 2020, Eq. (6)-(7)",
     summary="normalised averaging: each update is divided by its number of local steps, then rescaled by tau_eff",
     params=FedNovaParams, neutral=("algorithm.fednova.mu=0",),  # and equal step counts K_i
-    build=lambda p, ctx: FedNova(p.mu, ctx.eta_g, ctx.aggregation, ctx.momentum)))
+    build=_build))

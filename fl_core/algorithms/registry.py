@@ -45,6 +45,7 @@ class BuildContext:
     aggregation: str = "weighted"  # algorithm.aggregation, resolved (a rule that averages one way gets its own)
     eta_g: float = 1.0  # algorithm.eta_g
     momentum: float = 0.0  # train.momentum: rho of the clients' local SGD (0: plain SGD)
+    optimizer: str = "sgd"  # train.optimizer: the clients' local optimiser (sgd | adam)
 
 
 def refuse_local_momentum(ctx: BuildContext, key: str, why: str) -> None:
@@ -57,6 +58,17 @@ def refuse_local_momentum(ctx: BuildContext, key: str, why: str) -> None:
     if ctx.momentum:
         raise ConfigError(f"train.momentum={fmt(float(ctx.momentum))} does not compose with {key}: {why}; "
                           "set train.momentum=0")
+
+
+def refuse_local_adam(ctx: BuildContext, key: str, why: str) -> None:
+    """For a rule whose math assumes SGD local steps: refuse ``train.optimizer=adam``.
+
+    Raises:
+        ConfigError: one line naming ``train.optimizer`` and ``key`` (the rule's setting), with ``why``.
+    """
+    if ctx.optimizer != "sgd":
+        raise ConfigError(f"train.optimizer={ctx.optimizer} does not compose with {key}: {why}; "
+                          "set train.optimizer=sgd")
 
 
 def neuron_layers(model) -> List[Tuple[str, str, int]]:
@@ -332,18 +344,19 @@ def prepare_model(a: Any, model: Any) -> None:
             rule.prepare_model(getattr(a, rule.config_section) if rule.config_section else None, model)
 
 
-def build(a: Any, spec: ParamSpec, model: Any = None, momentum: float = 0.0):
+def build(a: Any, spec: ParamSpec, model: Any = None, momentum: float = 0.0, optimizer: str = "sgd"):
     """The algorithm stack of the ``algorithm`` node ``a``: its base, with the server optimiser ``a.server_opt``,
-    wrapped by ``a.wrappers`` in order (first = innermost). ``momentum``: ``train.momentum`` (the rules read it from
-    :class:`BuildContext`).
+    wrapped by ``a.wrappers`` in order (first = innermost). ``momentum``: ``train.momentum``, ``optimizer``:
+    ``train.optimizer`` (the rules read them from :class:`BuildContext`).
 
     Raises:
         ConfigError: unknown names, a shared key the base does not honour (:func:`check_algorithm`), or
-            ``train.momentum`` > 0 with a rule that assumes plain local SGD (:func:`refuse_local_momentum`).
+            ``train.momentum`` > 0 or ``train.optimizer=adam`` with a rule that assumes plain local SGD
+            (:func:`refuse_local_momentum`, :func:`refuse_local_adam`).
     """
     check_algorithm(a)
     ctx = BuildContext(algorithm=a, spec=spec, model=model, aggregation=aggregation(a), eta_g=eta_g(a),
-                       momentum=float(momentum))
+                       momentum=float(momentum), optimizer=str(optimizer))
 
     def section(rule: Rule):
         return getattr(a, rule.config_section) if rule.config_section else None

@@ -11,7 +11,8 @@ Server (N = all clients)::
     x <- x + eta_g / |S| * sum_i Delta y_i            c <- c + (1 / N) * sum_i Delta c_i
 
 eta_l is the round's learning rate (``lr_in_update=actual``) or the initial one (``initial``, as in
-Acar's code). The c_i update assumes plain local SGD steps; ``train.momentum`` > 0 is refused.
+Acar's code). The c_i update assumes plain local SGD steps; ``train.momentum`` > 0 and ``train.optimizer=adam``
+are refused. K_i is the client's real step count this round (drawn epochs and stragglers included).
 Communication: 2d up (Delta y, Delta c), 2d down (x, c); state c_i (d per client), c (d).
 """
 
@@ -23,7 +24,7 @@ import torch
 
 from ..schema import checked, param
 from .base import Algorithm
-from .registry import Rule, refuse_local_momentum, register
+from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 
 
 @dataclass
@@ -90,6 +91,7 @@ MOMENTUM_WHY = ("option II's (x - y_i) / (K_i eta_l) is the mean corrected gradi
 
 def _build(p, ctx):
     refuse_local_momentum(ctx, "algorithm.name=scaffold", MOMENTUM_WHY)
+    refuse_local_adam(ctx, "algorithm.name=scaffold", MOMENTUM_WHY)
     return Scaffold(ctx.eta_g, p.lr_in_update)
 
 

@@ -31,12 +31,14 @@ def dataset_for(cfg, *, write_cache: bool) -> FLDataset:
 
 
 def partition_for(cfg, ds: FLDataset, *, write_cache: bool) -> Partition:
-    """The partition of ``cfg`` over ``ds``'s training labels (cached like :func:`dataset_for`)."""
+    """The partition of ``cfg`` over ``ds``'s training labels (and device ids, for ``partition=natural``; cached
+    like :func:`dataset_for`)."""
     labels = ds.y_train.numpy()
+    devices = None if ds.devices is None else ds.devices.numpy()
     data_dir = Path(cfg.data_dir)
     key_dir = data_dir / "partitions" / partition_key(cfg.partition, cfg.dataset.name)
     if float(getattr(cfg.dataset, "validation_fraction", 0.0) or 0.0) > 0:  # another training set: never cached
-        return make_partition(cfg.partition, labels, ds.num_classes)
+        return make_partition(cfg.partition, labels, ds.num_classes, devices)
     if write_cache or key_dir.exists():
-        return get_partition(cfg.partition, cfg.dataset.name, labels, ds.num_classes, data_dir)
-    return make_partition(cfg.partition, labels, ds.num_classes)
+        return get_partition(cfg.partition, cfg.dataset.name, labels, ds.num_classes, data_dir, devices)
+    return make_partition(cfg.partition, labels, ds.num_classes, devices)

@@ -1,8 +1,10 @@
 """Executors: who trains the sampled clients of a round.
 
-:class:`SequentialExecutor` is the reference: one ``nn.Module`` and one ``torch.optim.SGD`` per
-client, clients one after another, exactly the local step of docs/algorithms.md, One local step. Faster
-executors must reproduce its global parameters (tests compare them).
+:class:`SequentialExecutor` is the reference: one ``nn.Module`` and one local optimiser (``torch.optim.SGD`` or
+``torch.optim.Adam`` semantics, ``train.optimizer``) per client, clients one after another, exactly the local step
+of docs/algorithms.md, One local step. Faster executors must reproduce its global parameters (tests compare them).
+A client's local epochs this round are ``RoundContext.epochs[cid]`` when the round plans them
+(:mod:`.localwork`: drawn epochs, stragglers), else ``train.local_epochs``.
 """
 
 from __future__ import annotations
@@ -112,6 +114,47 @@ def sgd_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Di
         p.add_(d_p, alpha=-lr)
 
 
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults (Kingma & Ba, ICLR 2015, Algorithm 1)
+ADAM_EPS = 1e-8
+LOCAL_OPTIMIZERS = ("sgd", "adam")
+
+
+@torch.no_grad()
+def adam_step(named_params, lr: float, weight_decay: float, lr_scale: Optional[Dict[str, torch.Tensor]],
+              state: Dict[str, Dict[str, torch.Tensor]], betas=ADAM_BETAS, eps: float = ADAM_EPS):
+    """One Adam step on the parameters that have a gradient (Kingma & Ba, ICLR 2015, Algorithm 1), written as
+    ``torch.optim.Adam`` (no amsgrad, L2 weight decay added to the gradient) computes it on the CPU::
+
+        g = grad + wd * p;   t <- t + 1;   m <- m + (1 - b1) (g - m);   v <- b2 v + (1 - b2) g^2
+        p <- p - (lr / (1 - b1^t)) * s_p * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    ``state`` maps a parameter name to its ``{"step": int, "exp_avg": m, "exp_avg_sq": v}`` (p's shape; filled here,
+    empty at the start of a client's local training: a new optimiser per client and round). Only a parameter
+    with a gradient steps and counts t, so a frozen tensor keeps its moments and its t, as in torch. ``s_p`` is the
+    rule's per-element step multiplier (``lr_scale[name]``, broadcast to p's shape; 1 when absent); it scales the
+    step, not the moments. Without multipliers this is ``torch.optim.Adam(foreach=False)`` to the bit (tested).
+    """
+    b1, b2 = betas
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        g = p.grad if weight_decay == 0 else p.grad.add(p, alpha=weight_decay)
+        st = state.get(name)
+        if st is None:
+            st = state[name] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        st["step"] += 1
+        t = st["step"]
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        step_size = lr / (1 - b1 ** t)
+        denom = (v.sqrt() / (1 - b2 ** t) ** 0.5).add_(eps)
+        if lr_scale is not None and name in lr_scale:
+            p.add_(m / denom * lr_scale[name], alpha=-step_size)
+        else:
+            p.addcdiv_(m, denom, value=-step_size)
+
+
 def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor,
                   chunk: int = 1024) -> torch.Tensor:
     """Gradient [d] of the client's mean training loss over ALL its samples at the model's current parameters.
@@ -189,11 +232,16 @@ class Executor:
 
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
-                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0, momentum: float = 0.0):
+                 augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0, momentum: float = 0.0,
+                 optimizer: str = "sgd"):
         if local_steps < 0:
             raise ValueError(f"train.local_steps must be >= 0, got {local_steps}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"train.momentum must be in [0, 1), got {momentum}")
+        if optimizer not in LOCAL_OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(LOCAL_OPTIMIZERS)}, got {optimizer!r}")
+        if optimizer != "sgd" and momentum:
+            raise ValueError(f"train.momentum={momentum} is for train.optimizer=sgd, got train.optimizer={optimizer}")
         if augmentation not in augment.MODES:
             raise ValueError(f"train.augmentation must be one of {', '.join(augment.MODES)}, got {augmentation!r}")
         self.augmentation = augmentation
@@ -206,6 +254,7 @@ class Executor:
         self.local_steps = local_steps  # > 0: exactly this many steps per client and round instead of E epochs
         self.weight_decay = weight_decay
         self.momentum = float(momentum)  # rho of the local SGD (sgd_step); 0: plain SGD
+        self.optimizer = optimizer  # the local optimiser: sgd (sgd_step) or adam (adam_step)
         self.grad_clip = grad_clip
         self.seed = seed
         self._fwd = _FeatureForward(model)
@@ -233,28 +282,39 @@ class Executor:
         return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x)
                 for e in self.algo.forward_of}
 
+    def epochs_of(self, rctx: RoundContext, cid: int) -> int:
+        """Client ``cid``'s local epochs in round ``rctx``: the round's plan (``rctx.epochs``) or E."""
+        return rctx.epochs.get(cid, self.local_epochs) if rctx.epochs else self.local_epochs
+
+    def steps_of(self, rctx: RoundContext, cid: int) -> int:
+        """K_i of client ``cid`` in round ``rctx`` (:func:`client_steps` with its epochs this round)."""
+        if rctx.epochs and cid in rctx.epochs:
+            return client_steps(self._sizes[cid], self.batch_size, rctx.epochs[cid], self.local_steps)
+        return self._steps[cid]
+
     def client_context(self, rctx: RoundContext, cid: int, store: ClientStateStore) -> ClientContext:
         """Client ``cid``'s context for the round, with its stored state (or the algorithm's initial one)."""
         cid = int(cid)
         state = store.get(cid, lambda: self.algo.init_client_state(rctx.global_flat))
         if state is not None:  # the store may live in host memory; compute where the data is
             state = {k: v.to(self.data.x.device) for k, v in state.items()}
-        return ClientContext(round=rctx, client_id=cid, num_samples=self._sizes[cid], num_steps=self._steps[cid],
-                             label_counts=self.data.label_counts[cid], state=state)
+        return ClientContext(round=rctx, client_id=cid, num_samples=self._sizes[cid],
+                             num_steps=self.steps_of(rctx, cid), label_counts=self.data.label_counts[cid], state=state)
 
     def client_contexts(self, rctx: RoundContext, ids: Sequence[int], store: ClientStateStore) -> List[ClientContext]:
         """:meth:`client_context` of every client of ``ids`` (ints), in order. When the rule keeps no client state
         (an empty store and ``init_client_state`` None) every state is None without a store look-up per client."""
         if len(store) == 0 and self.algo.init_client_state(rctx.global_flat) is None:
-            sizes, steps, counts = self._sizes, self._steps, self.data.label_counts
-            return [ClientContext(round=rctx, client_id=c, num_samples=sizes[c], num_steps=steps[c],
-                                  label_counts=counts[c]) for c in ids]
+            sizes, counts = self._sizes, self.data.label_counts
+            steps = [self.steps_of(rctx, c) for c in ids] if rctx.epochs else [self._steps[c] for c in ids]
+            return [ClientContext(round=rctx, client_id=c, num_samples=sizes[c], num_steps=k,
+                                  label_counts=counts[c]) for c, k in zip(ids, steps)]
         return [self.client_context(rctx, c, store) for c in ids]
 
     def batches(self, rctx: RoundContext, ctx: ClientContext) -> List[torch.Tensor]:
         """Client ``ctx``'s mini-batches of the round (:func:`batch_schedule`; ``len == ctx.num_steps``)."""
         return batch_schedule(self.seed, rctx.round, ctx.client_id, ctx.num_samples, self.batch_size,
-                              self.local_epochs, self.local_steps)
+                              self.epochs_of(rctx, ctx.client_id), self.local_steps)
 
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
         raise NotImplementedError
@@ -305,6 +365,7 @@ class SequentialExecutor(Executor):
         params: Dict[str, torch.Tensor] = dict(named)
         batches = self.batches(rctx, ctx)
         bufs: Dict[str, torch.Tensor] = {}  # momentum buffers: new for every client and round
+        moments: Dict[str, Dict[str, torch.Tensor]] = {}  # Adam's state: new for every client and round
         loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
         for k, pos in enumerate(batches, start=1):
             mask = algo.update_mask(ctx, k)
@@ -329,7 +390,10 @@ class SequentialExecutor(Executor):
             algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
-            sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, self.momentum, bufs)
+            if self.optimizer == "adam":
+                adam_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, moments)
+            else:
+                sgd_step(named, rctx.lr, self.weight_decay, ctx.lr_scale, self.momentum, bufs)
             loss_sum += loss.detach()
         for _, p in named:
             p.requires_grad_(True)
@@ -372,7 +436,9 @@ class VectorizedExecutor(Executor):
     the SGD step where a ``[C, P]`` mask allows it: per-client masks cover unequal step counts K_i
     (a client with fewer steps simply stops moving) and per-client schedules such as gradual unfreezing's
     m(k). With ``train.momentum`` each client keeps its momentum buffers ``[C, ...]`` for the round, and a
-    masked tensor keeps its buffer too (:func:`sgd_step`). Clipping is per client over its trainable tensors,
+    masked tensor keeps its buffer too (:func:`sgd_step`); with ``train.optimizer=adam`` each client keeps its
+    moments ``[C, ...]`` and a step count per tensor ``[C]``, which a masked tensor does not advance
+    (:func:`adam_step`). Clipping is per client over its trainable tensors,
     as ``clip_grad_norm_`` does.
     Clients are processed in chunks of ``max_parallel_clients`` (0: all at once) to bound memory.
 
@@ -385,7 +451,7 @@ class VectorizedExecutor(Executor):
     def __init__(self, model: torch.nn.Module, algorithm: Algorithm, data: ClientData, *, batch_size: int,
                  local_epochs: int, weight_decay: float = 0.0, grad_clip: Optional[float] = None, seed: int = 0,
                  augmentation: str = "none", crop_padding: int = 4, local_steps: int = 0, momentum: float = 0.0,
-                 max_parallel_clients: int = 0):
+                 optimizer: str = "sgd", max_parallel_clients: int = 0):
         if not algorithm.vectorizable:
             raise ValueError(f"engine.executor=vectorized: {algorithm.describe()} has hooks that only run "
                              "sequentially (use engine.executor=sequential or auto)")
@@ -393,7 +459,7 @@ class VectorizedExecutor(Executor):
             raise ValueError("engine.executor=vectorized: the model has buffers (e.g. BatchNorm); use sequential")
         super().__init__(model, algorithm, data, batch_size=batch_size, local_epochs=local_epochs,
                          weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, augmentation=augmentation,
-                         crop_padding=crop_padding, local_steps=local_steps, momentum=momentum)
+                         crop_padding=crop_padding, local_steps=local_steps, momentum=momentum, optimizer=optimizer)
         self.max_parallel_clients = max_parallel_clients
         self._names = [n for n, _ in model.named_parameters()]
         # every client's index array back to back on the host, and where each starts (the batch schedule)
@@ -515,6 +581,10 @@ class VectorizedExecutor(Executor):
         # momentum buffers [C, *shape], new for every chunk and round; a zero buffer makes the first step's
         # rho * 0 + d_p = d_p, the sequential executor's buf = d_p
         bufs = {n: torch.zeros_like(params[n]) for n in self._names} if self.momentum else {}
+        adam = self.optimizer == "adam"
+        # Adam's moments [C, *shape] and step counts [C] per tensor, new for every chunk and round
+        moments = {n: (torch.zeros_like(params[n]), torch.zeros_like(params[n]),
+                       torch.zeros(C, dtype=torch.long, device=dev)) for n in self._names} if adam else {}
         masked = overrides(algo, "update_mask")
         for k in range(kmax):
             b = pos[:, k]
@@ -545,11 +615,25 @@ class VectorizedExecutor(Executor):
                 if self.grad_clip is not None:
                     gr = gr * coef.view(shape)
                 d_p = gr + self.weight_decay * p if self.weight_decay else gr
+                moves = mask[:, j].view(shape)
+                if adam:  # adam_step per client; a masked client keeps its moments and its step count
+                    m, v, t = moments[n]
+                    b1, b2 = ADAM_BETAS
+                    t = t + mask[:, j]
+                    m = torch.where(moves, torch.lerp(m, d_p, 1 - b1), m)
+                    v = torch.where(moves, v * b2 + (1 - b2) * d_p * d_p, v)
+                    moments[n] = (m, v, t)
+                    tf = t.clamp_min(1).to(p.dtype).view(shape)
+                    step = m / (v.sqrt() / (1 - b2 ** tf).sqrt() + ADAM_EPS) * (rctx.lr / (1 - b1 ** tf))
+                    if n in lr_scale:
+                        step = step * lr_scale[n]
+                    params[n] = torch.where(moves, p - step, p)
+                    continue
                 if self.momentum:  # a masked (frozen, or finished) client's buffer stays as it is
-                    bufs[n] = d_p = torch.where(mask[:, j].view(shape), self.momentum * bufs[n] + d_p, bufs[n])
+                    bufs[n] = d_p = torch.where(moves, self.momentum * bufs[n] + d_p, bufs[n])
                 if n in lr_scale:
                     d_p = d_p * lr_scale[n]
-                params[n] = torch.where(mask[:, j].view(shape), p - rctx.lr * d_p, p)
+                params[n] = torch.where(moves, p - rctx.lr * d_p, p)
             loss_sum += torch.where(active, loss, torch.zeros_like(loss))
         flat = torch.cat([params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
         deltas = flat - rctx.global_flat

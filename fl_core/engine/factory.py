@@ -16,6 +16,7 @@ from ..data.sampling import sample_clients
 from ..models import build_model
 from . import diskstate
 from .executors import EXECUTORS, ClientData, SequentialExecutor, VectorizedExecutor, client_steps
+from .localwork import LocalWork
 from .simulator import RunLogger, Simulator, config_fingerprint
 from .state import ClientStateStore
 from ..params import ParamSpec, flatten_params
@@ -250,11 +251,11 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     prepare_model(cfg.algorithm, model)  # parameters a rule trains besides the network's (a head), before the layout
     spec = ParamSpec.from_model(model)
     t = cfg.train
-    algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum))
+    algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum), optimizer=str(t.optimizer))
     distributed = cfg.engine.executor == "distributed"
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
-                  crop_padding=t.crop_padding, local_steps=t.local_steps)
+                  crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
                                    device, probe=lambda: time_executors(cfg, model, algo, data, kwargs))
     if name == "vectorized":
@@ -275,6 +276,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      logger=logger, callbacks=callbacks,
                      neuron_drift_samples=cfg.tracking.neuron_drift_samples,
                      layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace,
-                     client_label_counts=torch.stack(data.label_counts).cpu(), client_state=store)
+                     client_label_counts=torch.stack(data.label_counts).cpu(), client_state=store,
+                     local_work=LocalWork(int(t.local_epochs), t.local_epochs_max, float(t.stragglers),
+                                          bool(t.drop_stragglers)))
     sim.client_state_reason = store_reason
     return sim

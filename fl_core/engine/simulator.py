@@ -29,6 +29,7 @@ from ..seeding import derive_seed
 from . import diskstate
 from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
+from .localwork import LocalWork, plan_round
 from .probes import neuron_drift
 from .state import ClientStateStore, ParamSpec, flatten_params, load_flat
 
@@ -191,6 +192,14 @@ class Simulator:
             ``post_client_acc_*``.
         client_state: where per-client states live: ``memory`` or ``disk`` (:mod:`~.diskstate`, beside the
             checkpoint); ``engine.client_state=auto`` is resolved by the factory (:func:`~.diskstate.choose`).
+        local_work: drawn local epochs and stragglers (:class:`~.localwork.LocalWork`), or None: every client
+            runs the executor's E. Each round's plan (:func:`~.localwork.plan_round`) sets ``RoundContext.epochs``;
+            dropped stragglers are left out of the round as if not sampled (``RoundContext.sampled`` is then the
+            clients that train), except that they received the broadcast: the per-participant uplink and
+            downlink are means over all sampled clients, a dropped one sending nothing. The row gets
+            ``stragglers`` (their count) when ``local_work.stragglers`` > 0.
+
+    Every row has ``local_steps_mean`` / ``_min`` / ``_max``: the local steps K_i of the round's aggregated clients.
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -200,7 +209,7 @@ class Simulator:
                  logger: Optional[RunLogger] = None,
                  callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
                  neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0,
-                 client_label_counts=None, client_state: str = "memory"):
+                 client_label_counts=None, client_state: str = "memory", local_work: Optional[LocalWork] = None):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -216,6 +225,8 @@ class Simulator:
         if client_state not in ("memory", "disk"):
             raise ValueError(f"client_state must be memory or disk (the factory resolves auto), got {client_state!r}")
         self.client_state = client_state
+        self.local_work = local_work if local_work is not None and local_work.varies else None
+        self.count_stragglers = local_work is not None and local_work.stragglers > 0
         self.client_state_reason = f"client_state={client_state}"  # the factory says why (engine.client_state)
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
@@ -314,23 +325,32 @@ class Simulator:
             for r in range(st["round"] + 1, self.rounds + 1):
                 t0 = time.perf_counter()
                 lr = self.lr * self.lr_decay ** (r - 1)
-                clients = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r).tolist()
+                sampled = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r).tolist()
+                work = plan_round(self.local_work, self.seed, r, sampled) if self.local_work else None
+                clients = list(work.train) if work else sampled
                 rctx = RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
                                     num_clients=self.num_clients, mean_client_size=self.mean_client_size,
-                                    sampled=tuple(clients), seed=self.seed, extra=self.algo.broadcast(st["server"]))
+                                    sampled=tuple(clients), seed=self.seed, extra=self.algo.broadcast(st["server"]),
+                                    epochs=dict(work.epochs) if work else {})
                 updates = self.executor.run_round(rctx, clients, store)
                 diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
                 st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
-                # what was sent, per participating client: the mean upload over the round's clients (their
-                # messages, ClientUpdate.sent) and the broadcast (the model and the rule's extra vectors)
-                st["comm_up"] += sum(u.up_floats() for u in updates) / len(updates)
+                # what was sent, per participating client: the mean upload over the round's sampled clients (their
+                # messages, ClientUpdate.sent; a dropped straggler sends nothing) and the broadcast (the model and
+                # the rule's extra vectors)
+                st["comm_up"] += sum(u.up_floats() for u in updates) / len(sampled)
                 st["comm_down"] += d + sum(float(v.numel()) for v in rctx.extra.values())
+                steps = [u.num_steps for u in updates]
                 row: Dict[str, float] = {
                     "round": r,
                     "train_loss": sum(u.train_loss for u in updates) / len(updates),
                     "lr": lr, "num_clients": len(updates),
                     "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
+                    "local_steps_mean": sum(steps) / len(steps), "local_steps_min": min(steps),
+                    "local_steps_max": max(steps),
                 }
+                if self.count_stragglers:
+                    row["stragglers"] = len(work.stragglers)
                 row.update(self.algo.round_metrics(rctx, st["server"], updates))
                 row.update(diag)
                 if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):

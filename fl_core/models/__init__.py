@@ -7,6 +7,7 @@ from typing import Callable, Dict, Tuple
 from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
+from .mnist1d import MNIST1DCNN, MNIST1DGRU, MNIST1DMLP
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
 from .vgg import VGG9, VGG11, VGG19
 
@@ -22,12 +23,17 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "vgg9": VGG9,
     "vgg11": VGG11,  # FedBCGD (docs/algorithms.md, Model catalogue): repository head 512->100->10 / 512->256->100
     "vgg19": VGG19,
+    # the MNIST-1D authors' models (docs/algorithms.md, Model catalogue); their logistic regression is logreg
+    "m1d_mlp": MNIST1DMLP,
+    "m1d_cnn": MNIST1DCNN,
+    "m1d_gru": MNIST1DGRU,
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
-# which only FedNLR uses)
+# which only FedNLR uses; FedProx's multinomial logistic regression for synthetic; the MNIST-1D authors' CNN)
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
-              "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9"}
+              "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9",
+              "synthetic": "logreg", "mnist1d": "m1d_cnn"}
 
 
 def resolve_model_name(name: str, dataset: str) -> str:
@@ -52,7 +58,8 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
 
     Raises:
         ValueError: unknown model name (``model.name``), a unit layout the model does not have
-            (``model.units``), a bad ``model.norm_groups``, or an input too small for the model.
+            (``model.units``), a bad ``model.norm_groups``, or an input too small for the model (or, for the
+            ``m1d_*`` sequence models, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
     """
     name = resolve_model_name(cfg.name, dataset)
     if name not in MODELS:
@@ -68,8 +75,10 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         return MODELS[name](input_shape, num_classes, units=units, norm_groups=int(getattr(cfg, "norm_groups", 2)))
     if name in ("vgg11", "vgg19"):
         return MODELS[name](input_shape, num_classes, init=str(getattr(cfg, "vgg_init", "kaiming")))
+    if name.startswith("m1d_"):
+        return MODELS[name](input_shape, num_classes, dataset=dataset)
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
            "resolve_model_name", "unit_layouts"]
