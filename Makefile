@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test test-slow clean-venv
+.PHONY: setup repro check-repro test test-slow clean-venv
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ repro: $(STAMP)
 	test -d .dvc || $(VENV)/bin/dvc init -q
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
+
+# after `make repro`: the fresh metrics against the committed ones (tolerance: docs/reliability.md)
+check-repro: $(STAMP)
+	$(PY) -m pipeline.check_repro
 
 # lint (ruff) and the import contract (import-linter, pyproject.toml) first: seconds, before the suite.
 # The suite runs on every core (pytest-xdist, -n auto; each test pins torch to one thread, tests/conftest.py).

@@ -29,6 +29,7 @@ AGGREGATIONS = ("weighted", "uniform")
 EXECUTORS = ("sequential", "vectorized", "auto", "distributed")
 RANK_EXECUTORS = ("sequential", "vectorized", "auto")  # what each rank of engine.executor=distributed runs
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
+KERNELS = ("native", "portable")  # engine.kernels (fl_core/engine/kernels.py)
 LOCAL_OPTIMIZERS = ("sgd", "adam")
 
 
@@ -330,6 +331,9 @@ class EngineConfig:
     max_parallel_clients: int = param(0, "vectorized: clients trained at once (0 = all sampled clients)", ge=0)
     device: str = param("cpu", "cpu | cuda | cuda:N | auto (checked in validate)")
     dtype: str = param("float32", "float32 | float64 (slow; for numerical checks)", choices=("float32", "float64"))
+    kernels: str = param("native", "CPU kernels: native (PyTorch's choice for this CPU: fastest; the same numbers on "
+                         "the same machine) | portable (the same numbers on every x86-64 CPU with AVX2: AVX2 loops, "
+                         "MKL's compatible branch, no oneDNN, 1 thread; docs/reliability.md)", choices=KERNELS)
     checkpoint_every: int = param(10, "rounds; 0 = never", ge=0)
     checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
     eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)

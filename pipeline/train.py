@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -638,8 +639,22 @@ def _outcome(summary: Dict, cfg, grid: bool) -> int:
     return 0
 
 
+def _restart_for_portable_kernels(cfgs: List, from_command_line: bool) -> None:
+    """``engine.kernels=portable`` needs its variables before torch loads (:mod:`fl_core.engine.kernels`): run as a
+    command, start this command again with them set (the process is replaced; nothing was written yet); called
+    from Python, let the run refuse it in one line."""
+    from fl_core.engine import kernels
+
+    if from_command_line and any(c.engine.kernels == "portable" for c in cfgs) and kernels.missing_env():
+        env = {**os.environ, **kernels.PORTABLE_ENV}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "pipeline.train", *sys.argv[1:]], env)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point (see :func:`usage` and the module docstring); returns the exit status."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
@@ -658,6 +673,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(OmegaConf.to_yaml(cfgs[0]))
             return 0
+        _restart_for_portable_kernels(cfgs, from_command_line)
         device = resolve_device(cfgs[0].engine.device)
         rank = _join_ranks(cfgs[0], device)
     except (ConfigError, ValueError) as err:

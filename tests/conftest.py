@@ -49,8 +49,10 @@ def run_sim(ds, *overrides, **kw):
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
+    mkldnn = torch.backends.mkldnn.enabled  # engine.kernels=portable turns oneDNN off for its process
     torch.set_num_threads(1)
     yield
+    torch.backends.mkldnn.enabled = mkldnn
 
 
 def skip_unless_permissions_apply(tmp_path: Path) -> None:

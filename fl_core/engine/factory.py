@@ -14,7 +14,7 @@ from ..algorithms import build_algorithm, prepare_model
 from ..algorithms.base import RoundContext
 from ..data.sampling import sample_clients
 from ..models import build_model
-from . import diskstate
+from . import diskstate, kernels
 from .executors import EXECUTORS, ClientData, SequentialExecutor, VectorizedExecutor, client_steps
 from .localwork import LocalWork
 from .simulator import RunLogger, Simulator, config_fingerprint
@@ -245,6 +245,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     histogram over the tensors the clients train on), so every evaluation also reports the per-client
     accuracy summary ``client_acc_mean`` / ``_std`` / ``_worst10``.
     """
+    kernels.apply(cfg.engine.kernels, device)
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)

@@ -1,0 +1,74 @@
+"""Portable CPU kernels: ``engine.kernels=portable`` gives the same float results on any x86-64 CPU with AVX2.
+
+docs/reliability.md, "Numbers on another CPU". PyTorch chooses its CPU kernels by the processor it runs on, and each
+choice sums in its own order, so float32 results differ in the last bits between two CPUs and, through training,
+in the accuracy (the default grid moved SCAFFOLD's mean final accuracy by 0.49 points from an Intel Xeon to an AMD
+EPYC). The choices and how ``portable`` fixes each:
+
+- ATen's vectorised loops (elementwise ops, reductions) by instruction set (AVX-512, AVX2 or none):
+  ``ATEN_CPU_CAPABILITY=avx2``, the AVX2 loops on every CPU that has AVX2;
+- MKL's matrix products (linear layers, and convolutions below) by vendor, instruction set and cache sizes:
+  ``MKL_CBWR=COMPATIBLE``, MKL's conditional numerical reproducibility on its SSE2 branch, the one branch that
+  MKL runs alike on Intel and AMD processors (its AVX2 branch falls back to the automatic choice on non-Intel
+  CPUs), with fixed cache sizes and reductions;
+- oneDNN's convolutions by instruction set and cache sizes: oneDNN off (``torch.backends.mkldnn``), so a
+  convolution is ATen's (unfold + MKL matrix product);
+- reductions split over the process's threads: :data:`PORTABLE_THREADS` threads on every machine.
+
+The two variables are read once, when torch loads. ``python -m pipeline.train`` (``fl-train``) therefore starts
+itself again with them set when the config asks for portable kernels; any other process (the Python API, a sweep,
+a multirun job) must be started with them (:func:`missing_env` names them). ``native`` (the default) leaves every
+choice to PyTorch: fastest, reproducible on the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+
+from ..schema import ConfigError
+
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports under ATEN_CPU_CAPABILITY=avx2
+PORTABLE_THREADS = 1  # one thread: no split reductions, and no threads spinning against other jobs on a small machine
+
+
+def missing_env() -> Dict[str, str]:
+    """The variables of :data:`PORTABLE_ENV` that this process's environment does not hold as required."""
+    return {k: v for k, v in PORTABLE_ENV.items() if os.environ.get(k) != v}
+
+
+def env_prefix() -> str:
+    """``ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE``: what to put before a command that needs portable kernels."""
+    return " ".join(f"{k}={v}" for k, v in PORTABLE_ENV.items())
+
+
+def apply(kernels: str, device: torch.device) -> None:
+    """Set this process up for ``engine.kernels`` before a run.
+
+    ``portable``: oneDNN off and :data:`PORTABLE_THREADS` torch threads, for the rest of the process.
+    ``native``: nothing changes.
+
+    Raises:
+        ConfigError: one line naming ``engine.kernels``: ``portable`` with a CUDA device (it fixes CPU kernels
+            only), without the variables of :data:`PORTABLE_ENV` in the environment, with them set after torch
+            loaded, or on a CPU without AVX2.
+    """
+    if kernels != "portable":
+        return
+    if device.type != "cpu":
+        raise ConfigError(f"engine.kernels=portable fixes the CPU kernels; engine.device={device} trains elsewhere "
+                          "(use engine.kernels=native)")
+    missing = missing_env()
+    if missing:
+        raise ConfigError(f"engine.kernels=portable needs {env_prefix()} in the environment before torch loads "
+                          f"(missing: {', '.join(sorted(missing))}); fl-train sets them itself, other commands: "
+                          f"start them as `{env_prefix()} python ...`")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != PORTABLE_CAPABILITY:
+        raise ConfigError(f"engine.kernels=portable: torch runs {capability} kernels here, not AVX2 (this CPU has no "
+                          "AVX2, or ATEN_CPU_CAPABILITY was set after torch loaded)")
+    torch.backends.mkldnn.enabled = False
+    torch.set_num_threads(PORTABLE_THREADS)

@@ -1,0 +1,71 @@
+"""engine.kernels (fl_core/engine/kernels.py): portable kernels refuse what they cannot pin, pin what they can, and
+give one model under every machine stand-in (docs/reliability.md, Numbers on another CPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_core.config import ConfigError
+from fl_core.engine import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def test_native_changes_nothing():
+    before = (torch.backends.mkldnn.enabled, torch.get_num_threads())
+    kernels.apply("native", CPU)
+    assert (torch.backends.mkldnn.enabled, torch.get_num_threads()) == before
+
+
+def test_portable_refuses_what_it_cannot_pin(monkeypatch):
+    for k in kernels.PORTABLE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match=r"^engine.kernels=portable needs ATEN_CPU_CAPABILITY=avx2 "
+                                          r"MKL_CBWR=COMPATIBLE in the environment before torch loads \(missing: "
+                                          r"ATEN_CPU_CAPABILITY, MKL_CBWR\)"):
+        kernels.apply("portable", CPU)
+    for k, v in kernels.PORTABLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # set after torch loaded
+    with pytest.raises(ConfigError, match="torch runs AVX512 kernels here, not AVX2"):
+        kernels.apply("portable", CPU)
+    with pytest.raises(ConfigError, match="engine.kernels=portable fixes the CPU kernels; engine.device=cuda"):
+        kernels.apply("portable", torch.device("cuda"))
+
+
+def test_portable_turns_onednn_off_and_fixes_the_threads(monkeypatch):
+    for k, v in kernels.PORTABLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    kernels.apply("portable", CPU)  # conftest restores oneDNN and the threads after the test
+    assert not torch.backends.mkldnn.enabled and torch.get_num_threads() == kernels.PORTABLE_THREADS
+
+
+def _train(tmp: Path, tag: str, env_changes: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in kernels.PORTABLE_ENV}
+    env.update(env_changes, PYTHONPATH=str(ROOT))
+    out = tmp / tag
+    subprocess.run([sys.executable, "-m", "pipeline.train", "engine.kernels=portable", "algorithm=scaffold",
+                    "train.rounds=2", "seed=1", "tracking.enabled=false", "engine.progress=false",
+                    "engine.checkpoint_every=0", f"results_dir={out}", f"data_dir={tmp / 'data'}", "name=run"],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    model = torch.load(out / "run" / "models" / "seed_1.pt", map_location="cpu", weights_only=True)
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for _, t in sorted(model.items()))).hexdigest()
+
+
+@pytest.mark.slow
+def test_portable_runs_are_one_model_under_every_machine_stand_in(tmp_path):
+    """fl-train restarts itself with the variables set; a machine with another core count, oneDNN limited to AVX2
+    or MKL limited to AVX2 (stand-ins for other CPUs, benchmarks/portable_kernels.py) trains the same model."""
+    base = _train(tmp_path, "base", {})
+    for tag, changes in {"one_core": {"OMP_NUM_THREADS": "1"}, "onednn_avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+                         "mkl_avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}}.items():
+        assert _train(tmp_path, tag, changes) == base, tag
