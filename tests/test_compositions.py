@@ -4,9 +4,11 @@ below its base's by more than seed noise (docs/cli.md, "Compositions take their 
 
 "Seed noise" is the larger of 5 points and two standard errors of the paired per-seed differences; a composition that
 loses more than that (as FedProx + server Adagrad did at Adam's step size: 20 points under FedProx) fails. The composed
-part's own early pace is not a clash: at 5 rounds FedAdam at FedDecorr's step 0.01 trailed FedAvg by
-5 points and FedBug trails FedAvg (its units start frozen), so a composition is held to the difference its part makes as published, over
-FedAvg, on the same seeds: ``(composition - base) - (preset - fedavg)`` must not be below minus the noise.
+part's own early pace is not a clash: at 5 rounds FedBug trails FedAvg (its units start frozen; so did FedAdam at
+FedDecorr's step 0.01), so where the part as published costs accuracy over FedAvg on the same seeds, a composition
+is held to that cost: ``(composition - base) - (preset - fedavg)`` must not be below minus the noise. Where the part
+gains (FedAdam at 0.03 ends above FedAvg), the composition is held to its base alone, as the requirement reads: not
+below ``base`` by more than the noise.
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ def _final_acc(overrides):
 def test_an_offered_composition_trains_as_well_as_its_base(composition, base, preset):
     ours, theirs = _final_acc(composition), _final_acc(base)
     ref = (_final_acc([f"algorithm={preset}"]), _final_acc(["algorithm=fedavg"])) if preset else None
-    diffs = [ours[s] - theirs[s] - (ref[0][s] - ref[1][s] if ref else 0.0) for s in SEEDS]
+    part = [ref[0][s] - ref[1][s] if ref else 0.0 for s in SEEDS]  # the part's effect over FedAvg, per seed
+    costs = sum(part) / len(part) < 0
+    diffs = [ours[s] - theirs[s] - (p if costs else 0.0) for s, p in zip(SEEDS, part)]
     mean = sum(diffs) / len(diffs)
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
     noise = max(TOLERANCE, 2 * sd / math.sqrt(len(diffs)))
     assert all(math.isfinite(v) for v in ours.values())
     assert mean >= -noise, (f"{' '.join(composition)} ends {-mean:.3f} under {' '.join(base)}"
-                            f"{f' beyond {preset} - fedavg' if preset else ''} (noise {noise:.3f}; per seed "
+                            f"{f' beyond {preset} - fedavg' if costs else ''} (noise {noise:.3f}; per seed "
                             f"{[round(d, 3) for d in diffs]})")
 
 
