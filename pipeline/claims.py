@@ -55,8 +55,8 @@ from fl_core.metrics import SUMMARY_KEYS
 from fl_core.schema import DATASETS
 
 from .grid import load_yaml
-from .report import (DASH, Experiment, _table, confidence_interval, paired_values, read_runs_rows, sample_stats,
-                     seed_values)
+from .report import (DASH, Experiment, _table, confidence_interval, numeric_columns, paired_values, read_runs_rows,
+                     sample_stats, seed_values)
 
 CLAIMS_FILE = "claims.yaml"
 EXPECTS = ("greater", "less", "similar", "value")
@@ -211,23 +211,11 @@ def default_claims_path(params: Path) -> Path:
 
 def _per_seed_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[str, np.ndarray]]:
     """{seed: {column: values in round order}} of the finite numbers of runs.csv's rows."""
-    acc: Dict[str, Dict[str, Dict[int, float]]] = {}
-    for r in rows:
-        try:
-            seed, rnd = str(int(float(r.get("seed") or 0))), int(float(r["round"]))
-        except (TypeError, ValueError):
-            continue
-        for k, v in r.items():
-            if k in ("seed", "round") or v in (None, ""):
-                continue
-            try:
-                x = float(v)
-            except ValueError:
-                continue
-            if math.isfinite(x):
-                acc.setdefault(seed, {}).setdefault(k, {})[rnd] = x
-    return {s: {k: np.array([d[i] for i in sorted(d)], dtype=float) for k, d in cols.items()}
-            for s, cols in acc.items()}
+    out: Dict[str, Dict[str, np.ndarray]] = {}
+    for k, per_seed in numeric_columns(rows).items():
+        for seed, d in per_seed.items():
+            out.setdefault(str(seed), {})[k] = np.array([d[i] for i in sorted(d)], dtype=float)
+    return out
 
 
 def _run_metric(cols: Dict[str, np.ndarray], metric: str) -> Optional[float]:

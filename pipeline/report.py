@@ -212,6 +212,27 @@ def read_runs_rows(path: Path) -> Optional[List[Dict[str, str]]]:
     return rows
 
 
+def numeric_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[int, Dict[int, float]]]:
+    """{column: {seed: {round: value}}} of the finite numbers in ``runs.csv`` rows (:func:`read_runs_rows`); rows
+    without a readable seed or round, empty cells and text are left out."""
+    out: Dict[str, Dict[int, Dict[int, float]]] = {}
+    for r in rows:
+        try:
+            seed, rnd = int(float(r.get("seed") or 0)), int(float(r["round"]))
+        except (TypeError, ValueError):
+            continue
+        for k, v in r.items():
+            if k in ("seed", "round") or v in (None, ""):
+                continue
+            try:
+                x = float(v)
+            except ValueError:
+                continue
+            if math.isfinite(x):
+                out.setdefault(k, {}).setdefault(seed, {})[rnd] = x
+    return out
+
+
 def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from fl_core.config import ConfigError
 from .files import atomic_write, write_text
 from .grid import load_grid
 from .claims import claims_section, default_claims_path, evaluate, load_claims
-from .report import load_experiments, read_runs_rows
+from .report import load_experiments, numeric_columns, read_runs_rows
 
 # ----------------------------------------------------------------------------- per-experiment curves
 
@@ -79,23 +78,8 @@ def read_runs(path: Path, name: str) -> Optional[Curves]:
     rows = read_runs_rows(path)
     if rows is None:
         return None
-    acc: Dict[str, Dict[int, Dict[int, float]]] = {}
-    for r in rows:
-        try:
-            seed, rnd = int(float(r.get("seed") or 0)), int(float(r["round"]))
-        except (TypeError, ValueError):
-            continue
-        for k, v in r.items():
-            if k in ("seed", "round") or v in (None, ""):
-                continue
-            try:
-                x = float(v)
-            except ValueError:
-                continue
-            if math.isfinite(x):
-                acc.setdefault(k, {}).setdefault(seed, {})[rnd] = x
     cv = Curves(name)
-    for k, per_seed in acc.items():
+    for k, per_seed in numeric_columns(rows).items():
         cv.values[k] = {s: (np.array(sorted(d), dtype=float), np.array([d[i] for i in sorted(d)], dtype=float))
                         for s, d in per_seed.items()}
     return cv
