@@ -122,12 +122,17 @@ def derive_name(cfg) -> str:
 
 def result_sections(cfg) -> Dict:
     """The config sections that determine a run's numbers (for checkpoint names): ``algorithm`` with only the
-    sections of the rules in its stack (``registry.trim_sections``), so adding a rule changes no other fingerprint."""
+    sections of the rules in its stack (``registry.trim_sections``), so adding a rule changes no other fingerprint;
+    ``engine.kernels`` when it is ``portable`` (other numbers than native kernels': a run switched to portable
+    kernels trains again instead of continuing the native one; native runs keep their fingerprints)."""
     from fl_core.algorithms import registry
 
     c = to_container(cfg)
     c["algorithm"] = registry.trim_sections(c["algorithm"])
-    return {k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train", "seed")}
+    out = {k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train", "seed")}
+    if c["engine"]["kernels"] != "native":
+        out["kernels"] = c["engine"]["kernels"]
+    return out
 
 
 def _csv(rows: List[Dict], columns: List[str]) -> str:

@@ -69,3 +69,13 @@ def test_portable_runs_are_one_model_under_every_machine_stand_in(tmp_path):
     for tag, changes in {"one_core": {"OMP_NUM_THREADS": "1"}, "onednn_avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
                          "mkl_avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}}.items():
         assert _train(tmp_path, tag, changes) == base, tag
+
+
+def test_portable_kernels_are_another_run_identity_and_native_keeps_its_fingerprint():
+    from fl_core.config import compose
+    from pipeline.train import experiment_fingerprint, result_sections
+
+    native, portable = compose(["engine.kernels=native"]), compose(["engine.kernels=portable"])
+    assert "kernels" not in result_sections(native) and result_sections(portable)["kernels"] == "portable"
+    assert experiment_fingerprint(native) == experiment_fingerprint(compose([]))
+    assert experiment_fingerprint(portable) != experiment_fingerprint(native)
