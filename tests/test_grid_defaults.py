@@ -1,4 +1,6 @@
-"""A single run's defaults are the default grid's shared values, so a plain ``fl-train`` is a grid row."""
+"""A single run's defaults are the default grid's shared values, so a plain ``fl-train`` is a grid row; the grid
+pins portable CPU kernels for its committed numbers (docs/reliability.md), so the row is exact with
+``engine.kernels=portable``."""
 
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_single_run_defaults_equal_the_grid_shared_values():
     grid = load_grid(ROOT / "params.yaml")
-    assert to_container(compose(grid.shared)) == to_container(compose([]))
+    assert to_container(compose(grid.shared)) == to_container(compose(["engine.kernels=portable"]))
 
 
 def test_the_grid_fedavg_row_is_a_plain_single_run():
     grid = load_grid(ROOT / "params.yaml")
     row = to_container(compose(grid.overrides("fedavg", 1)))
-    single = to_container(compose(["seed=1"]))
+    single = to_container(compose(["seed=1", "engine.kernels=portable"]))
     assert row.pop("name") == "fedavg" and single.pop("name") is None
     assert row == single
 
