@@ -2,8 +2,8 @@
 
 docs/reliability.md, "Numbers on another CPU". PyTorch chooses its CPU kernels by the processor it runs on, and each
 choice sums in its own order, so float32 results differ in the last bits between two CPUs and, through training,
-in the accuracy (the default grid moved SCAFFOLD's mean final accuracy by 0.49 points from an Intel Xeon to an AMD
-EPYC). The choices and how ``portable`` fixes each:
+in the accuracy (docs/reliability.md gives the default grid on an Intel Xeon and an AMD EPYC). The choices and how
+``portable`` fixes each:
 
 - ATen's vectorised loops (elementwise ops, reductions) by instruction set (AVX-512, AVX2 or none):
   ``ATEN_CPU_CAPABILITY=avx2``, the AVX2 loops on every CPU that has AVX2;
