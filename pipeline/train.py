@@ -90,6 +90,7 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   engine.executor={"|".join(EXECUTORS)}
     (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
+  engine.kernels=native|portable (portable: the same numbers on every x86-64 CPU with AVX2; docs/reliability.md)
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
 Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) gives one job, each job one
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
