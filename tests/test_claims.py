@@ -193,15 +193,7 @@ experiments:
   fedavg_cifar: {algorithm: fedavg, partition: iid, dataset: cifar10}
 """
 
-CLAIMS = """\
-claims:
-  - id: bug_beats_avg
-    claim: "FedBug beats FedAvg"
-    source: "FedBug, Table 1"
-    metric: final_acc
-    a: fedbug_dir
-    b: fedavg_dir
-    expect: greater
+CLAIMS = GOOD + """\
   - id: prox_like_avg
     claim: "FedProx matches FedAvg"
     source: "FedProx, Fig. 1"
