@@ -37,7 +37,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from .files import atomic_write
-from .report import _num, _parse_partition, algorithm_label, partition_label
+from .report import _num, _parse_partition, algorithm_label, dataset_label, partition_label
 
 # tab10: a qualitative palette whose colours stay apart in print and for the common colour-vision deficiencies
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -114,10 +114,12 @@ def partition_title(key: str, dataset: bool = True) -> str:
     p = _parse_partition(str(key or ""))
     if p is None:
         return str(key or "") or "?"
-    parts = [p["dataset"]] if dataset else []
+    if p["kind"] == "natural":  # the label names the dataset variant already
+        return f"{partition_label(key)}, {p['clients']} devices"
+    parts = [dataset_label(p["dataset"])] if dataset else []
     parts.append(partition_label(key))
     if "clients" in p:
-        parts.append(f"{p['clients']} clients")
+        parts.append(f"{p['clients']} client{'' if p['clients'] == '1' else 's'}")
     return ", ".join(parts)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from fl_core.data.partition import partition_key
+from fl_core.data import dataset_tag, partition_key
 
 from .common import dataset_for, fail, partition_for
 from .prepare import stage_configs
@@ -22,7 +22,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     seen = set()
     for cfg in cfgs:
-        key = partition_key(cfg.partition, cfg.dataset.name)
+        key = partition_key(cfg.partition, dataset_tag(cfg.dataset))
         if key in seen:
             continue
         seen.add(key)

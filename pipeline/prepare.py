@@ -1,6 +1,7 @@
 """DVC stage ``prepare``: read every dataset the grid uses once and cache it as tensors.
 
-``python -m pipeline.prepare [--params params.yaml]`` writes ``data/prepared/<dataset>.pt``
+``python -m pipeline.prepare [--params params.yaml]`` writes ``data/prepared/<dataset>.pt`` (one file per
+variant of a generated dataset, e.g. ``mnist1d-shuffled-s42.pt``)
 (uint8 images, int64 labels, normalisation constants); later stages and single runs read the cache.
 """
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from fl_core.config import ConfigError
+from fl_core.data import dataset_tag
 
 from .common import dataset_for, fail
 from .grid import load_grid
@@ -48,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     seen = set()
     for cfg in cfgs:
-        key = (cfg.dataset.name, cfg.data_dir)
+        key = (dataset_tag(cfg.dataset), cfg.data_dir)
         if key in seen:
             continue
         seen.add(key)

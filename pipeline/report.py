@@ -102,8 +102,32 @@ def algorithm_label(s: str) -> str:
 _PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
 
 
+_NATURAL_RE = re.compile(r"^(?P<ds>.+)-natural-n(?P<n>\d+)$")
+_SYNTHETIC_RE = re.compile(r"^synthetic-(?:iid|a(?P<a>[^-]+)-b(?P<b>[^-]+))-n\d+-tf[^-]+-s-?\d+$")
+_MNIST1D_RE = re.compile(r"^mnist1d(?P<shuf>-shuffled)?-s-?\d+$")
+
+
+def dataset_label(tag: str) -> str:
+    """A readable name of a dataset variant from its tag (``fl_core.data.dataset_tag``).
+
+    ``"synthetic-a1-b1-n30-tf0.2-s0"`` -> ``"Synthetic(1,1)"``, ``"synthetic-iid-n30-tf0.2-s0"`` ->
+    ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``;
+    any other tag (``"digits"``, ``"cifar10"``) unchanged.
+    """
+    m = _SYNTHETIC_RE.match(tag)
+    if m:
+        return "Synthetic IID" if m.group("a") is None else f"Synthetic({m.group('a')},{m.group('b')})"
+    m = _MNIST1D_RE.match(tag)
+    if m:
+        return "MNIST-1D shuffled" if m.group("shuf") else "MNIST-1D"
+    return tag
+
+
 def _parse_partition(key: str) -> Optional[Dict[str, str]]:
     """Fields of a partition key (see ``fl_core.data.partition.partition_key``), or None."""
+    m = _NATURAL_RE.match(key)
+    if m:  # the dataset's own devices: no seed
+        return {"dataset": m.group("ds"), "kind": "natural", "clients": m.group("n")}
     m = _PART_RE.match(key)
     if not m:
         return None
@@ -134,7 +158,8 @@ def partition_label(key: str, verbose: bool = False) -> str:
 
     ``"digits-iid-n20-sgm0-s0"`` -> ``"IID"``, ``"digits-dirichlet-per_client-a0.3-n20-s0"`` ->
     ``"Dirichlet α=0.3"``, ``"...-dirichlet-per_class-a0.5-..."`` -> ``"Dirichlet α=0.5 (per class)"``,
-    ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``.
+    ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``, ``"synthetic-a1-b1-n30-tf0.2-s0-natural-n30"``
+    -> ``"Synthetic(1,1), natural"`` (the devices are the clients).
     With ``verbose`` the dataset, number of clients and every other field of the key are added, so
     different keys give different labels.
     """
@@ -144,6 +169,11 @@ def partition_label(key: str, verbose: bool = False) -> str:
         return key or "?"
     kind = p["kind"]
     extra: List[str] = []
+    if kind == "natural":
+        label = f"{dataset_label(p['dataset'])}, natural"
+        if verbose:
+            extra.append(f"{p['clients']} devices")
+        return f"{label} ({', '.join(extra)})" if extra else label
     if kind == "iid":
         label = "IID"
     elif kind == "dirichlet":
@@ -159,11 +189,11 @@ def partition_label(key: str, verbose: bool = False) -> str:
         extra.append(f"size \u03c3={p['sigma']}")
     if verbose:
         if "clients" in p:
-            extra.append(f"{p['clients']} clients")
+            extra.append(f"{p['clients']} client{'' if p['clients'] == '1' else 's'}")
         if "min_size" in p:
             extra.append(f"min size {p['min_size']}")
         extra.append(f"seed {p['seed']}")
-        label = f"{p['dataset']}: {label}"
+        label = f"{dataset_label(p['dataset'])}: {label}"
     return f"{label} ({', '.join(extra)})" if extra else label
 
 

@@ -42,7 +42,7 @@ import torch
 
 from fl_core import faults
 from fl_core.config import ConfigError, compose, to_container
-from fl_core.data import DataSourceError, PartitionError, describe_source
+from fl_core.data import DataSourceError, PartitionError, dataset_tag, describe_source
 from fl_core.data.partition import partition_key, plot_label_distribution
 from fl_core.engine.diagnostics import effective_update
 from fl_core.engine.factory import DTYPES, build_simulator, client_data
@@ -245,7 +245,7 @@ class _Experiment:
         self.probe = self._preflight()
         self.algo_desc = self.probe.algo.describe()
         self.model_d = self.probe.spec.d
-        self.pkey = partition_key(cfg0.partition, cfg0.dataset.name)
+        self.pkey = partition_key(cfg0.partition, dataset_tag(cfg0.dataset))
         self.seeds = [int(c.seed) for c in cfgs]
         self.store = ExperimentStore(self.name, experiment_fingerprint(cfg0), Path(cfg0.results_dir),
                                      Path(cfg0.engine.checkpoint_dir))

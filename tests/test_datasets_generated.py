@@ -319,3 +319,56 @@ def test_two_rounds_on_both_executors_agree(overrides, prepared):
         assert torch.allclose(p, vec.models[1][name], atol=1e-9), name
     first = seq.history["test_loss"].iloc[0]
     assert not np.allclose(first, np.log(10.0), atol=1e-6)  # it trained (not a blank model)
+
+
+# --------------------------------------------------------------------------- variants in one grid
+
+
+def test_each_variant_has_its_own_cache_file_and_partition_key():
+    from fl_core.data import dataset_tag, partition_key, prepared_path
+
+    cfgs = [compose(o) for o in (["dataset=synthetic", "partition=natural"],
+                                 ["dataset=synthetic", "partition=natural", "dataset.beta=0.5"],
+                                 ["dataset=synthetic", "partition=natural", "dataset.iid=true"],
+                                 ["dataset=mnist1d"], ["dataset=mnist1d", "dataset.shuffle_positions=true"])]
+    tags = [dataset_tag(c.dataset) for c in cfgs]
+    assert tags == ["synthetic-a1-b1-n30-tf0.2-s0", "synthetic-a1-b0.5-n30-tf0.2-s0", "synthetic-iid-n30-tf0.2-s0",
+                    "mnist1d-s42", "mnist1d-shuffled-s42"]
+    assert len({prepared_path(c.dataset, Path("d")) for c in cfgs}) == 5
+    assert len({partition_key(c.partition, t) for c, t in zip(cfgs, tags)}) == 5
+    assert dataset_tag(compose(["dataset=digits"]).dataset) == "digits"  # the read sources keep their names
+
+
+def _tree_digest(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_grid_of_variants_is_prepared_once_and_training_writes_no_data(tmp_path, monkeypatch):
+    """The prepare and partition stages cache every variant of the grid; the train stages only read them (a
+    train stage that rewrote ``data/`` would change the prepare stage's output and make every ``dvc repro`` start
+    again)."""
+    import yaml
+
+    from pipeline import partition as partition_stage
+    from pipeline import prepare as prepare_stage
+    from pipeline import train as train_stage
+
+    params = {"seeds": [1], "dataset": {"name": "synthetic", "num_devices": 4}, "partition": {"name": "natural"},
+              "model": {"name": "logreg"},
+              "train": {"rounds": 1, "participation": 1.0, "local_epochs": 1, "batch_size": 10, "lr": 0.01},
+              "engine": {"executor": "sequential", "checkpoint_every": 0},
+              "experiments": {"s00": {"algorithm": "fedavg", "dataset.alpha": 0.0, "dataset.beta": 0.0},
+                              "s11": {"algorithm": "fedavg"}, "iid": {"algorithm": "fedavg", "dataset.iid": True}}}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    assert prepare_stage.main(["--params", "params.yaml"]) == 0
+    assert partition_stage.main(["--params", "params.yaml"]) == 0
+    assert sorted(p.name for p in Path("data/prepared").iterdir()) == [
+        "synthetic-a0-b0-n4-tf0.2-s0.pt", "synthetic-a1-b1-n4-tf0.2-s0.pt", "synthetic-iid-n4-tf0.2-s0.pt"]
+    before = _tree_digest(Path("data"))
+    assert len([k for k in before if k.endswith("partition.npz")]) == 3
+    for name in params["experiments"]:
+        assert train_stage.main(["--grid", name, "--params", "params.yaml"]) == 0
+    assert _tree_digest(Path("data")) == before

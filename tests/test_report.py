@@ -274,3 +274,22 @@ def test_fedbcgd_plus_label():
     from pipeline.report import algorithm_label
 
     assert algorithm_label("qsgd[s=16](fedbcgd_plus[code,N=3,lambda=0.8])") == "QSGD s=16 (FedBCGD+ code, N=3, lambda=0.8)"
+
+
+def test_dataset_variants_are_columns_of_their_own():
+    """Each variant of a generated dataset is its own partition key, so its own column (FedProx's Synthetic(0,0)
+    and (1,1) were one column before)."""
+    from pipeline.figures import partition_title
+    from pipeline.report import dataset_label
+
+    assert dataset_label("synthetic-a0.5-b0.5-n30-tf0.2-s0") == "Synthetic(0.5,0.5)"
+    assert dataset_label("synthetic-iid-n30-tf0.2-s0") == "Synthetic IID"
+    assert dataset_label("mnist1d-shuffled-s42") == "MNIST-1D shuffled"
+    assert dataset_label("digits") == "digits"
+    keys = [f"synthetic-{v}-n30-tf0.2-s0-natural-n30" for v in ("a0-b0", "a1-b1", "iid")]
+    assert [partition_label(k) for k in keys] == ["Synthetic(0,0), natural", "Synthetic(1,1), natural",
+                                                  "Synthetic IID, natural"]
+    assert partition_label(keys[0], verbose=True) == "Synthetic(0,0), natural (30 devices)"
+    assert partition_title(keys[1]) == "Synthetic(1,1), natural, 30 devices"
+    assert partition_label("mnist1d-shuffled-s42-iid-n1-sgm0-s0", verbose=True) == \
+        "MNIST-1D shuffled: IID (1 client, seed 0)"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import FLDataset, Partition, get_dataset, get_partition, holdout_validation, load_source, make_partition
 from .partition import partition_key
-from .sources import prepared_path
+from .sources import dataset_tag, prepared_path
 
 
 def dataset_for(cfg, *, write_cache: bool) -> FLDataset:
@@ -36,9 +36,10 @@ def partition_for(cfg, ds: FLDataset, *, write_cache: bool) -> Partition:
     labels = ds.y_train.numpy()
     devices = None if ds.devices is None else ds.devices.numpy()
     data_dir = Path(cfg.data_dir)
-    key_dir = data_dir / "partitions" / partition_key(cfg.partition, cfg.dataset.name)
+    tag = dataset_tag(cfg.dataset)
+    key_dir = data_dir / "partitions" / partition_key(cfg.partition, tag)
     if float(getattr(cfg.dataset, "validation_fraction", 0.0) or 0.0) > 0:  # another training set: never cached
         return make_partition(cfg.partition, labels, ds.num_classes, devices)
     if write_cache or key_dir.exists():
-        return get_partition(cfg.partition, cfg.dataset.name, labels, ds.num_classes, data_dir, devices)
+        return get_partition(cfg.partition, tag, labels, ds.num_classes, data_dir, devices)
     return make_partition(cfg.partition, labels, ds.num_classes, devices)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ __all__ = [
     "FLDataset",
     "SOURCES",
     "load_source",
+    "dataset_tag",
     "prepared_path",
     "get_dataset",
     "holdout_validation",
@@ -853,9 +855,30 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
 # --------------------------------------------------------------------------- prepared cache
 
 
+def _g(x: Any) -> str:
+    return f"{float(x):g}"
+
+
+def dataset_tag(cfg: Any) -> str:
+    """The name of a dataset variant in file and folder names (the prepared cache, partition keys).
+
+    ``cfg.name`` for the read sources and digits; for the generated sources the name with the arguments that
+    tell variants apart, so that the variants of one grid never share (and overwrite) a cache file:
+    ``synthetic-a1-b1-n30-tf0.2-s0``, ``synthetic-iid-n30-tf0.2-s0``, ``mnist1d-s42``, ``mnist1d-shuffled-s42``.
+    """
+    name = str(cfg.name)
+    if name == "synthetic":
+        kind = "iid" if bool(cfg.iid) else f"a{_g(cfg.alpha)}-b{_g(cfg.beta)}"
+        name = f"synthetic-{kind}-n{int(cfg.num_devices)}-tf{_g(cfg.test_fraction)}-s{int(cfg.seed)}"
+    elif name == "mnist1d":
+        name = f"mnist1d{'-shuffled' if bool(cfg.shuffle_positions) else ''}-s{int(cfg.seed)}"
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+
+
 def prepared_path(cfg: Any, data_dir: Path) -> Path:
-    """Where :func:`get_dataset` caches a dataset: ``data_dir / "prepared" / f"{name}.pt"``."""
-    return Path(data_dir) / "prepared" / f"{cfg.name}.pt"
+    """Where :func:`get_dataset` caches a dataset: ``data_dir / "prepared" / f"{dataset_tag(cfg)}.pt"`` (one file
+    per variant of a generated dataset)."""
+    return Path(data_dir) / "prepared" / f"{dataset_tag(cfg)}.pt"
 
 
 def _signature(cfg: Any) -> dict:
