@@ -12,6 +12,8 @@ tests) and a writer that builds, saves both formats and returns the written path
 * :func:`comparison_figure` (``results/curves.png`` of the report): one column per partition, test
   accuracy (%) on top and training loss below, one line per method with a min-max band over seeds;
   the accuracy panels share one y-axis, the loss panels another; one legend below the panels.
+* :func:`uplink_figure` (``results/uplink.png``): the same panels, test accuracy (%) against each client's
+  cumulative uplink in units of d, one line per method.
 * :func:`experiment_figure`: a drop-in for the train stage's per-experiment ``plot_curves(histories,
   title, path)``: test accuracy (%), test loss and training loss per round, one thin line per seed
   and their mean in bold.
@@ -356,6 +358,76 @@ def comparison_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[s
     """Build :func:`build_comparison_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``;
     returns the two paths."""
     return save_figure(build_comparison_figure(curves, title=title, max_cols=max_cols), path)
+
+
+# --------------------------------------------------------------------------- accuracy against uplink
+
+UPLINK_LABEL = "uplink per client (d, cumulative)"
+
+
+def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
+    """Test accuracy against communication, before saving: the uplink view of :func:`build_comparison_figure`.
+
+    Args:
+        curves: ``(method, panel, data)`` triples as for :func:`build_comparison_figure`; ``data`` needs
+            ``acc_up_d`` (each participating client's cumulative uplink in units of the model size d at each
+            evaluated round, :func:`pipeline.report.load_experiments`) and ``acc_mean`` (fractions, drawn in %).
+            An experiment without them draws nothing.
+        title: an optional title above the panels.
+        max_cols: panels per row.
+
+    Layout: one accuracy panel per partition (shared y-axis in %), x the uplink in d (FedAvg: 1 d per round, so
+    its line is its per-round curve; FedBCGD about d/N per round, compressed uploads less), one legend below.
+    """
+    curves = list(curves)
+    methods, panels = _methods_and_panels(curves)
+    styles = method_styles(methods)
+    many = len(methods) > 6
+    ncol = max(1, min(len(panels), max_cols))
+    nrow = max(1, math.ceil(len(panels) / ncol))
+    width = max(6.4, 3.6 * ncol + 0.8)
+    height = 3.2 * nrow + 0.5 + 0.22 * _legend_rows(len(methods) or 1, methods or [""], width) + (0.3 if title else 0)
+    fig = _new_figure(width, height)
+    grid = fig.subplots(nrow, ncol, squeeze=False)
+    axes = [grid[j // ncol][j % ncol] for j in range(max(1, len(panels)))]
+    for j in range(max(1, len(panels)), nrow * ncol):
+        grid[j // ncol][j % ncol].remove()
+    for ax in axes[1:]:
+        ax.sharey(axes[0])
+    drawn: Dict[str, Line2D] = {}
+    lo, hi = math.inf, -math.inf
+    for method, panel, data in curves:
+        x, y = _arr(data, "acc_up_d"), 100 * _arr(data, "acc_mean")
+        keep = np.isfinite(x) & np.isfinite(y) if len(x) == len(y) else np.zeros(0, dtype=bool)
+        if not keep.any():
+            continue
+        kw = styles[method].line_kwargs(lw=1.5 if many else 1.8)
+        axes[panels.index(panel)].plot(x[keep], y[keep], label=method, **kw)
+        lo, hi = min(lo, float(y[keep].min())), max(hi, float(y[keep].max()))
+        drawn.setdefault(method, Line2D([], [], **{**kw, "markevery": None}))
+    _accuracy_limits(axes[0], lo, hi)
+    for j, ax in enumerate(axes):
+        ax.set_title(panels[j] if panels else "", fontsize=10)
+        if not ax.lines:
+            _no_data(ax, "no uplink counts" if panels else "no results")
+        ax.set_xlabel(UPLINK_LABEL, fontsize=9)
+        if j % ncol == 0:
+            ax.set_ylabel(ACC_LABEL, fontsize=9)
+        else:
+            ax.tick_params(labelleft=False)
+        _tidy(ax)
+    labels = [m for m in methods if m in drawn]
+    _legend_below(fig, [drawn[m] for m in labels], labels, width)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def uplink_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,
+                  max_cols: int = 4) -> List[Path]:
+    """Build :func:`build_uplink_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``; returns the two
+    paths."""
+    return save_figure(build_uplink_figure(curves, title=title, max_cols=max_cols), path)
 
 
 # --------------------------------------------------------------------------- one experiment

@@ -13,6 +13,8 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
 * ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
   accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
   loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
+* ``uplink.png`` and ``uplink.pdf``: the same columns, test accuracy in % (mean over seeds) against the floats
+  each participating client has uploaded so far, in units of the model size d (FedAvg: 1 d per round).
 * ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
   fractions.
 * ``test_acc.csv``: test accuracy in % per round (mean over seeds), one column per experiment: the
@@ -50,6 +52,7 @@ from .files import write_text
 from .grid import Grid, load_grid
 
 DASH = "\u2014"
+UPLINK_FIGURE = "uplink.png"  # beside the curves figure
 PM = "\u00b1"
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
@@ -266,7 +269,9 @@ def numeric_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[int, Dict[int,
 def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
 
-    Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. Returns
+    Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. ``acc_up`` is, at
+    each round of ``acc_round``, the floats each participating client has uploaded up to and including that
+    round (``comm_up_floats``, cumulative in ``runs.csv``; mean over seeds; NaN without that column). Returns
     None when the file is missing, empty or lacks the ``round`` column.
     """
     rows = read_runs_rows(path)
@@ -274,22 +279,31 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
         return None
     acc: Dict[int, List[float]] = {}
     loss: Dict[int, List[float]] = {}
+    up: Dict[int, Dict[int, float]] = {}  # seed -> round -> floats uploaded per client so far (cumulative)
     for r in rows:
         rnd = _float(r.get("round"))
         if math.isnan(rnd):
             continue
-        a, lo = _float(r.get("test_acc")), _float(r.get("train_loss"))
+        a, lo, u = _float(r.get("test_acc")), _float(r.get("train_loss")), _float(r.get("comm_up_floats"))
         if math.isfinite(a):
             acc.setdefault(int(rnd), []).append(a)
         if math.isfinite(lo):
             loss.setdefault(int(rnd), []).append(lo)
+        seed = _float(r.get("seed"))
+        if math.isfinite(u) and not math.isnan(seed):
+            up.setdefault(int(seed), {})[int(rnd)] = u
     ar = sorted(acc)
     lr = sorted(loss)
+    cumulative: Dict[int, List[float]] = {}  # round -> each seed's uplink up to and including it
+    for per_round in up.values():
+        for rnd, total in per_round.items():
+            cumulative.setdefault(rnd, []).append(total)
     return {
         "acc_round": np.array(ar, dtype=float),
         "acc_mean": np.array([np.mean(acc[r]) for r in ar], dtype=float),
         "acc_min": np.array([np.min(acc[r]) for r in ar], dtype=float),
         "acc_max": np.array([np.max(acc[r]) for r in ar], dtype=float),
+        "acc_up": np.array([np.mean(cumulative[r]) if r in cumulative else math.nan for r in ar], dtype=float),
         "loss_round": np.array(lr, dtype=float),
         "loss_mean": np.array([np.mean(loss[r]) for r in lr], dtype=float),
     }
@@ -328,6 +342,9 @@ def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
                 n_ok = len(exp.metrics.get("seeds") or [])
                 exp.notes.append(f"seed(s) {', '.join(map(str, failed))} failed; numbers are over the "
                                  f"remaining {n_ok} seed(s)")
+            d = _num(exp.metrics.get("model_d"))
+            if exp.curves is not None and d:  # the uplink in units of the model size d
+                exp.curves["acc_up_d"] = exp.curves["acc_up"] / d
             if exp.curves is None and not exp.failed:
                 exp.notes.append("no runs.csv: not in the curves figure")
         out.append(exp)
@@ -764,10 +781,16 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
 
 
 def _curves_section(curves_name: str) -> List[str]:
-    """The "Curves" section: the figure (PNG, relative to the report) and a link to its PDF."""
+    """The "Curves" section: the two figures (PNG, relative to the report: per round, and against the uplink in
+    ``uplink.png`` beside it) and links to their PDFs."""
     pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
+    up_name = str(Path(curves_name).with_name(UPLINK_FIGURE).as_posix())
+    up_pdf = str(Path(up_name).with_suffix(".pdf").as_posix())
     return ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
-            f"The same figure as PDF, for a draft: [{pdf_name}]({pdf_name}).", ""]
+            "Test accuracy against the floats each participating client has uploaded (cumulative, in units of "
+            "the model size d): methods that send less per round move left.", "",
+            f"![Test accuracy against uplink per client]({up_name})", "",
+            f"The same figures as PDF, for a draft: [{pdf_name}]({pdf_name}), [{up_pdf}]({up_pdf}).", ""]
 
 
 def _final_window_text(ms: List[Dict]) -> str:
@@ -888,10 +911,21 @@ def plot_curves(exps: List[Experiment], path: Path) -> List[Path]:
     return comparison_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
 
 
+def plot_uplink(exps: List[Experiment], path: Path) -> List[Path]:
+    """The accuracy-vs-uplink figure (:func:`pipeline.figures.uplink_figure`) as ``path`` (PNG) and a PDF beside
+    it: per partition column, test accuracy in % (mean over seeds) against each client's cumulative uplink in
+    units of d, one line per algorithm. Returns the written paths."""
+    from .figures import uplink_figure  # figures imports this module's labels
+
+    exps = [e for e in exps if e.metrics is not None]
+    return uplink_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.report",
-        description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf, summary.csv, "
+        description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf, uplink.png/.pdf, "
+                    "summary.csv, "
                     "test_acc.csv (accuracy per round, one column per experiment) and metrics.json (final "
                     "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
                     "<results>/<name>/metrics.json, experiment.json and runs.csv.",
@@ -905,7 +939,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the study's paper claims, whose verdicts end the report (default: claims.yaml beside "
                         "--params, when it exists; docs/claims.md)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="the markdown report; curves.png, curves.pdf, summary.csv, test_acc.csv and metrics.json "
+                   help="the markdown report; curves.png/.pdf, uplink.png/.pdf, summary.csv, test_acc.csv and "
+                        "metrics.json "
                         "go beside it "
                         "(default: <results>/report.md)")
     return p
@@ -934,6 +969,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
+    plot_uplink(done, out.parent / UPLINK_FIGURE)
     write_text(out.parent / "summary.csv", summary_csv(done))
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
     write_text(out.parent / "metrics.json", json.dumps(root_metrics(done), indent=2) + "\n")

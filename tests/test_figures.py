@@ -11,7 +11,7 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.figures import (build_comparison_figure, build_experiment_figure, build_schedule_figure,
                               comparison_figure, experiment_figure, figure_paths, method_styles,
-                              partition_title, readable_title, schedule_figure)
+                              partition_title, readable_title, schedule_figure, uplink_figure)
 
 ROUNDS = np.arange(1, 9, dtype=float)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -113,6 +113,26 @@ def test_comparison_figure_layout():
             assert float(value).is_integer()
             if text:
                 assert "." not in text
+
+
+def test_uplink_figure_draws_accuracy_against_the_uplink_in_d(tmp_path):
+    """Each method's accuracy (%) at its own cumulative uplink (d): a method sending d/4 per round ends at a
+    quarter of FedAvg's uplink; a method without uplink counts draws nothing."""
+    fedavg = {**_data(0.9), "acc_up_d": ROUNDS.copy()}
+    quarter = {**_data(0.8), "acc_up_d": ROUNDS / 4}
+    no_counts = _data(0.7)  # runs.csv without comm_up_floats
+    curves = [("FedAvg", "IID", fedavg), ("FedBCGD", "IID", quarter), ("Top-k", "IID", no_counts)]
+    _written(_no_warnings(uplink_figure, curves, tmp_path / "uplink.png"))
+    from pipeline.figures import build_uplink_figure
+
+    fig = build_uplink_figure(curves)
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.lines}
+    assert sorted(lines) == ["FedAvg", "FedBCGD"]
+    assert list(lines["FedBCGD"].get_xdata()) == list(ROUNDS / 4)
+    assert list(lines["FedAvg"].get_ydata()) == pytest.approx(list(90 * (1 - np.exp(-ROUNDS / 3))))
+    assert "d" in ax.get_xlabel() and "%" in ax.get_ylabel() and ax.get_title() == "IID"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["FedAvg", "FedBCGD"]
 
 
 def test_comparison_figure_many_methods_and_partitions():

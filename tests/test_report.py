@@ -51,7 +51,7 @@ def _write_experiment(results: Path, algo: str, part: str) -> None:
                                "final_train_loss": 1.0 - final}
         for r, a in enumerate(accs, 1):
             rows.append({"seed": seed, "round": r, "train_loss": round(2.0 - a, 6), "lr": 0.05,
-                         "num_clients": 10, "comm_up_floats": 100, "comm_down_floats": 100,
+                         "num_clients": 10, "comm_up_floats": 100 * r, "comm_down_floats": 100 * r,
                          # round 2 not evaluated: empty test columns as the train stage writes them
                          "test_acc": "" if r == 2 else a, "test_loss": "" if r == 2 else 1 - a,
                          "round_time_s": 0.1})
@@ -118,7 +118,7 @@ def test_report(tree, capsys):
     assert main(["--params", str(params), "--results", str(results)]) == 0
     after = sorted(p.relative_to(root) for p in root.rglob("*"))
     added = {Path("results/report.md"), Path("results/curves.png"), Path("results/curves.pdf"),
-             Path("results/summary.csv"), Path("results/test_acc.csv"), Path("results/metrics.json")}
+             Path("results/uplink.png"), Path("results/uplink.pdf"), Path("results/summary.csv"), Path("results/test_acc.csv"), Path("results/metrics.json")}
     assert set(after) - set(before) == added  # nothing else written, no temp files left
     md = (results / "report.md").read_text()
 
@@ -170,6 +170,13 @@ def test_report(tree, capsys):
 
     assert "![" in md and "](curves.png)" in md
     assert "[curves.pdf](curves.pdf)" in md  # the same figure for a draft
+    assert "](uplink.png)" in md and "[uplink.pdf](uplink.pdf)" in md
+    from pipeline.grid import load_grid
+    from pipeline.report import load_experiments
+
+    exps = {e.name: e for e in load_experiments(load_grid(params), results)}
+    # comm_up_floats is cumulative in runs.csv: 100 r floats at round r, d = 100; round 2 was not evaluated
+    assert list(exps["fedavg_iid"].curves["acc_up_d"]) == [1.0, 3.0, 4.0]
     assert "## How to read" in md and "sample standard deviation" in md
     missing = md.split("## Missing", 1)[1]
     assert "`fedprox_iid`" in missing
