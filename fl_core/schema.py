@@ -17,7 +17,9 @@ class ConfigError(ValueError):
     """A configuration value is out of range or not one of the allowed choices."""
 
 
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d")
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
+            "emnist")
+EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")  # dataset.split (Cohen et al. 2017)
 GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
 DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
@@ -234,6 +236,8 @@ class DatasetConfig:
     shuffle_positions: bool = param(False, "mnist1d: the authors' spatially shuffled control (one fixed "
                                     "permutation of the 40 positions for every sequence)",
                                     when=when("dataset.name", "mnist1d"))
+    split: str = param("byclass", "emnist: the official split read: byclass (62 classes), bymerge | balanced (47), "
+                       "letters (26), digits | mnist (10)", choices=EMNIST_SPLITS, when=when("dataset.name", "emnist"))
     validation_fraction: float = param(
         0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
         "instead of the test set; every test_* metric is then a validation metric (tuning)", ge=0, lt=1)
@@ -268,7 +272,7 @@ class PartitionConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f)mnist), std_cnn (CIFAR), tiny_cnn "
+    name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f/e)mnist), std_cnn (CIFAR), tiny_cnn "
                       "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d); m1d_*: the MNIST-1D "
                       "authors' models", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))

@@ -18,6 +18,9 @@ Sources (``dataset.name``):
   ``dataset.root/MNIST/raw`` and ``dataset.root/FashionMNIST/raw``. torchvision
   only knows MD5 sums of the downloaded ``.gz`` archives, so ``verify`` has no
   effect on already extracted files.
+- ``emnist``: EMNIST (Cohen et al. 2017) through torchvision's reader of the unpacked idx files of one
+  ``dataset.split`` under ``dataset.root/EMNIST/raw`` (see :func:`_emnist`): 28x28 grey characters, turned
+  upright (the official files store them transposed); ``letters`` labels 1..26 become 0..25.
 - ``tiny_imagenet``: the official ``tiny-imagenet-200/`` folder under ``dataset.root``
   (read with PIL, see :func:`_tiny_imagenet`): 200 classes of 64x64 RGB images,
   100,000 training images and the 10,000 labelled official validation images as
@@ -51,6 +54,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -74,7 +78,8 @@ __all__ = [
     "describe_source",
 ]
 
-SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d")
+SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
+           "emnist")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
 
 # Per-channel statistics of x/255 on the official training sets (docs/algorithms.md, Augmentation and normalisation).
@@ -83,6 +88,12 @@ _CIFAR100_STATS = ((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
 _MNIST_STATS = ((0.1307,), (0.3081,))
 _FMNIST_STATS = ((0.2860,), (0.3530,))
 _TINY_STATS = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # FedBug's Tiny-ImageNet normalisation, not measured
+# EMNIST split -> (classes, (first, last) label in the official files, mean, std of x/255 on the training split);
+# the mean/std are Lightning-bolts' emnist_normalization values (pl_bolts.transforms.dataset_normalizations), not
+# measured here
+_EMNIST_SPLITS = {"byclass": (62, (0, 61), 0.1736, 0.3316), "bymerge": (47, (0, 46), 0.1736, 0.3316),
+                  "balanced": (47, (0, 46), 0.1751, 0.3332), "letters": (26, (1, 26), 0.1722, 0.3309),
+                  "digits": (10, (0, 9), 0.1733, 0.3316), "mnist": (10, (0, 9), 0.1733, 0.3317)}
 
 _TINY_FOLDER = "tiny-imagenet-200"
 _TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
@@ -98,7 +109,8 @@ _CINIC_LAYOUT = ("cinic-10/ (or CINIC-10/) with train/<class>/*.png and test/<cl
 # file types torchvision's ImageFolder accepts
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 _ROOT_HOLDS = {"cifar10": "cifar-10-batches-py/", "cifar100": "cifar-100-python/", "mnist": "MNIST/raw/",
-               "fmnist": "FashionMNIST/raw/", "tiny_imagenet": f"{_TINY_FOLDER}/", "cinic10": "cinic-10/"}
+               "fmnist": "FashionMNIST/raw/", "tiny_imagenet": f"{_TINY_FOLDER}/", "cinic10": "cinic-10/",
+               "emnist": "EMNIST/raw/"}
 _PROGRESS_MIN = 1000  # show a progress bar when decoding more images than this
 
 
@@ -513,17 +525,19 @@ def _mnist(cfg: Any, root: Path, fashion: bool) -> FLDataset:
     )
 
 
-def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException) -> DataSourceError:
+def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException, files: dict = _MNIST_FILES,
+                 legacy_names: tuple = ("training.pt", "test.pt"), labels: tuple = (0, 9)) -> DataSourceError:
     """The one-line error for an MNIST read that failed with ``err``: find the file to blame.
 
     Checks, in order: torchvision's legacy cache ``<Folder>/processed/{training,test}.pt`` (read
     instead of ``raw/`` when both files exist) loads; the raw folder and its four idx files exist and
     can be opened; every idx file has the right magic number, dimensions, size and label range;
-    images and labels of a split have the same count. Falls back to ``err``.
+    images and labels of a split have the same count. Falls back to ``err``. ``files`` (as
+    ``_MNIST_FILES``), ``legacy_names`` and ``labels`` (first, last) describe another idx dataset (EMNIST).
     """
     raw = root / folder_name / "raw"
     processed = root / folder_name / "processed"
-    legacy = [processed / "training.pt", processed / "test.pt"]
+    legacy = [processed / name for name in legacy_names]
     if all(p.is_file() for p in legacy):
         for path in legacy:
             try:
@@ -540,36 +554,37 @@ def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException) -
     problem = _folder_problem(raw)
     if problem not in (None, "missing", "not a folder"):
         return DataSourceError(f"dataset.root: cannot read the folder {raw} ({problem})")
-    missing = list(_MNIST_FILES) if problem else [f for f in _MNIST_FILES if _file_problem(raw / f) == "missing"]
+    missing = list(files) if problem else [f for f in files if _file_problem(raw / f) == "missing"]
     if missing:
         what = "" if problem else f"; missing {', '.join(missing)}"
         return DataSourceError(
             f"dataset.root: {title} not found under {root} (expected {folder_name}/raw/ with "
-            f"{', '.join(_MNIST_FILES)}{what}; or set dataset.download=true)"
+            f"{', '.join(files)}{what}; or set dataset.download=true)"
         )
     counts = {}
-    for f, (magic, images) in _MNIST_FILES.items():
+    for f, (magic, images) in files.items():
         path = raw / f
         try:
             data = path.read_bytes()
         except OSError as io_err:
             return DataSourceError(f"dataset.root: cannot read {path} ({_file_problem(path) or _os_reason(io_err)})")
-        reason, counts[f] = _idx_problem(data, magic, images)
+        reason, counts[f] = _idx_problem(data, magic, images, labels)
         if reason:
             return DataSourceError(f"dataset.root: {path} is not a readable {title} idx file ({reason}); "
                                    f"replace it with the official file")
-    for split in ("train", "t10k"):
-        n_img, n_lab = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
-        if n_img != n_lab:
+    for img in (f for f, (_, images) in files.items() if images):
+        lab = img.replace("-images-idx3-", "-labels-idx1-")
+        if counts[img] != counts[lab]:
             return DataSourceError(
-                f"dataset.root: {raw / f'{split}-images-idx3-ubyte'} holds {n_img} images but "
-                f"{raw / f'{split}-labels-idx1-ubyte'} {n_lab} labels; replace them with the official files"
+                f"dataset.root: {raw / img} holds {counts[img]} images but {raw / lab} {counts[lab]} labels; "
+                f"replace them with the official files"
             )
     return DataSourceError(f"dataset.root: cannot read the {title} idx files under {raw} ({_one_line(err)})")
 
 
-def _idx_problem(data: bytes, magic: int, images: bool) -> tuple[Optional[str], int]:
-    """Why ``data`` is not an MNIST idx file (28x28 uint8 images or uint8 labels 0..9), and its item count.
+def _idx_problem(data: bytes, magic: int, images: bool, labels: tuple = (0, 9)) -> tuple[Optional[str], int]:
+    """Why ``data`` is not an MNIST idx file (28x28 uint8 images or uint8 labels ``labels[0]..labels[1]``), and its
+    item count.
 
     Returns ``(reason, n)``: reason None for a good file; n is the count the header announces (0 if unknown).
     """
@@ -593,9 +608,99 @@ def _idx_problem(data: bytes, magic: int, images: bool) -> tuple[Optional[str], 
         return f"{bad}: {len(data)} bytes where the header announces {need}", dims[0]
     if images and dims[1:] != [28, 28]:
         return f"not in the official format: images are {dims[1]}x{dims[2]}, expected 28x28", dims[0]
-    if not images and dims[0] and max(data[head:]) > 9:
-        return f"not in the official format: label {max(data[head:])} outside 0..9", dims[0]
+    if not images and dims[0] and not labels[0] <= min(data[head:]) <= max(data[head:]) <= labels[1]:
+        bad_label = min(data[head:]) if min(data[head:]) < labels[0] else max(data[head:])
+        return f"not in the official format: label {bad_label} outside {labels[0]}..{labels[1]}", dims[0]
     return None, dims[0]
+
+
+def _emnist_files(split: str) -> dict:
+    """The four idx files of one EMNIST split under ``EMNIST/raw`` -> (idx magic number, images?), as
+    ``_MNIST_FILES``; the names torchvision's ``EMNIST`` reads (the official ``.gz`` files, unpacked)."""
+    return {f"emnist-{split}-{part}-{kind}": (magic, images) for part in ("train", "test")
+            for kind, magic, images in (("images-idx3-ubyte", 2051, True), ("labels-idx1-ubyte", 2049, False))}
+
+
+def _emnist(cfg: Any, root: Path) -> FLDataset:
+    """EMNIST (Cohen et al. 2017, "EMNIST: an extension of MNIST to handwritten letters") through torchvision's
+    ``EMNIST`` reader of the idx files of one ``dataset.split`` (docs/algorithms.md, EMNIST).
+
+    - Files: ``root/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte``: the ``.gz`` files
+      of the official ``gzip.zip``, unpacked (what torchvision's download leaves there); only the split's four
+      files are read. torchvision reads its legacy cache ``EMNIST/processed/{training,test}_<split>.pt``
+      instead when both exist.
+    - Orientation: the official files store every character transposed (MNIST's files do not) and torchvision
+      returns them as stored; they are transposed back here, so ``x[n, 0, i, j]`` is row i, column j of the
+      upright character, as in MNIST (and as the official files' ``images[n, j, i]``).
+    - Labels (classes): byclass 0..61 (digits, A-Z, a-z; 62), bymerge and balanced 0..46 (47), digits and mnist
+      0..9 (10), as stored. letters is stored as 1..26 (torchvision's class list starts with ``"N/A"``, a class
+      no image has) and becomes 0..25 = a..z (26 classes).
+    - Normalisation: the split's mean/std of x/255 (``_EMNIST_SPLITS``: Lightning-bolts' values).
+    - ``dataset.download=true`` fetches torchvision's ``gzip.zip`` into ``EMNIST/raw`` (MD5-checked unless
+      ``dataset.verify=false``; an archive already there is used) and unpacks every split, as torchvision does.
+      Without a download ``verify`` has no effect: no MD5 sums of the unpacked files are known.
+
+    Returns uint8 ``[N, 1, 28, 28]`` images and int64 labels; official sizes (train / test): byclass and bymerge
+    697,932 / 116,323, balanced 112,800 / 18,800, letters 124,800 / 20,800, digits 240,000 / 40,000, mnist
+    60,000 / 10,000.
+
+    Raises:
+        DataSourceError: an unknown split (names ``dataset.split``); files missing (a packed ``.gz`` of a missing
+            file is named, to unpack), unreadable, truncated, empty or garbage (names the file), image and label
+            counts that differ, or labels outside the split's range; a failed download.
+    """
+    split = str(cfg.split)
+    if split not in _EMNIST_SPLITS:
+        raise DataSourceError(f"dataset.split must be one of {', '.join(_EMNIST_SPLITS)}, got {split!r}")
+    num_classes, (lo, hi), mean, std = _EMNIST_SPLITS[split]
+    datasets = torchvision().datasets
+    reader = datasets.EMNIST
+    raw = root / "EMNIST" / "raw"
+    files = _emnist_files(split)
+
+    def fetch() -> None:  # torchvision's EMNIST.download, with the MD5 check following dataset.verify
+        if all(_file_problem(raw / f) is None for f in files):
+            return
+        raw.mkdir(parents=True, exist_ok=True)
+        datasets.utils.download_and_extract_archive(reader.url, download_root=str(raw),
+                                                    md5=reader.md5 if cfg.verify else None)
+        packed = raw / "gzip"
+        for gz in sorted(packed.glob("*.gz")):
+            datasets.utils.extract_archive(str(gz), str(raw))
+        shutil.rmtree(packed)
+
+    _download(cfg, "EMNIST", root, fetch)
+    try:
+        train = reader(str(root), split=split, train=True, download=False)
+        test = reader(str(root), split=split, train=False, download=False)
+        for part in (train, test):
+            if (part.data.dtype != torch.uint8 or tuple(part.data.shape[1:]) != (28, 28)
+                    or part.targets.shape != (part.data.shape[0],)
+                    or (part.targets.numel() and not lo <= int(part.targets.min()) <= int(part.targets.max()) <= hi)):
+                raise ValueError("inconsistent arrays")
+    except Exception as err:  # AssertionError, RuntimeError (not found, view), ValueError, OSError, ...
+        for f in files:  # the official archive holds .gz files: name one that was not unpacked
+            gz = next((p for p in (raw / f"{f}.gz", raw / "gzip" / f"{f}.gz") if p.is_file()), None)
+            if gz is not None and _file_problem(raw / f) == "missing":
+                raise DataSourceError(f"dataset.root: {raw / f} is missing but {gz} holds it packed; unpack it "
+                                      f"there (gunzip -c {gz} > {raw / f})") from None
+        raise _mnist_error("EMNIST", "EMNIST", root, err, files, (f"training_{split}.pt", f"test_{split}.pt"),
+                           (lo, hi)) from None
+
+    def images(part: Any) -> torch.Tensor:  # stored transposed: [N, W, H] -> upright [N, 1, H, W]
+        return part.data.to(torch.uint8).transpose(1, 2).unsqueeze(1).contiguous()
+
+    return FLDataset(
+        name=cfg.name,
+        x_train=images(train),
+        y_train=train.targets.to(torch.int64) - lo,
+        x_test=images(test),
+        y_test=test.targets.to(torch.int64) - lo,
+        num_classes=num_classes,
+        scale=255.0,
+        mean=(mean,),
+        std=(std,),
+    )
 
 
 def _tiny_imagenet(cfg: Any, root: Path) -> FLDataset:
@@ -849,6 +954,8 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         return _tiny_imagenet(cfg, root)
     if name == "cinic10":
         return _cinic10(cfg, root)
+    if name == "emnist":
+        return _emnist(cfg, root)
     raise DataSourceError(f"dataset.name must be one of {', '.join(SOURCES)}, got {name!r}")
 
 
@@ -864,7 +971,8 @@ def dataset_tag(cfg: Any) -> str:
 
     ``cfg.name`` for the read sources and digits; for the generated sources the name with the arguments that
     tell variants apart, so that the variants of one grid never share (and overwrite) a cache file:
-    ``synthetic-a1-b1-n30-tf0.2-s0``, ``synthetic-iid-n30-tf0.2-s0``, ``mnist1d-s42``, ``mnist1d-shuffled-s42``.
+    ``synthetic-a1-b1-n30-tf0.2-s0``, ``synthetic-iid-n30-tf0.2-s0``, ``mnist1d-s42``, ``mnist1d-shuffled-s42``;
+    for ``emnist`` the name with the split: ``emnist-byclass``, ``emnist-letters``.
     """
     name = str(cfg.name)
     if name == "synthetic":
@@ -872,6 +980,8 @@ def dataset_tag(cfg: Any) -> str:
         name = f"synthetic-{kind}-n{int(cfg.num_devices)}-tf{_g(cfg.test_fraction)}-s{int(cfg.seed)}"
     elif name == "mnist1d":
         name = f"mnist1d{'-shuffled' if bool(cfg.shuffle_positions) else ''}-s{int(cfg.seed)}"
+    elif name == "emnist":
+        name = f"emnist-{cfg.split}"
     return re.sub(r"[^A-Za-z0-9._+-]", "_", name)
 
 
@@ -894,6 +1004,8 @@ def _signature(cfg: Any) -> dict:
         from .mnist1d import mnist1d_provenance
 
         sig.update(generator=mnist1d_provenance(cfg))
+    if cfg.name == "emnist":
+        sig.update(split=str(cfg.split))
     return sig
 
 
@@ -908,6 +1020,8 @@ def describe_source(cfg: Any) -> str:
         from .mnist1d import mnist1d_provenance
 
         return _provenance_text(mnist1d_provenance(cfg))
+    if cfg.name == "emnist":
+        return f"dataset=emnist split={cfg.split} root={cfg.root}"
     return f"dataset={cfg.name} root={cfg.root}"
 
 
@@ -981,7 +1095,7 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
 
     The cache ``prepared_path(cfg, data_dir)`` is reused only when it was built
     from the same source settings (for ``digits``: ``test_fraction`` and
-    ``split_seed``; for the generated sources: the generator, its arguments and,
+    ``split_seed``; for ``emnist``: ``split``; for the generated sources: the generator, its arguments and,
     for ``mnist1d``, the package version); otherwise the source is read again and the file replaced.
     Writes are atomic (temporary file + ``os.replace``).
 

@@ -33,7 +33,8 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
 # which only FedNLR uses; FedProx's multinomial logistic regression for synthetic; the MNIST-1D authors' CNN)
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
               "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9",
-              "synthetic": "logreg", "mnist1d": "m1d_cnn"}
+              "synthetic": "logreg", "mnist1d": "m1d_cnn",
+              "emnist": "mcmahan_cnn"}  # as MNIST (every dataset.split; 28x28 grey characters)
 
 
 def resolve_model_name(name: str, dataset: str) -> str:
