@@ -114,7 +114,8 @@ def dataset_label(tag: str) -> str:
     """A readable name of a dataset variant from its tag (``fl_core.data.dataset_tag``).
 
     ``"synthetic-a1-b1-n30-tf0.2-s0"`` -> ``"Synthetic(1,1)"``, ``"synthetic-iid-n30-tf0.2-s0"`` ->
-    ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``;
+    ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``,
+    ``"emnist-byclass"`` -> ``"EMNIST byclass"``;
     any other tag (``"digits"``, ``"cifar10"``) unchanged.
     """
     m = _SYNTHETIC_RE.match(tag)
@@ -123,6 +124,8 @@ def dataset_label(tag: str) -> str:
     m = _MNIST1D_RE.match(tag)
     if m:
         return "MNIST-1D shuffled" if m.group("shuf") else "MNIST-1D"
+    if tag.startswith("emnist-"):
+        return f"EMNIST {tag[len('emnist-'):]}"
     return tag
 
 

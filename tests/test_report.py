@@ -292,6 +292,7 @@ def test_dataset_variants_are_columns_of_their_own():
     assert dataset_label("synthetic-a0.5-b0.5-n30-tf0.2-s0") == "Synthetic(0.5,0.5)"
     assert dataset_label("synthetic-iid-n30-tf0.2-s0") == "Synthetic IID"
     assert dataset_label("mnist1d-shuffled-s42") == "MNIST-1D shuffled"
+    assert dataset_label("emnist-byclass") == "EMNIST byclass"
     assert dataset_label("digits") == "digits"
     keys = [f"synthetic-{v}-n30-tf0.2-s0-natural-n30" for v in ("a0-b0", "a1-b1", "iid")]
     assert [partition_label(k) for k in keys] == ["Synthetic(0,0), natural", "Synthetic(1,1), natural",
