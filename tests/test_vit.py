@@ -198,6 +198,28 @@ def test_fednlr_refuses_the_vits():
         build_algorithm(cfg.algorithm, ParamSpec.from_model(m), m)
 
 
+def test_ccvr_retrains_the_vit_head(tmp_path):
+    """CCVR's classifier is the last neuron layer, else the last prefix of the last unit (heads.head here)."""
+    from fl_core.algorithms.ccvr import classifier_name
+    from fl_core.data import load_source, make_partition
+    from fl_core.engine.factory import build_simulator
+    from fl_core.models.resnet import ResNet18GN
+    from fl_core.models.vgg import VGG11
+
+    assert classifier_name(ViTTiny((3, 32, 32), 10)) == "heads.head"
+    assert classifier_name(ResNet18GN((3, 32, 32), 10, units="block")) == "fc"
+    assert classifier_name(VGG11((3, 32, 32), 10)) == "fc2" and classifier_name(None) == "fc"
+    write_cifar100(tmp_path, n_train=20, n_test=4)
+    cfg = compose(["dataset=cifar100", f"dataset.root={tmp_path}", "dataset.verify=false", "model=vit_tiny",
+                   "algorithm=ccvr", "algorithm.ccvr.epochs=1", "partition=iid", "partition.num_clients=2",
+                   "train.rounds=1", "train.local_epochs=1", "engine.device=cpu", "engine.executor=sequential",
+                   "engine.checkpoint_every=0", "engine.progress=false", "tracking.enabled=false"])
+    ds = load_source(cfg.dataset, Path(cfg.dataset.root))
+    sim = build_simulator(cfg, ds, make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes))
+    row = sim.run().history[-1]
+    assert 0.0 <= row["post_test_acc"] <= 1.0
+
+
 # ---------------------------------------------------------------------------------------------- weights file
 
 def test_weights_load_all_but_the_head(saved_b16):
