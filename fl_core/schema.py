@@ -23,7 +23,7 @@ EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
 DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
-          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru")
+          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
@@ -281,6 +281,9 @@ class ModelConfig:
                              when=when("model.name", "resnet18", "resnet34"))
     vgg_init: str = param("kaiming", "vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)",
                           choices=("kaiming", "torch"), when=when("model.name", "vgg11", "vgg19"))
+    weights: Optional[str] = param(None, "vit_b_16: a local file of torchvision's ImageNet weights (ViT_B_16_Weights."
+                                   "IMAGENET1K_V1, vit_b_16-c867db91.pth), loaded but the head; null: random init",
+                                   when=when("model.name", "vit_b_16"))
 
 
 @dataclass

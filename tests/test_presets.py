@@ -27,7 +27,8 @@ def test_the_presets_cover_the_paper_tables():
     assert {"fedbug_cifar10", "fedbug_cifar100", "fedbug_tiny", "fedbug_resnet_cifar100", "fedbug_resnet_tiny",
             "fedbug_clients_ablation", "fednlr_cifar10", "fednlr_cifar100", "fednlr_cinic10",
             "fednlr_cifar10_100clients", "fedbcgd_cifar100", "fedbcgd_cifar10", "fedbcgd_rho01",
-            "fedbcgd_compression", "moon_cifar10", "moon_cifar100"} <= set(PRESETS)
+            "fedbcgd_compression", "fedbcgd_vit_cifar100", "fedbcgd_vit_tiny_imagenet", "moon_cifar10",
+            "moon_cifar100"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -44,7 +45,12 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
         pass
     elif family == "fedbcgd":
         assert cfg.algorithm.name == "fedbcgd" and cfg.partition.variant == "fixed_size_reuse"
-        assert cfg.train.lr_decay == 0.998 and cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
+        assert cfg.train.lr_decay == 0.998 and cfg.train.weight_decay == 0.001
+        if cfg.model.name == "vit_b_16":  # FedBCGD section 12.4: pretrained ViT-B, E = 1, B = 16, N = 6 (section 5.2)
+            assert cfg.train.local_epochs == 1 and cfg.train.batch_size == 16 and cfg.algorithm.fedbcgd.blocks == 6
+            assert cfg.partition.alpha == 0.6 and cfg.model.weights is None  # the user gives the weights file
+        else:
+            assert cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
     elif family == "moon":  # Li, He and Song, Sec. 4.1: E = 10, B = 64, local SGD momentum 0.9, head 256
         assert cfg.algorithm.name == "moon" and cfg.algorithm.moon.projection_dim == 256
         assert cfg.train.local_epochs == 10 and cfg.train.batch_size == 64 and cfg.train.momentum == 0.9
@@ -56,7 +62,10 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
     # tiny files: shrink the partition where the preset's variant reads these keys (a key it does not read is refused)
     small = {"per_class": ["partition.min_size=0"], "fixed_size_reuse": ["partition.samples_per_client=4"]}
     files = [f"dataset.root={tmp_path}", "dataset.verify=false"] if family != "mnist1d" else []
-    cfg = compose([f"+experiment={preset}", *files, "train.rounds=1",
+    # ViT-B/16 trains on 224x224 crops: its one-round run is tests/test_vit.py's (slow); here the small ViT, on 20
+    # clients (the tiny Tiny-ImageNet tree has 24 images)
+    small_model = ["model=vit_tiny", "partition.num_clients=20"] if cfg.model.name == "vit_b_16" else []
+    cfg = compose([f"+experiment={preset}", *files, *small_model, "train.rounds=1",
                    f"train.participation={1.0 if family == 'mnist1d' else 0.3}", "engine.device=cpu", "engine.checkpoint_every=0",
                    "engine.progress=false", "tracking.enabled=false"]
                   + (small.get(cfg.partition.variant, []) if cfg.partition.name == "dirichlet" else []))

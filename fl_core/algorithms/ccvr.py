@@ -129,9 +129,20 @@ class CCVR(Wrapper):
         return num_classes * (f + f * f + 1)
 
 
+def classifier_name(model) -> str:
+    """The module CCVR retrains: the model's last neuron layer, else the last prefix of its last unit (where every
+    FLModel keeps its linear classifier, :meth:`~fl_core.models.base.FLModel.feature_dim`: ``fc`` of the ResNets,
+    ``heads.head`` of the ViTs), else ``fc``."""
+    layers = neuron_layers(model)
+    if layers:
+        return layers[-1][0]
+    units = getattr(model, "unit_prefixes", None)
+    return str(list(units[-1])[-1]) if units else "fc"
+
+
 register(Rule(
     name="ccvr", kind="wrapper", label="CCVR", citation="Luo et al., NeurIPS 2021, Sec. 4 (Eq. 4-5)",
     summary="after training, retrain the classifier on virtual features from the clients' class Gaussians",
     params=CCVRParams, neutral=("algorithm.ccvr.epochs=0",),
-    build=lambda base, p, ctx: CCVR(base, (neuron_layers(ctx.model) or [("fc", "linear", 0)])[-1][0],
-                                    p.virtual_per_class, p.epochs, p.lr, p.batch_size)))
+    build=lambda base, p, ctx: CCVR(base, classifier_name(ctx.model), p.virtual_per_class, p.epochs, p.lr,
+                                    p.batch_size)))

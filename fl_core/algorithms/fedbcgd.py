@@ -41,8 +41,8 @@ Communication: up #x_(j) + #x_s per client, down d. The round's mean uplink per 
 (1/|S|) sum_j c_j #x_(j) + #x_s (c_j the owners of block j); with ``balanced`` E[c_j] = |S|/N for every block,
 so its expectation is (d - #x_s)/N + #x_s (:meth:`FedBCGD.comm_floats`; exact every round when |S| is a
 multiple of N). Block partitions: the paper's tables for the standard CNN ("LeNet-5", Table 7), VGG-11
-(Table 8), ResNet-18 (Table 9) and VGG-19 (Table 10), the repository's LeNet partition (``code``), or ``units``:
-the model's units without the classifier dealt into N contiguous groups.
+(Table 8), ResNet-18 (Table 9), VGG-19 (Table 10) and ViT-B (section 5.2 and Table 11, N = 6), the repository's
+LeNet partition (``code``), or ``units``: the model's units without the classifier dealt into N contiguous groups.
 Ablations: ``shared=False`` (the classifier joins the last block), ``momentum=False`` (lambda = 0),
 ``freezing=True`` (clients update only their block and the shared block).
 """
@@ -108,6 +108,13 @@ BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
                    ["conv13", "conv14"], ["conv15", "conv16", "fc1"]], ["fc2"]),
     },
 }
+# ViT-B/16 (section 5.2, Table 5: N = 6; Table 11) and vit_tiny, which has its 12-layer layout: two encoder layers per
+# block, the embeddings in Block 1, the final LayerNorm in Block 6, the head shared. Table 11's equal blocks of
+# 14,299,520 are no whole-layer grouping (docs/algorithms.md, FedBCGD blocks, has ours against them).
+_VIT_LAYERS = [[f"encoder.layers.encoder_layer_{i}" for i in (j, j + 1)] for j in range(0, 12, 2)]
+_VIT_TABLE = ([["conv_proj", "class_token", "encoder.pos_embedding", *_VIT_LAYERS[0]], *_VIT_LAYERS[1:5],
+               [*_VIT_LAYERS[5], "encoder.ln"]], ["heads.head"])
+BLOCK_TABLES.update({"ViTB16": {"paper": _VIT_TABLE}, "ViTTiny": {"paper": _VIT_TABLE}})
 
 
 def _match(name: str, prefixes: Sequence[str]) -> bool:

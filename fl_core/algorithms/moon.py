@@ -140,7 +140,8 @@ def attach_projection_head(model: torch.nn.Module, out_dim: int) -> None:
 @torch.no_grad()
 def initial_vector(model: torch.nn.Module, seed: int) -> torch.Tensor:
     """The flat parameters [d] of ``model`` initialised as a run initialises its global model (``Simulator``:
-    ``torch.manual_seed(seed)``, then ``reset_parameters()`` of every submodule that has one, in module order), on
+    ``torch.manual_seed(seed)``, then ``reset_parameters()`` of every submodule that has one, in module order, then
+    the model's ``init_parameters()``), on
     ``model`` itself (a scratch copy: its parameters are overwritten); the global random stream (CPU, and the
     model's CUDA device) is restored afterwards."""
     dev = next(model.parameters()).device
@@ -149,6 +150,8 @@ def initial_vector(model: torch.nn.Module, seed: int) -> torch.Tensor:
         for m in model.modules():
             if m is not model and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+        if hasattr(model, "init_parameters"):  # as the simulator: the model's own init last
+            model.init_parameters()
     return flatten_params(model)
 
 

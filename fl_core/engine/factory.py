@@ -248,7 +248,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     kernels.apply(cfg.engine.kernels, device)
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
-    model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes).to(device, dtype)
+    model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes,
+                        input_norm=(ds.mean, ds.std)).to(device, dtype)
     prepare_model(cfg.algorithm, model)  # parameters a rule trains besides the network's (a head), before the layout
     spec = ParamSpec.from_model(model)
     t = cfg.train

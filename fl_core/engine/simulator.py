@@ -251,6 +251,8 @@ class Simulator:
         for m in self.model.modules():
             if m is not self.model and hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+        if hasattr(self.model, "init_parameters"):  # the model's own init over its layers' (FLModel.init_parameters)
+            self.model.init_parameters()
         g = flatten_params(self.model).to(self.device)
         return {"round": 0, "global": g, "server": self.algo.init_server_state(g), "clients": {},
                 "history": [], "comm_up": 0.0, "comm_down": 0.0, "logger": None}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
@@ -10,6 +10,7 @@ from .linear import MLP, LogisticRegression
 from .mnist1d import MNIST1DCNN, MNIST1DGRU, MNIST1DMLP
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
 from .vgg import VGG9, VGG11, VGG19
+from .vit import ViTB16, ViTTiny
 
 MODELS: Dict[str, Callable[..., FLModel]] = {
     "small_cnn": SmallCNN,
@@ -27,6 +28,9 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "m1d_mlp": MNIST1DMLP,
     "m1d_cnn": MNIST1DCNN,
     "m1d_gru": MNIST1DGRU,
+    # torchvision's Vision Transformers (docs/algorithms.md, Model catalogue): ViT-B/16 (FedBCGD's ViT runs), a small one
+    "vit_b_16": ViTB16,
+    "vit_tiny": ViTTiny,
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -50,17 +54,22 @@ def unit_layouts(name: str) -> Tuple[str, ...]:
     return tuple(getattr(MODELS[name], "UNIT_LAYOUTS", ()))
 
 
-def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classes: int) -> FLModel:
+def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classes: int,
+                input_norm: Optional[Tuple[Sequence[float], Sequence[float]]] = None) -> FLModel:
     """Build the model named by ``cfg.name`` for inputs ``[B, *input_shape]`` and ``num_classes`` logits.
 
     ``cfg.units`` picks the FedBug unit layout (``tiny_cnn``: code5 | paper6; ``resnet18``/``resnet34``:
     module | block; ``default`` everywhere, the only value for the other models); ``cfg.norm_groups`` is
-    the ResNets' GroupNorm group count.
+    the ResNets' GroupNorm group count; ``cfg.weights`` a local file of pretrained ``vit_b_16`` weights.
+    ``input_norm`` = (mean, std) per channel of ``x / scale`` the inputs were normalised with
+    (``FLDataset.mean`` / ``.std``): ``vit_b_16`` undoes it to apply ImageNet's (None: inputs in [0, 1]); the
+    other models ignore it.
 
     Raises:
         ValueError: unknown model name (``model.name``), a unit layout the model does not have
             (``model.units``), a bad ``model.norm_groups``, or an input too small for the model (or, for the
             ``m1d_*`` sequence models, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
+        ConfigError: ``model.weights`` cannot be loaded (one line naming the path and the first bad key).
     """
     name = resolve_model_name(cfg.name, dataset)
     if name not in MODELS:
@@ -78,8 +87,11 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         return MODELS[name](input_shape, num_classes, init=str(getattr(cfg, "vgg_init", "kaiming")))
     if name.startswith("m1d_"):
         return MODELS[name](input_shape, num_classes, dataset=dataset)
+    if name == "vit_b_16":
+        mean, std = input_norm if input_norm is not None else (None, None)
+        return ViTB16(input_shape, num_classes, weights=getattr(cfg, "weights", None), input_mean=mean, input_std=std)
     return MODELS[name](input_shape, num_classes)
 
 
 __all__ = ["FLModel", "MODELS", "AUTO_MODEL", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
-           "resolve_model_name", "unit_layouts"]
+           "resolve_model_name", "unit_layouts", "ViTB16", "ViTTiny"]

@@ -26,6 +26,15 @@ class FLModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_features(x)[0]
 
+    def init_parameters(self) -> None:
+        """The model's own initialisation over its layers' defaults; nothing here.
+
+        A run draws its global model (and MOON its clients' initial networks) with ``torch.manual_seed``, then
+        ``reset_parameters()`` of every submodule that has one, in module order, then this method. A model whose
+        initialisation is not its layers' defaults, or with parameters outside such layers, or loaded from a file,
+        overrides it (:class:`~fl_core.models.vit.VisionTransformerFL`).
+        """
+
     def feature_dim(self) -> int:
         """f, the width of the features ``[B, f]`` of :meth:`forward_features`: ``in_features`` of the classifier,
         the module named by the last prefix of the last unit (every model here ends in its linear classifier there;
