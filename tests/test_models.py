@@ -4,6 +4,8 @@ checks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -480,3 +482,37 @@ def test_fedbcgd_vgg19_signal_reaches_the_logits_only_with_kaiming():
             logits = m(x)
         ratio[init] = (logits.std(0).mean() / logits.abs().mean()).item()
     assert ratio["kaiming"] > 1e-2 and ratio["torch"] < 1e-5
+
+
+@pytest.mark.parametrize("name, overrides", [("vgg11", []), ("vgg19", []), ("vgg9", [])])
+def test_a_run_starts_from_the_vgg_init_it_names(tmp_path, name, overrides):
+    """The run's seeded initialisation (every layer's reset, then the model's init_parameters) ends in the VGGs' own
+    init: zero biases for torchvision's VGG init (vgg11/19, model.vgg_init=kaiming), FedNLR's Xavier-normal linear
+    weights for VGG-9; model.vgg_init=torch keeps PyTorch's layer defaults (non-zero biases)."""
+    from fl_core.config import compose
+    from fl_core.data import load_source, make_partition
+    from fl_core.engine.factory import build_simulator
+    from fl_core.params import ParamSpec
+    from test_sources import write_cifar10
+
+    write_cifar10(tmp_path)
+    base = ["dataset=cifar10", f"dataset.root={tmp_path}", "dataset.verify=false", f"model={name}",
+            "partition=iid", "partition.num_clients=2", "train.rounds=1", "engine.device=cpu",
+            "engine.checkpoint_every=0", "engine.progress=false", "tracking.enabled=false"]
+
+    def initial(extra):
+        cfg = compose(base + overrides + extra)
+        ds = load_source(cfg.dataset, Path(cfg.dataset.root))
+        sim = build_simulator(cfg, ds, make_partition(cfg.partition, ds.y_train.numpy(), ds.num_classes))
+        spec = ParamSpec.from_model(sim.model)
+        return spec.views(sim._fresh_state()["global"])
+
+    g = initial([])
+    if name == "vgg9":
+        w = g["fc1.weight"]
+        assert abs(w.std().item() / (2 / sum(w.shape)) ** 0.5 - 1) < 0.05  # Xavier normal, not PyTorch's uniform
+        assert w.abs().max().item() > 3 ** 0.5 * (1 / w.shape[1]) ** 0.5  # outside PyTorch's default bound
+        return
+    assert all(torch.count_nonzero(v) == 0 for k, v in g.items() if k.endswith(".bias"))
+    t = initial(["model.vgg_init=torch"])
+    assert torch.count_nonzero(t["conv1.bias"]) > 0

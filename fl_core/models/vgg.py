@@ -120,6 +120,11 @@ class VGG9(NeuronLayersMixin, FLModel):
             else:
                 nn.init.xavier_normal_(module.weight)
 
+    def init_parameters(self) -> None:
+        """The run's seeded initialisation ends here (FLModel.init_parameters): FedNLR's init again, so a run
+        starts from it and not from the layers' defaults that the run's per-layer reset draws first."""
+        self.reset_parameters()
+
     def forward_features(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``x [B, C_in, H, W]`` -> ``(logits [B, C], features [B, 512])``."""
         x = F.relu(self.conv1(x))
@@ -224,6 +229,12 @@ class FedBCGDVGG(NeuronLayersMixin, FLModel):
             else:
                 nn.init.normal_(module.weight, 0.0, 0.01)
             nn.init.zeros_(module.bias)
+
+    def init_parameters(self) -> None:
+        """The run's seeded initialisation ends here (FLModel.init_parameters): with ``init="kaiming"`` torchvision's
+        VGG init again, so ``model.vgg_init=kaiming`` holds for a run and not only for the constructor."""
+        if self.init == "kaiming":
+            self.reset_parameters()
 
     def forward_features(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``x [B, C_in, H, W]`` -> ``(logits [B, C], features [B, h])``."""
