@@ -21,7 +21,9 @@ DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet",
 GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
 DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
-          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru")
+          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "logreg_binary")
+# logreg_binary: dataset classes -> labels 1 (b = +1) / 0 (b = -1); docs/algorithms.md, FedBCGD's convex problem
+BINARY_MAPS = ("first_class", "parity", "lt_half", "digits_letters")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
@@ -277,6 +279,16 @@ class ModelConfig:
                              when=when("model.name", "resnet18", "resnet34"))
     vgg_init: str = param("kaiming", "vgg11/vgg19: kaiming (torchvision's VGG init) | torch (PyTorch layer defaults)",
                           choices=("kaiming", "torch"), when=when("model.name", "vgg11", "vgg19"))
+    binary_map: str = param("first_class", "logreg_binary: the classes labelled 1 (b = +1), the rest 0: first_class "
+                            "(class 0; FedBCGD sec. 12.5) | parity (even classes) | lt_half (c < C/2) | "
+                            "digits_letters (classes 0-9, the digits of EMNIST)", choices=BINARY_MAPS,
+                            when=when("model.name", "logreg_binary"))
+    lambda_factor: float = param(1e-4, "logreg_binary: lambda = lambda_factor * L, L = lambda_max(A^T A) / (4n) of "
+                                 "the clients' training features (FedBCGD sec. 5.3: 1e-4)", gt=0,
+                                 when=when("model.name", "logreg_binary"))
+    nonconvex: bool = param(False, "logreg_binary: regulariser lambda * sum x_j^2 / (1 + x_j^2) instead of "
+                            "lambda/2 ||x||^2 (our stand-in; docs/algorithms.md, FedBCGD's convex problem)",
+                            when=when("model.name", "logreg_binary"))
 
 
 @dataclass

@@ -209,7 +209,8 @@ def test_moon_resumed_equals_uninterrupted_with_late_first_participants(digits, 
 MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
                  ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("resnet18", "module"),
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
-                 ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default")]
+                 ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default"),
+                 ("logreg_binary", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)

@@ -7,6 +7,7 @@ from typing import Callable, Dict, Tuple
 from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
+from .logreg_binary import BinaryLogisticRegression
 from .mnist1d import MNIST1DCNN, MNIST1DGRU, MNIST1DMLP
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
 from .vgg import VGG9, VGG11, VGG19
@@ -27,6 +28,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "m1d_mlp": MNIST1DMLP,
     "m1d_cnn": MNIST1DCNN,
     "m1d_gru": MNIST1DGRU,
+    "logreg_binary": BinaryLogisticRegression,  # FedBCGD's convex problem (docs/algorithms.md, FedBCGD)
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -60,6 +62,7 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         ValueError: unknown model name (``model.name``), a unit layout the model does not have
             (``model.units``), a bad ``model.norm_groups``, or an input too small for the model (or, for the
             ``m1d_*`` sequence models, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
+        ConfigError: ``logreg_binary``: a ``model.binary_map`` the dataset's classes do not allow.
     """
     name = resolve_model_name(cfg.name, dataset)
     if name not in MODELS:
@@ -77,8 +80,11 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         return MODELS[name](input_shape, num_classes, init=str(getattr(cfg, "vgg_init", "kaiming")))
     if name.startswith("m1d_"):
         return MODELS[name](input_shape, num_classes, dataset=dataset)
+    if name == "logreg_binary":
+        return BinaryLogisticRegression(input_shape, num_classes, binary_map=str(cfg.binary_map),
+                                        lambda_factor=float(cfg.lambda_factor), nonconvex=bool(cfg.nonconvex))
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
            "resolve_model_name", "unit_layouts"]
