@@ -44,7 +44,9 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
         pass
     elif family == "fedbcgd":
         assert cfg.algorithm.name == "fedbcgd" and cfg.partition.variant == "fixed_size_reuse"
-        assert cfg.train.lr_decay == 0.998 and cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
+        assert cfg.train.lr_decay == 0.998 and cfg.train.batch_size == 50
+        # sec. 12.4: E = 5 for the networks, E = 1 for the logistic regression of the convex problem
+        assert cfg.train.local_epochs == (1 if cfg.model.name == "logreg_binary" else 5)
     elif family == "moon":  # Li, He and Song, Sec. 4.1: E = 10, B = 64, local SGD momentum 0.9, head 256
         assert cfg.algorithm.name == "moon" and cfg.algorithm.moon.projection_dim == 256
         assert cfg.train.local_epochs == 10 and cfg.train.batch_size == 64 and cfg.train.momentum == 0.9
@@ -55,7 +57,7 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
         WRITERS[cfg.dataset.name](tmp_path)
     # tiny files: shrink the partition where the preset's variant reads these keys (a key it does not read is refused)
     small = {"per_class": ["partition.min_size=0"], "fixed_size_reuse": ["partition.samples_per_client=4"]}
-    files = [f"dataset.root={tmp_path}", "dataset.verify=false"] if family != "mnist1d" else []
+    files = [f"dataset.root={tmp_path}", "dataset.verify=false"] if cfg.dataset.name in WRITERS else []
     cfg = compose([f"+experiment={preset}", *files, "train.rounds=1",
                    f"train.participation={1.0 if family == 'mnist1d' else 0.3}", "engine.device=cpu", "engine.checkpoint_every=0",
                    "engine.progress=false", "tracking.enabled=false"]
