@@ -28,7 +28,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "m1d_mlp": MNIST1DMLP,
     "m1d_cnn": MNIST1DCNN,
     "m1d_gru": MNIST1DGRU,
-    "logreg_binary": BinaryLogisticRegression,  # FedBCGD's convex problem (docs/algorithms.md, FedBCGD)
+    "logreg_binary": BinaryLogisticRegression,  # docs/algorithms.md, FedBCGD's convex problem
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,

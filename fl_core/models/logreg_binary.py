@@ -252,9 +252,11 @@ class BinaryLogisticRegression(FLModel):
         self._cache_dir: Optional[Path] = None
 
     def feature_dim(self) -> int:
+        """d: the features are the flattened input."""
         return self.d
 
     def forward_features(self, x):
+        """x [B, C, H, W] -> (logits [B, 2] = [0, a^T x], features a = x.flatten(1) [B, d])."""
         a = x.flatten(1)
         z = a @ torch.cat(list(self.x))
         return torch.stack([torch.zeros_like(z), z], 1), a
@@ -318,4 +320,5 @@ class BinaryLogisticRegression(FLModel):
                 "opt_distance": float((w - opt["x_star"].to(w.device)).norm())}
 
     def problem_params(self):
+        """{"L": L, "lambda": lambda} once bound (MLflow params ``model.L``, ``model.lambda``), else {}."""
         return {} if self.lam is None else {"L": self.smoothness_L, "lambda": self.lam}
