@@ -23,7 +23,10 @@ EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
 DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
-          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny")
+          "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny",
+          "logreg_binary")
+# logreg_binary: dataset classes -> labels 1 (b = +1) / 0 (b = -1); docs/algorithms.md, FedBCGD's convex problem
+BINARY_MAPS = ("first_class", "parity", "lt_half", "digits_letters")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
 DIRICHLET_VARIANTS = ("per_client", "per_class", "fixed_size_reuse")
 SAMPLERS = ("bernoulli", "fixed")
@@ -284,6 +287,16 @@ class ModelConfig:
     weights: Optional[str] = param(None, "vit_b_16: a local file of torchvision's ImageNet weights (ViT_B_16_Weights."
                                    "IMAGENET1K_V1, vit_b_16-c867db91.pth), loaded but the head; null: random init",
                                    when=when("model.name", "vit_b_16"))
+    binary_map: str = param("first_class", "logreg_binary: the classes labelled 1 (b = +1), the rest 0: first_class "
+                            "(class 0; FedBCGD sec. 12.5) | parity (even classes) | lt_half (c < C/2) | "
+                            "digits_letters (classes 0-9, the digits of EMNIST)", choices=BINARY_MAPS,
+                            when=when("model.name", "logreg_binary"))
+    lambda_factor: float = param(1e-4, "logreg_binary: lambda = lambda_factor * L, L = lambda_max(A^T A) / (4n) of "
+                                 "the clients' training features (FedBCGD sec. 5.3: 1e-4)", gt=0,
+                                 when=when("model.name", "logreg_binary"))
+    nonconvex: bool = param(False, "logreg_binary: regulariser lambda * sum x_j^2 / (1 + x_j^2) instead of "
+                            "lambda/2 ||x||^2 (our stand-in; docs/algorithms.md, FedBCGD's convex problem)",
+                            when=when("model.name", "logreg_binary"))
 
 
 @dataclass

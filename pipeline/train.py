@@ -148,6 +148,9 @@ def _csv(rows: List[Dict], columns: List[str]) -> str:
 TIMING_KEYS = ("round_time_s",)  # wall-clock measurements: differ between identical runs
 
 
+OBJECTIVE_KEYS = ("objective", "objective_gap", "opt_distance")  # a model's objective_metrics (logreg_binary)
+
+
 def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
     """Per-round mean (and std of test_acc) over seeds; rounds without evaluation keep train columns."""
     rows = []
@@ -159,7 +162,7 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
         group = by_round[r]
         out: Dict = {"round": r}
         for k in ("test_acc", "test_loss", "train_loss", "client_acc_mean", "client_acc_std", "client_acc_worst10",
-                  "comm_up_floats", "comm_down_floats"):
+                  "comm_up_floats", "comm_down_floats", *OBJECTIVE_KEYS):
             vals = [g[k] for g in group if k in g]
             if vals:
                 ms = mean_std(vals)
@@ -168,6 +171,12 @@ def mean_curve(histories: Dict[int, List[Dict]]) -> List[Dict]:
                     out["test_acc_std"] = ms["std"]
         rows.append(out)
     return rows
+
+
+def objective_cache(cfg) -> Path:
+    """Where a model caches what it computes from the training data (``FLModel.bind_training_data``: logreg_binary's
+    reference optimum): ``<data_dir>/objectives/`` (left out of the DVC dependencies by ``.dvcignore``)."""
+    return Path(cfg.data_dir) / "objectives"
 
 
 class Interrupted(Exception):
@@ -275,7 +284,8 @@ class _Experiment:
         cfg = self.cfg0
         shape = tuple(self.ds.input_shape)
         try:
-            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data)
+            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
+                                  cache_dir=objective_cache(cfg))
             with torch.no_grad():
                 sim.model.eval()
                 sim.model(self.data.x[:1])
@@ -356,7 +366,7 @@ class _Experiment:
         else:
             sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
                                   checkpoint_path=store.checkpoint_path(seed) if cfg.engine.checkpoint_every else None,
-                                  callbacks=[self.progress] + self.callbacks)
+                                  callbacks=[self.progress] + self.callbacks, cache_dir=objective_cache(cfg))
             if self.tracking is not None:
                 sim.logger = logger = self._child_logger(cfg, seed)
             self.progress.start(seed, sim.restore())
@@ -383,7 +393,9 @@ class _Experiment:
         return rec
 
     def _child_logger(self, cfg, seed: int):
-        params = {**run_params(to_container(cfg)), "model.resolved": self.model_name, "model.d": self.model_d,
+        derived = {f"model.{k}": v for k, v in self.probe.model.problem_params().items()} \
+            if hasattr(self.probe.model, "problem_params") else {}  # constants the model took from the data
+        params = {**run_params(to_container(cfg)), "model.resolved": self.model_name, "model.d": self.model_d, **derived,
                   "algorithm.describe": self.algo_desc, "effective_update_u": self.u}
         tags = {**self.tags, "seed": str(seed), TAG_SEED: str(seed), TAG_EXPERIMENT: self.name,
                 TAG_FINGERPRINT: self.store.fingerprint}

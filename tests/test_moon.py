@@ -210,7 +210,8 @@ MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn
                  ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("resnet18", "module"),
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
                  ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default"),
-                 ("vit_tiny", "default"), ("vit_b_16", "default")]
+                 ("vit_tiny", "default"), ("vit_b_16", "default"),
+                 ("logreg_binary", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)

@@ -12,6 +12,7 @@ from fl_core.data import load_source, make_partition
 from fl_core.engine.factory import build_simulator
 from fl_core.paths import conf_dir
 
+from test_emnist import emnist_arrays, write_emnist
 from test_sources import write_cifar10, write_cifar100, write_cinic10, write_tiny_imagenet
 
 PRESETS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
@@ -20,6 +21,7 @@ WRITERS = {
     "cifar100": lambda root: write_cifar100(root, n_train=200, n_test=8),
     "tiny_imagenet": lambda root: write_tiny_imagenet(root, per_class=8),
     "cinic10": lambda root: write_cinic10(root, per_class=(20, 1)),
+    "emnist": lambda root: write_emnist(root, "byclass", emnist_arrays("byclass", n_train=124, n_test=8)),
 }
 
 
@@ -45,12 +47,15 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
         pass
     elif family == "fedbcgd":
         assert cfg.algorithm.name == "fedbcgd" and cfg.partition.variant == "fixed_size_reuse"
-        assert cfg.train.lr_decay == 0.998 and cfg.train.weight_decay == 0.001
+        assert cfg.train.lr_decay == 0.998
         if cfg.model.name == "vit_b_16":  # FedBCGD section 12.4: pretrained ViT-B, E = 1, B = 16, N = 6 (section 5.2)
             assert cfg.train.local_epochs == 1 and cfg.train.batch_size == 16 and cfg.algorithm.fedbcgd.blocks == 6
             assert cfg.partition.alpha == 0.6 and cfg.model.weights is None  # the user gives the weights file
+            assert cfg.train.weight_decay == 0.001
+        elif cfg.model.name == "logreg_binary":  # sec. 12.4: E = 1 for the convex problem; lambda is its own L2 term
+            assert cfg.train.local_epochs == 1 and cfg.train.batch_size == 50 and cfg.train.weight_decay == 0
         else:
-            assert cfg.train.local_epochs == 5 and cfg.train.batch_size == 50
+            assert cfg.train.local_epochs == 5 and cfg.train.batch_size == 50 and cfg.train.weight_decay == 0.001
     elif family == "moon":  # Li, He and Song, Sec. 4.1: E = 10, B = 64, local SGD momentum 0.9, head 256
         assert cfg.algorithm.name == "moon" and cfg.algorithm.moon.projection_dim == 256
         assert cfg.train.local_epochs == 10 and cfg.train.batch_size == 64 and cfg.train.momentum == 0.9
@@ -61,7 +66,7 @@ def test_preset_validates_and_runs_one_round(preset, tmp_path):
         WRITERS[cfg.dataset.name](tmp_path)
     # tiny files: shrink the partition where the preset's variant reads these keys (a key it does not read is refused)
     small = {"per_class": ["partition.min_size=0"], "fixed_size_reuse": ["partition.samples_per_client=4"]}
-    files = [f"dataset.root={tmp_path}", "dataset.verify=false"] if family != "mnist1d" else []
+    files = [f"dataset.root={tmp_path}", "dataset.verify=false"] if cfg.dataset.name in WRITERS else []
     # ViT-B/16 trains on 224x224 crops: its one-round run is tests/test_vit.py's (slow); here the small ViT, on 20
     # clients (the tiny Tiny-ImageNet tree has 24 images)
     small_model = ["model=vit_tiny", "partition.num_clients=20"] if cfg.model.name == "vit_b_16" else []

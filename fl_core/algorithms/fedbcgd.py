@@ -92,6 +92,8 @@ BLOCK_TABLES: Dict[str, Dict[str, Tuple[List[List[str]], List[str]]]] = {
         "paper": ([["conv1"], ["conv2"], ["fc1"], ["fc2"]], ["fc3"]),  # FedBCGD Table 7 (4 blocks + shared fc3)
         "code": ([["conv1"], ["conv2"], ["fc1"], [], []], ["fc2", "fc3"]),  # FedBCGD.py main loop
     },
+    # FedBCGD sec. 5.3 / Fig. 8: N = 5 coordinate blocks of x (the model stores x as 5 chunks), no shared block
+    "BinaryLogisticRegression": {"paper": ([["x.0"], ["x.1"], ["x.2"], ["x.3"], ["x.4"]], [])},
     "ResNet18GN": {
         "paper": ([["conv1", "bn1", "layer1"], ["layer2"], ["layer3"], ["layer4.0"], ["layer4.1"]], ["fc"]),  # Table 9
     },

@@ -30,6 +30,18 @@ def overrides(algo: Algorithm, hook: str) -> bool:
     return getattr(type(algo), hook) is not getattr(Algorithm, hook)
 
 
+def extra_loss(algo: Algorithm, model: torch.nn.Module, ctx: ClientContext, params: Dict[str, torch.Tensor],
+               logits: torch.Tensor, features: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a local step adds to the cross-entropy, the one place both executors (and the full-batch and anchor
+    gradients) take it from: the rule's ``local_loss`` plus the model's ``penalty(params)`` (a term of the parameters
+    alone, e.g. a regulariser; :class:`~fl_core.models.base.FLModel`); None when neither adds anything."""
+    extra = algo.local_loss(ctx, params, logits, features, y)
+    penalty = model.penalty(params) if hasattr(model, "penalty") else None
+    if penalty is None:
+        return extra
+    return penalty if extra is None else extra + penalty
+
+
 class NonFiniteLossError(RuntimeError):
     """A client's training loss became NaN or infinite."""
 
@@ -160,7 +172,7 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
     """Gradient [d] of the client's mean training loss over ALL its samples at the model's current parameters.
 
     The loss is the one a local step minimises (cross-entropy on ``algo.train_logits`` plus
-    ``algo.local_loss``), computed in train mode without augmentation, in chunks of ``chunk`` samples
+    :func:`extra_loss`), computed in train mode without augmentation, in chunks of ``chunk`` samples
     weighted by their size (so the result is the gradient of the mean over the n_i samples; the extra
     loss is added per chunk with the same weights). Rules ask for it with ``needs_full_gradient`` (a
     variance-reduced local step uses it as its control variate). An empty client gets zeros.
@@ -175,7 +187,7 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
         xb, yb = x[s:s + chunk], y[s:s + chunk]
         logits, feats = model.forward_features(xb)
         loss = F.cross_entropy(algo.train_logits(ctx, logits), yb)
-        extra = algo.local_loss(ctx, params, logits, feats, yb)
+        extra = extra_loss(algo, model, ctx, params, logits, feats, yb)
         total = loss if extra is None else loss + extra
         (total * (yb.numel() / n)).backward()
     out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
@@ -379,7 +391,7 @@ class SequentialExecutor(Executor):
             ctx.reference_outputs = self.reference_outputs(ctx, x)
             logits, feats = model.forward_features(x)
             loss = F.cross_entropy(algo.train_logits(ctx, logits), y)
-            extra = algo.local_loss(ctx, params, logits, feats, y)
+            extra = extra_loss(algo, model, ctx, params, logits, feats, y)
             total = loss if extra is None else loss + extra
             for _, p in named:
                 p.grad = None
@@ -418,7 +430,7 @@ class SequentialExecutor(Executor):
         named = list(anchor.named_parameters())
         logits, feats = anchor.forward_features(x)
         loss = F.cross_entropy(self.algo.train_logits(ctx, logits), y)
-        extra = self.algo.local_loss(ctx, dict(named), logits, feats, y)
+        extra = extra_loss(self.algo, anchor, ctx, dict(named), logits, feats, y)
         total = loss if extra is None else loss + extra
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
         return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(named, grads)}
@@ -480,7 +492,7 @@ class VectorizedExecutor(Executor):
                             state=client["state"], sample_weight=w, reference_outputs=client.get("reference_outputs"))
         ce = F.cross_entropy(self.algo.train_logits(ctx, logits), y, reduction="none")
         loss = (ce * w).sum() / w.sum().clamp_min(1.0)
-        extra = self.algo.local_loss(ctx, params, logits, feats, y)
+        extra = extra_loss(self.algo, self.model, ctx, params, logits, feats, y)
         total = loss if extra is None else loss + extra
         return total, loss.detach()
 

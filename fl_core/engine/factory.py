@@ -228,10 +228,21 @@ def _distribute(inner, cfg):
     return distributed.DistributedExecutor(inner, job_key(cfg)) if rank == 0 else inner
 
 
+def model_targets(model: torch.nn.Module, data: ClientData, y_test: torch.Tensor) -> Tuple[ClientData, torch.Tensor]:
+    """The clients' data and the test labels with the model's targets: relabelled by ``model.label_map`` (int64
+    [num_classes], the target of each dataset class; the clients keep their samples), or unchanged without one."""
+    label_map = getattr(model, "label_map", None)
+    if label_map is None:
+        return data, y_test
+    label_map = label_map.to(data.y.device)
+    return (ClientData(data.x, label_map[data.y], data.indices, int(label_map.max()) + 1),
+            label_map.to(y_test.device)[y_test])
+
+
 def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
                     data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
                     checkpoint_path: Optional[Path] = None,
-                    callbacks: Optional[List[Callable]] = None) -> Simulator:
+                    callbacks: Optional[List[Callable]] = None, cache_dir: Optional[Path] = None) -> Simulator:
     """Model, algorithm stack, executor and round loop for one seed of ``cfg``.
 
     Args:
@@ -240,6 +251,11 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
         device: where data, model and states live.
         data: pre-built :class:`ClientData` to share across seeds (else built here).
         logger, checkpoint_path, callbacks: passed to the simulator.
+        cache_dir: where the model may cache what it computes from the data (``FLModel.bind_training_data``), or
+            None: nothing is written.
+
+    A model with a ``label_map`` trains and is tested on its own targets (:func:`model_targets`); the model then
+    sees the clients' data once (``bind_training_data``) before the executor is chosen.
 
     The simulator gets the clients' training label counts [N, C] (``data.label_counts``, the partition's
     histogram over the tensors the clients train on), so every evaluation also reports the per-client
@@ -251,6 +267,9 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes,
                         input_norm=(ds.mean, ds.std)).to(device, dtype)
     prepare_model(cfg.algorithm, model)  # parameters a rule trains besides the network's (a head), before the layout
+    data, y_test = model_targets(model, data, ds.y_test.to(device))
+    if hasattr(model, "bind_training_data"):
+        model.bind_training_data(data.x, data.y, torch.cat(data.indices), cache_dir)
     spec = ParamSpec.from_model(model)
     t = cfg.train
     algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum), optimizer=str(t.optimizer))
@@ -270,7 +289,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients,
                                            sum(v.numel() * v.element_size() for v in (init or {}).values()))
     sim = Simulator(model=model, algorithm=algo, executor=executor,
-                     x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
+                     x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=y_test,
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
                      rounds=t.rounds, lr=t.lr, lr_decay=t.lr_decay, eval_every=t.eval_every,
                      eval_batch_size=cfg.engine.eval_batch_size, seed=int(cfg.seed),

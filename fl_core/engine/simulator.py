@@ -199,7 +199,8 @@ class Simulator:
             downlink are means over all sampled clients, a dropped one sending nothing. The row gets
             ``stragglers`` (their count) when ``local_work.stragglers`` > 0.
 
-    Every row has ``local_steps_mean`` / ``_min`` / ``_max``: the local steps K_i of the round's aggregated clients.
+    Every row has ``local_steps_mean`` / ``_min`` / ``_max``: the local steps K_i of the round's aggregated clients,
+    and the model's ``objective_metrics`` of the new global model (``FLModel``; none for most models).
     """
 
     def __init__(self, *, model, algorithm: Algorithm, executor, x_test, y_test, num_clients: int,
@@ -355,6 +356,8 @@ class Simulator:
                     row["stragglers"] = len(work.stragglers)
                 row.update(self.algo.round_metrics(rctx, st["server"], updates))
                 row.update(diag)
+                if hasattr(self.model, "objective_metrics"):  # the model's own, e.g. f(x_r) - f* of a convex problem
+                    row.update(self.model.objective_metrics(self.spec.views(st["global"])))
                 if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):
                     n = self.neuron_drift_samples
                     data = self.executor.data

@@ -7,6 +7,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 from .base import FLModel
 from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
+from .logreg_binary import BinaryLogisticRegression
 from .mnist1d import MNIST1DCNN, MNIST1DGRU, MNIST1DMLP
 from .resnet import ResNet18GN, ResNet34GN, ResNetGN
 from .vgg import VGG9, VGG11, VGG19
@@ -31,6 +32,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     # torchvision's Vision Transformers (docs/algorithms.md, Model catalogue): ViT-B/16 (FedBCGD's ViT runs), a small one
     "vit_b_16": ViTB16,
     "vit_tiny": ViTTiny,
+    "logreg_binary": BinaryLogisticRegression,  # docs/algorithms.md, FedBCGD's convex problem
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -70,6 +72,7 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
             (``model.units``), a bad ``model.norm_groups``, or an input too small for the model (or, for the
             ``m1d_*`` sequence models, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
         ConfigError: ``model.weights`` cannot be loaded (one line naming the path and the first bad key).
+        ConfigError: ``logreg_binary``: a ``model.binary_map`` the dataset's classes do not allow.
     """
     name = resolve_model_name(cfg.name, dataset)
     if name not in MODELS:
@@ -90,8 +93,12 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
     if name == "vit_b_16":
         mean, std = input_norm if input_norm is not None else (None, None)
         return ViTB16(input_shape, num_classes, weights=getattr(cfg, "weights", None), input_mean=mean, input_std=std)
+    if name == "logreg_binary":
+        return BinaryLogisticRegression(input_shape, num_classes, binary_map=str(cfg.binary_map),
+                                        lambda_factor=float(cfg.lambda_factor), nonconvex=bool(cfg.nonconvex))
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model",
-           "resolve_model_name", "unit_layouts", "ViTB16", "ViTTiny"]
+__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
+           "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model", "resolve_model_name", "unit_layouts", "ViTB16",
+           "ViTTiny"]

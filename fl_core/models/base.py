@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +19,42 @@ class FLModel(nn.Module):
     """
 
     unit_prefixes: Sequence[Sequence[str]] = ()
+
+    # int64 [num_classes]: the training target of each dataset class, or None (the dataset's labels as they are).
+    # With a map the factory relabels the training and test labels (the partition stays over the dataset's classes)
+    # and the model's targets are 0..label_map.max().
+    label_map: Optional[torch.Tensor] = None
+
+    def bind_training_data(self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor,
+                           cache_dir: Optional[Path] = None) -> None:
+        """Called once by the factory before training with the data the clients train on: a model whose loss
+        (:meth:`penalty`) or per-round metrics (:meth:`objective_metrics`) depend on the data computes what it
+        needs here. The default does nothing.
+
+        Args:
+            x: the training inputs [M, ...] as the model reads them (normalised, on the device).
+            y: their targets [M] (after :attr:`label_map`).
+            index: int64 [n], every client's sample indices back to back (a sample held by two clients counts
+                twice; the clients' data is ``x[index]``).
+            cache_dir: a folder where results computed from the data may be cached across processes, or None.
+        """
+
+    def penalty(self, params: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """A term of the parameters alone added to every local step's loss (both executors, the full-batch and
+        anchor gradients): 0-d tensor, or None (the default: no penalty). ``params`` maps parameter names to
+        tensors (one client's slice under the vectorised executor's ``vmap``), so the penalty must be written
+        with plain tensor operations of them."""
+        return None
+
+    def objective_metrics(self, params: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Per-round metrics of the global model ``params`` (name -> tensor) that the simulator adds to every round's
+        row; {} by default (nothing is computed)."""
+        return {}
+
+    def problem_params(self) -> Dict[str, float]:
+        """Constants the model derived from the data in :meth:`bind_training_data`, logged as run parameters
+        (``model.<key>``); {} by default."""
+        return {}
 
     def forward_features(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return ``(logits [B, C], features [B, f])``; features are the penultimate representation."""
