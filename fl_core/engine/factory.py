@@ -258,6 +258,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
                   crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
+    state_bytes = diskstate.client_state_bytes(algo, spec.d, dtype)  # the rule's declared state, nothing allocated
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
                                    device, probe=lambda: time_executors(cfg, model, algo, data, kwargs))
     if name == "vectorized":
@@ -266,9 +267,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     executor.reason = reason
     if distributed:
         executor = _distribute(executor, cfg)
-    init = algo.init_client_state(torch.zeros(spec.d, dtype=dtype, device=device))
-    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients,
-                                           sum(v.numel() * v.element_size() for v in (init or {}).values()))
+    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients, state_bytes)
     sim = Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
