@@ -261,6 +261,24 @@ def test_the_factory_checks_the_real_estimate_against_the_available_memory(digit
     sim = _build(digits, "algorithm=scaffold", "model=mlp", "engine.executor=auto")
     assert sim.executor.name == "sequential"
     assert sim.executor.reason.startswith("auto: the vectorized executor would need about ")
-    with pytest.raises(ConfigError, match=r"^engine.executor=vectorized needs about .* GiB for \d+ clients at once, "
-                                          r"more than 80% of the .* GiB of RAM available; "):
+    with pytest.raises(ConfigError, match=r"^engine.executor=vectorized needs about .* MiB for \d+ clients at once, "
+                                          r"more than 80% of the .* MiB of RAM available; "):
         _build(digits, "algorithm=scaffold", "model=mlp", "engine.executor=vectorized")
+
+
+def test_fl_train_refuses_vectorized_that_cannot_fit_in_one_line_before_anything_is_written(tmp_path, monkeypatch,
+                                                                                            capsys):
+    from pipeline import train
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (2 ** 20, "of RAM available"))  # 1 MiB
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        train.main(["model=mlp", "engine.executor=vectorized", "tracking.enabled=false", "engine.progress=false",
+                    f"results_dir={tmp_path / 'results'}", f"data_dir={tmp_path / 'data'}",
+                    f"engine.checkpoint_dir={tmp_path / 'checkpoints'}"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: engine.executor=vectorized needs about \d+\.\d MiB for \d+ clients at once, more "
+                        r"than 80% of the 1\.0 MiB of RAM available; even one client at a time needs \d+\.\d MiB: "
+                        r"set engine.executor=sequential \(or auto\)\n", err), err
+    assert not (tmp_path / "results").exists() and not (tmp_path / "checkpoints").exists()

@@ -208,6 +208,11 @@ def available_bytes(device: torch.device, meminfo: Path = Path("/proc/meminfo"),
     return int(avail if limit is None else min(avail, limit)), "of RAM available"
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes for a message: ``12.3 GiB`` from 1 GiB up, else ``45.6 MiB``."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2 ** 20:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class Fit:
     """Whether the vectorised executor fits: its :class:`VectorizedMemory` against the available bytes.
@@ -233,9 +238,9 @@ class Fit:
         """Why it does not fit, one line: the estimate for C clients at once against the available memory, and
         the ``engine.max_parallel_clients`` that fits (or that not even one client at a time does)."""
         c = self.need.clients
-        line = (f"about {self.need.total() / GIB:.1f} GiB for {c} client{'s' if c != 1 else ''} at once, more than "
-                f"{FIT_FRACTION:.0%} of the {self.available / GIB:.1f} GiB {self.where}")
+        line = (f"about {size_text(self.need.total())} for {c} client{'s' if c != 1 else ''} at once, more than "
+                f"{FIT_FRACTION:.0%} of the {size_text(self.available)} {self.where}")
         k = self.need.largest_chunk(self.budget)
         if k == 0:
-            return line + f"; even one client at a time needs {self.need.total(1) / GIB:.1f} GiB"
+            return line + f"; even one client at a time needs {size_text(self.need.total(1))}"
         return line + f"; engine.max_parallel_clients={k} fits"
