@@ -169,7 +169,7 @@ def test_auto_falls_back_to_sequential_where_the_vectorized_executor_cannot_fit(
     k = fit.need.largest_chunk(fit.budget)
     assert (name, probe.calls, len(calls)) == ("sequential", 0, 1)
     assert reason == (f"auto: the vectorized executor would need about 40.0 GiB for 10 clients at once, more than "
-                      f"80% of the 20.0 GiB of RAM available; engine.max_parallel_clients={k} fits")
+                      f"80% of the 20.0 GiB of RAM available; engine.max_parallel_clients={k} would fit")
     assert k == 3  # 3 x 4 GiB + 7 x 0.1 GiB <= 16 GiB < 4 x 4 GiB + 6 x 0.1 GiB
     # where it fits, the probe decides as before
     name, reason = choose_executor("auto", FedAvg(), torch.nn.Linear(2, 2), device, probe, fit=lambda: _fit(15.0, 20.0))
@@ -196,8 +196,8 @@ def test_vectorized_by_name_that_cannot_fit_is_one_line_before_training():
     with pytest.raises(ConfigError) as err:
         choose_executor("vectorized", FedAvg(), torch.nn.Linear(2, 2), CPU, fit=lambda: _fit(40.0, 20.0))
     assert str(err.value) == ("engine.executor=vectorized needs about 40.0 GiB for 10 clients at once, more than 80% "
-                              "of the 20.0 GiB of RAM available; engine.max_parallel_clients=3 fits: set "
-                              "engine.max_parallel_clients=3 or engine.executor=sequential (or auto)")
+                              "of the 20.0 GiB of RAM available: set engine.max_parallel_clients=3 (fits) or "
+                              "engine.executor=sequential (or auto)")
     with pytest.raises(ConfigError, match=r"^engine.executor=vectorized needs about 40.0 GiB for 1 client at once, "
                                           r"more than 80% of the 20.0 GiB of RAM available; even one client at a time "
                                           r"needs 40.0 GiB: set engine.executor=sequential \(or auto\)$"):
@@ -227,7 +227,7 @@ def test_vit_b_scaffold_round_on_a_cpu_machine_an_h100_and_an_h200():
     assert h200.fits and FIT_FRACTION * 138 * GIB > need.total()
     name, reason = choose_executor("auto", algo, model, CPU, Probe(), fit=lambda: cpu)
     assert name == "sequential" and re.search(r"would need about 6\d\.\d GiB for 10 clients at once, more than 80% of "
-                                              r"the 21\.5 GiB of RAM available; engine.max_parallel_clients=2 fits$",
+                                              r"the 21\.5 GiB of RAM available; engine.max_parallel_clients=2 would fit$",
                                               reason)
 
 
@@ -262,7 +262,9 @@ def test_the_factory_checks_the_real_estimate_against_the_available_memory(digit
     assert sim.executor.name == "sequential"
     assert sim.executor.reason.startswith("auto: the vectorized executor would need about ")
     with pytest.raises(ConfigError, match=r"^engine.executor=vectorized needs about .* MiB for \d+ clients at once, "
-                                          r"more than 80% of the .* MiB of RAM available; "):
+                                          r"more than 80% of the .* MiB of RAM available: set "
+                                          r"engine.max_parallel_clients=\d+ \(fits\) or engine.executor=sequential "
+                                          r"\(or auto\)$"):
         _build(digits, "algorithm=scaffold", "model=mlp", "engine.executor=vectorized")
 
 

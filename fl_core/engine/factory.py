@@ -227,10 +227,10 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     if requested == "vectorized" and runnable and fit is not None:
         check = fit()
         if not check.fits:
-            k = check.need.largest_chunk(check.budget)
-            raise ConfigError(f"engine.executor=vectorized needs {check.problem()}: set "
-                              + (f"engine.max_parallel_clients={k} or " if k else "")
-                              + "engine.executor=sequential (or auto)")
+            raise ConfigError(f"engine.executor=vectorized needs {check.estimate()}: set engine.max_parallel_clients="
+                              f"{check.chunk} (fits) or engine.executor=sequential (or auto)" if check.chunk else
+                              f"engine.executor=vectorized needs {check.problem()}: set engine.executor=sequential "
+                              "(or auto)")
     if requested != "auto":
         return requested, "engine.executor=" + requested
     if not algo.vectorizable:

@@ -234,13 +234,21 @@ class Fit:
     def fits(self) -> bool:
         return self.need.total() <= self.budget
 
-    def problem(self) -> str:
-        """Why it does not fit, one line: the estimate for C clients at once against the available memory, and
-        the ``engine.max_parallel_clients`` that fits (or that not even one client at a time does)."""
+    @property
+    def chunk(self) -> int:
+        """The most clients at once that fit (:meth:`VectorizedMemory.largest_chunk` of :attr:`budget`); 0: none."""
+        return self.need.largest_chunk(self.budget)
+
+    def estimate(self) -> str:
+        """The estimate against the available memory, for messages: ``about 65.4 GiB for 10 clients at once, more
+        than 80% of the 21.5 GiB of RAM available``."""
         c = self.need.clients
-        line = (f"about {size_text(self.need.total())} for {c} client{'s' if c != 1 else ''} at once, more than "
+        return (f"about {size_text(self.need.total())} for {c} client{'s' if c != 1 else ''} at once, more than "
                 f"{FIT_FRACTION:.0%} of the {size_text(self.available)} {self.where}")
-        k = self.need.largest_chunk(self.budget)
-        if k == 0:
-            return line + f"; even one client at a time needs {size_text(self.need.total(1))}"
-        return line + f"; engine.max_parallel_clients={k} fits"
+
+    def problem(self) -> str:
+        """Why it does not fit, one line: :meth:`estimate` and the ``engine.max_parallel_clients`` that would fit,
+        or that not even one client at a time does."""
+        if self.chunk == 0:
+            return self.estimate() + f"; even one client at a time needs {size_text(self.need.total(1))}"
+        return self.estimate() + f"; engine.max_parallel_clients={self.chunk} would fit"
