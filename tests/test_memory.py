@@ -17,7 +17,7 @@ from fl_core.data import make_partition
 from fl_core.data.sampling import sample_clients
 from fl_core.engine import diskstate, factory, memory
 from fl_core.engine.factory import ExecutorTiming, build_simulator, choose_executor
-from fl_core.engine.memory import (ACTIVATION_FACTOR, GIB, Fit, activation_bytes, available_bytes,
+from fl_core.engine.memory import (ACTIVATION_FACTOR, FIT_FRACTION, GIB, Fit, activation_bytes, available_bytes,
                                    extra_vectors, vectorized_memory)
 from fl_core.models import build_model
 from fl_core.params import ParamSpec
@@ -49,17 +49,20 @@ def test_the_estimate_is_the_documented_sum():
     chunked = vectorized_memory(**_sizes(max_parallel_clients=3))
     assert chunked.clients == 3 and chunked.total() == 7 * vec + 3 * chunked.per_client
     assert vectorized_memory(**_sizes(max_parallel_clients=50)).clients == 10
+    held = vectorized_memory(**_sizes(max_parallel_clients=3, held_bytes=10 ** 6))  # e.g. the in-memory store's states
+    assert held.total() == 10 ** 6 + chunked.total() and held.total(5) == 10 ** 6 + chunked.total(5)
 
 
-def test_the_largest_chunk_is_the_largest_that_fits():
-    m = vectorized_memory(**_sizes())
+@pytest.mark.parametrize("held", [0, 50_000])
+def test_the_largest_chunk_is_the_largest_that_fits(held):
+    m = vectorized_memory(**_sizes(held_bytes=held))
     for budget in (m.total(1) - 1, m.total(1), m.total(4), m.total(4) + m.per_client - m.update - 1, m.total(10),
                    10 ** 9):
         k = m.largest_chunk(budget)
         assert k == max([c for c in range(0, 11) if c == 0 or m.total(c) <= budget])
 
 
-@pytest.mark.parametrize("key", ["d", "float_bytes", "state_bytes", "extra_vectors"])
+@pytest.mark.parametrize("key", ["d", "float_bytes", "state_bytes", "extra_vectors", "held_bytes"])
 def test_a_negative_size_is_one_line(key):
     with pytest.raises(ValueError, match=rf"^vectorized_memory: {key} must be >= 0, got -1$"):
         vectorized_memory(**_sizes(**{key: -1}))
@@ -259,9 +262,13 @@ def test_the_factory_checks_the_real_estimate_against_the_available_memory(digit
     n = len(sample_clients(6, 0.5, sim.sampler, 0, 1))  # round 1's clients (tiny_cfg's seed 0)
     assert fit.need.update == 4 * d and fit.need.clients == fit.need.round_clients == n
     assert fit.need.per_client >= 2 * 4 * d + 2 * 4 * d  # parameters, gradients and the state twice
+    assert fit.need.held == 6 * 4 * d  # the in-memory store will hold the 6 clients' control variates in RAM
+    _build(digits, "algorithm=scaffold", "model=mlp", "engine.executor=vectorized", "engine.client_state=disk")
+    assert seen[-1].need.held == 0 and seen[-1].need.per_client == fit.need.per_client
     assert fit.available > 0 and fit.where == "of RAM available"
     # a machine with too little memory: auto trains sequentially, vectorized by name is refused in one line
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (fit.need.total() // 2, "of RAM available"))
+    short = int((fit.need.total(1) + fit.need.total()) / 2 / FIT_FRACTION)  # room for one client, not for all
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (short, "of RAM available"))
     sim = _build(digits, "algorithm=scaffold", "model=mlp", "engine.executor=auto")
     assert sim.executor.name == "sequential"
     assert sim.executor.reason.startswith("auto: the vectorized executor would need about ")

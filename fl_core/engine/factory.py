@@ -164,7 +164,7 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
 
 
 def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_bytes: int,
-                   world_size: int = 1) -> memory.Fit:
+                   world_size: int = 1, held_bytes: int = 0) -> memory.Fit:
     """Whether the vectorised executor fits this run's rounds on the model's device (:mod:`.memory`).
 
     n is the number of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``, as the timing probe
@@ -176,6 +176,8 @@ def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_by
         cfg: the composed config; model, algo: the run's model (on its device) and algorithm stack (not changed);
         data: the clients' training data; state_bytes: one client's state (:func:`.diskstate.client_state_bytes`);
         world_size: ranks that share each round's clients (``engine.executor=distributed``).
+        held_bytes: what the run adds to the device whichever executor trains (the in-memory store's client states
+            when they live on this device).
     """
     t = cfg.train
     device = next(model.parameters()).device
@@ -188,7 +190,7 @@ def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_by
         max_parallel_clients=int(cfg.engine.max_parallel_clients), batch_size=int(t.batch_size),
         activation_per_sample=memory.activation_bytes(model, sample), state_bytes=state_bytes,
         sample_bytes=sample.numel() * sample.element_size(),
-        extra_vectors=memory.extra_vectors(algo, float(t.momentum), str(t.optimizer)))
+        extra_vectors=memory.extra_vectors(algo, float(t.momentum), str(t.optimizer)), held_bytes=held_bytes)
     available, where = memory.available_bytes(device)
     return memory.Fit(need, available, where)
 
@@ -312,21 +314,23 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                   momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
                   crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
     state_bytes = diskstate.client_state_bytes(algo, spec.d, dtype)  # the rule's declared state, nothing allocated
-    ranks = 1  # engine.executor=distributed: each of torchrun's ranks trains a share of the round
+    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients, state_bytes)
+    rank, ranks = 0, 1  # engine.executor=distributed: each of torchrun's ranks trains a share; rank 0 holds the store
     if distributed:
         from .distributed import world
 
-        ranks = world()[1]
+        rank, ranks, _ = world()
+    # the in-memory store keeps every client's state on the host (Simulator._open_store): RAM the run will take
+    held = partition.num_clients * state_bytes if store == "memory" and device.type == "cpu" and rank == 0 else 0
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
                                    device, probe=lambda: time_executors(cfg, model, algo, data, kwargs),
-                                   fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks))
+                                   fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks, held))
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
     executor.reason = reason
     if distributed:
         executor = _distribute(executor, cfg)
-    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients, state_bytes)
     sim = Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=ds.y_test.to(device),
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,

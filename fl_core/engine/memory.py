@@ -20,9 +20,11 @@ device, while the chunk trains (s bytes per float, d parameters):
 - its batch of inputs, ``B x`` (x bytes per sample).
 
 The updates of the round's earlier chunks (``s d`` each) stay until aggregation, as every executor keeps the
-round's updates. So for C clients at once::
+round's updates; and what the run will still add to the device whichever executor trains (``held``: on the CPU, the
+states of all N clients in the in-memory client-state store, which fills as clients train) counts too. So for C
+clients at once::
 
-    total(C) = (n - C) s d + C [s d (2 + v) + 2 state + max(f B a, 2 s d) + B x]
+    total(C) = held + (n - C) s d + C [s d (2 + v) + 2 state + max(f B a, 2 s d) + B x]
 
 with v the optimiser's and the services' vectors above. ``a`` is measured, not modelled: the bytes of the tensors
 autograd saves for the backward pass in one training-mode forward pass of one sample through the model
@@ -62,17 +64,19 @@ class VectorizedMemory:
         clients: C, the clients trained at once (1 <= C <= n).
         per_client: bytes per client trained at once (``s d (2 + v) + 2 state + max(f B a, 2 s d) + B x``).
         update: bytes of one client's update, ``s d``.
+        held: bytes the run adds to the device whichever executor trains (``held`` above).
     """
 
     round_clients: int
     clients: int
     per_client: int
     update: int
+    held: int = 0
 
     def total(self, clients: Optional[int] = None) -> int:
         """``total(C)`` in bytes for ``clients`` at once (default: :attr:`clients`)."""
         c = self.clients if clients is None else int(clients)
-        return (self.round_clients - c) * self.update + c * self.per_client
+        return self.held + (self.round_clients - c) * self.update + c * self.per_client
 
     def largest_chunk(self, budget: int) -> int:
         """The most clients at once (at most n) whose :meth:`total` is within ``budget`` bytes; 0 when not even one
@@ -81,12 +85,13 @@ class VectorizedMemory:
             return 0
         if self.per_client <= self.update:  # total(C) does not grow with C
             return self.round_clients
-        return min(self.round_clients, (budget - self.round_clients * self.update) // (self.per_client - self.update))
+        free = budget - self.held - self.round_clients * self.update
+        return min(self.round_clients, free // (self.per_client - self.update))
 
 
 def vectorized_memory(*, d: int, float_bytes: int, round_clients: int, max_parallel_clients: int, batch_size: int,
                       activation_per_sample: int, state_bytes: int, sample_bytes: int,
-                      extra_vectors: int) -> VectorizedMemory:
+                      extra_vectors: int, held_bytes: int = 0) -> VectorizedMemory:
     """:class:`VectorizedMemory` of a round from its sizes (pure arithmetic; module docstring).
 
     Args:
@@ -96,13 +101,14 @@ def vectorized_memory(*, d: int, float_bytes: int, round_clients: int, max_paral
             input sample.
         state_bytes: bytes of one client's state (:func:`~.diskstate.client_state_bytes`).
         extra_vectors: v, the [d] vectors per client of the optimiser and the rule's services (:func:`extra_vectors`).
+        held_bytes: ``held``, bytes the run adds to the device whichever executor trains.
 
     Raises:
         ValueError: a negative size, or n or B below 1.
     """
     sizes = dict(d=d, float_bytes=float_bytes, round_clients=round_clients, max_parallel_clients=max_parallel_clients,
                  batch_size=batch_size, activation_per_sample=activation_per_sample, state_bytes=state_bytes,
-                 sample_bytes=sample_bytes, extra_vectors=extra_vectors)
+                 sample_bytes=sample_bytes, extra_vectors=extra_vectors, held_bytes=held_bytes)
     for key, value in sizes.items():
         if value < (1 if key in ("round_clients", "batch_size") else 0):
             raise ValueError(f"vectorized_memory: {key} must be >= {1 if key in ('round_clients', 'batch_size') else 0}"
@@ -111,7 +117,7 @@ def vectorized_memory(*, d: int, float_bytes: int, round_clients: int, max_paral
     clients = min(round_clients, max_parallel_clients or round_clients)
     per_client = (vec * (2 + extra_vectors) + 2 * state_bytes
                   + max(ACTIVATION_FACTOR * batch_size * activation_per_sample, 2 * vec) + batch_size * sample_bytes)
-    return VectorizedMemory(round_clients, clients, per_client, vec)
+    return VectorizedMemory(round_clients, clients, per_client, vec, held_bytes)
 
 
 def extra_vectors(algo, momentum: float, optimizer: str) -> int:
