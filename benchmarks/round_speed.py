@@ -22,6 +22,16 @@ Workloads (FedAvg, IID equal-size partition, fixed sampler):
   regression (``model=logreg``) on digits-shaped data (1 x 8 x 8, 10 classes).
 - ``W1``: 100 clients x 100 samples, 10 per round, E = 1, B = 50, standard CNN on CIFAR-shaped data.
 - ``W2``: 100 clients x 500 samples, 10 per round, E = 5, B = 50, standard CNN on CIFAR-shaped data.
+- ``V0``: 20 clients x 32 samples, 4 per round, E = 1, B = 16, ``model=vit_tiny`` (12 layers of width 64) on
+  CIFAR-shaped data: a large model's layout at a size a CPU trains (8 local steps per round).
+- ``V1`` (CUDA only; skipped with its reason elsewhere): 100 clients x 32 samples, 10 per round, E = 1, B = 16,
+  ``model=vit_b_16`` (d = 85.8 M, inputs resized to 224 inside the model) on CIFAR-shaped data: FedBCGD's ViT-B
+  setting (B = 16, 10 clients per round) with fewer samples per client (20 local steps per round).
+
+Every row also reports local steps per second (the workload's SGD steps per round / the median round time) and
+its peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (tensors), reset at the row's start; on the CPU the
+process's peak resident set (``VmHWM``, reset at the row's start through ``/proc/self/clear_refs``; data, model,
+libraries and the interpreter included), where the kernel allows the reset, else the process's peak so far.
 
 Timing: median over the timed rounds after the warm-up rounds. Executors: the history's
 ``round_time_s`` (sampling, local training, aggregation); evaluation is switched off
@@ -106,6 +116,7 @@ class Workload:
     batch_size: int
     dataset: str = "cifar10"  # a key of DATA_SHAPES
     model: str = "std_cnn"  # a key of fl_core.models.MODELS (model.name)
+    cuda_only: str = ""  # non-empty: the workload runs on CUDA only; why not on the CPU (the skipped row's note)
 
     @property
     def shape(self) -> DataShape:
@@ -134,6 +145,10 @@ WORKLOADS: Dict[str, Workload] = {
     "W0": Workload("W0", 10_000, 5, 1_000, 1, 5, dataset="digits", model="logreg"),
     "W1": Workload("W1", 100, 100, 10, 1, 50),
     "W2": Workload("W2", 100, 500, 10, 5, 50),
+    "V0": Workload("V0", 20, 32, 4, 1, 16, model="vit_tiny"),
+    "V1": Workload("V1", 100, 32, 10, 1, 16, model="vit_b_16",
+                   cuda_only="vit_b_16 (85.8 M parameters, every batch resized to 224x224) is a GPU workload: a local "
+                             "step of 16 samples is ~1.7 TFLOP; V0 runs the same layout (vit_tiny) on the CPU"),
 }
 EXECUTOR_ROWS = ("naive", "sequential", "vectorized", "auto", "distributed")
 DISTRIBUTED_RANKS = 2  # the distributed row: torchrun --nproc_per_node 2 on this machine (gloo / NCCL)
@@ -150,6 +165,7 @@ class Row:
     spread: str = ""  # min-max of the timed rounds (progress log only)
     chosen: str = ""  # auto: the executor it picked
     reason: str = ""  # auto: why (executor.reason)
+    peak_mib: Optional[float] = None  # peak memory of the row (PeakMemory), MiB
     times: List[float] = field(default_factory=list)  # seconds of the timed rounds
     walls: List[float] = field(default_factory=list)  # seconds between timed round ends
 
@@ -167,8 +183,10 @@ def merge(rows: List[Row]) -> Row:
     chosen = ", ".join(f"{n} {picks.count(n)}/{len(picks)}" for n in sorted(set(picks))) if len(set(picks)) > 1 \
         else (picks[0] if picks else "")
     reason = first.reason + (f" (repeat 1 of {len(rows)}; every repeat probes again)" if first.reason else "")
+    peaks = [r.peak_mib for r in rows if r.peak_mib is not None]
     return Row(first.workload, first.executor, first.device, _median_ms(times), _median_ms(walls),
-               spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls)
+               spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls,
+               peak_mib=max(peaks) if peaks else None)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -203,29 +221,74 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+class PeakMemory:
+    """Peak memory of one row (module docstring): :meth:`start` at the row's start, :meth:`peak_mib` at its end.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` since ``torch.cuda.reset_peak_memory_stats`` (tensors only). CPU: the
+    process's peak resident set ``VmHWM`` of ``/proc/self/status``, reset to the current resident set by writing
+    ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0); where that fails, ``resource.getrusage``'s ``ru_maxrss``, the
+    peak since the process started (:attr:`resettable` is then False and the table says so).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.resettable = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        gc.collect()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+
+    def peak_mib(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) / 2 ** 20
+        if self.resettable:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
 def build_model(w: Workload) -> nn.Module:
     """A fresh model of the workload (``model.name`` ``w.model``) on the CPU."""
     return MODELS[w.model](w.shape.input_shape, NUM_CLASSES)
 
 
 def forward_flops(model: nn.Module, input_shape: Sequence[int]) -> int:
-    """Forward FLOP of one sample, counted analytically on the Conv2d and Linear layers.
+    """Forward FLOP of one sample, counted analytically on the Conv2d, Linear and MultiheadAttention layers.
 
-    conv: 2 * k_h * k_w * (C_in / groups) * C_out * H_out * W_out; linear: 2 * in * out. Biases,
-    activations and pooling are left out. Output sizes come from one forward pass (batch 1) on a
-    CPU copy of the model.
+    conv: 2 * k_h * k_w * (C_in / groups) * C_out * H_out * W_out; linear: 2 * in * out per row of its output (one
+    per sample, one per token in a transformer); self-attention over T tokens of width E: 2 T E 3E (input
+    projection) + 2 T E E (output projection, which the attention applies functionally, so its Linear hook does not
+    fire) + 4 T T E (scores and their weighted sum). Biases, normalisation, activations, softmax and pooling are left
+    out. Output sizes come from one forward pass (batch 1) on the model's device.
     """
     total = 0
 
-    def hook(mod, _inp, out):
+    def hook(mod, inp, out):
         nonlocal total
         if isinstance(mod, nn.Conv2d):
             kh, kw = mod.kernel_size
             total += 2 * kh * kw * (mod.in_channels // mod.groups) * mod.out_channels * out.shape[-2] * out.shape[-1]
         elif isinstance(mod, nn.Linear):
-            total += 2 * mod.in_features * mod.out_features
+            total += 2 * mod.in_features * mod.out_features * (out.numel() // out.shape[-1])
+        elif isinstance(mod, nn.MultiheadAttention):
+            e = mod.embed_dim
+            t = inp[0].numel() // e  # batch 1: the query's tokens
+            total += 2 * t * e * 3 * e + 2 * t * e * e + 4 * t * t * e
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    kinds = (nn.Conv2d, nn.Linear, nn.MultiheadAttention)
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, kinds)]
     try:
         with torch.no_grad():
             model(torch.zeros(1, *input_shape, device=next(model.parameters()).device))
@@ -475,17 +538,20 @@ def _fmt_ms(x: Optional[float]) -> str:
 
 
 def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd_flops: Dict[str, int],
-           peak_tflops: float, warmup: int, timed: int, elapsed_s: float, repeats: int = 1) -> str:
-    """The markdown table and its notes; ``fwd_flops``: workload name -> forward FLOP of one sample."""
+           peak_tflops: float, warmup: int, timed: int, elapsed_s: float, repeats: int = 1,
+           peak_resettable: bool = True) -> str:
+    """The markdown table and its notes; ``fwd_flops``: workload name -> forward FLOP of one sample (workloads without
+    an entry were skipped on this device); ``peak_resettable``: whether the CPU peak could be reset per row
+    (:class:`PeakMemory`)."""
     threads = torch.get_num_threads()
     date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = [
         f"Round speed: torch {torch.__version__}, {device_name(device)} ({device.type}), "
         f"{threads} threads, {date}",
         "",
-        "| workload | executor | device | ms/round (median) | wall ms/round (median) | speed-up vs naive "
-        "| time / best executor's | FLOP-floor fraction |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| workload | executor | device | ms/round (median) | wall ms/round (median) | local steps/s "
+        "| peak memory (MiB) | speed-up vs naive | time / best executor's | FLOP-floor fraction |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_w = {w.name: w for w in workloads}
     notes: List[str] = []
@@ -498,6 +564,8 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
                   and x.ms is not None]
         vs_best = f"{r.ms / min(engine):.2f}" if r.ms is not None and engine and r.executor != "naive" else "n/a"
         frac = "n/a"
+        steps = f"{by_w[r.workload].steps_per_round / (r.ms / 1e3):,.1f}" if r.ms is not None else "-"
+        peak = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
         if r.ms is not None and device.type == "cuda":
             floor_ms = 1e3 * 3 * fwd_flops[r.workload] * by_w[r.workload].samples_per_round / (peak_tflops * 1e12)
             frac = f"{floor_ms / r.ms:.3f}"
@@ -506,10 +574,13 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
             notes.append(r.note)
             ms = f"{r.note.split(':')[0]} [{len(notes)}]"
         executor = f"auto -> {r.chosen}" if r.chosen else r.executor
-        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {speed} | {vs_best} "
-                     f"| {frac} |")
+        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {steps} | {peak} "
+                     f"| {speed} | {vs_best} | {frac} |")
     lines.append("")
     for w in workloads:
+        if w.name not in fwd_flops:
+            lines.append(f"- {w.name}: {w.describe()}; `model={w.model}`: not run on {device.type}.")
+            continue
         fwd = fwd_flops[w.name]
         flop = 3 * fwd * w.samples_per_round
         floor = f", floor {1e3 * flop / (peak_tflops * 1e12):.2f} ms at {peak_tflops:g} TFLOP/s" if device.type == "cuda" else ""
@@ -530,9 +601,18 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         f"(always evaluated, on a {TEST_SAMPLES}-sample test set) is not timed. The naive loop does no evaluation.",
         "- Speed-up: naive ms / row ms, same run. Time / best executor's: row ms / the lowest ms of the engine's "
         "executors (sequential, vectorized) on the workload, same run (auto's probe runs at build time and is "
-        "not in its rounds). FLOP floor: 3 x forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out, "
-        f"biases/ReLU/pooling excluded) x samples per round, at an assumed peak of {peak_tflops:g} TFLOP/s "
-        "(`--peak-tflops`; H200: ~67 fp32, ~990 bf16 dense); fraction = floor time / measured time (`n/a` on CPU).",
+        "not in its rounds). FLOP floor: 3 x forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out per "
+        "output row + self-attention 8*T*E^2 + 4*T^2*E; biases/normalisation/activations/pooling excluded) x samples "
+        f"per round, at an assumed peak of {peak_tflops:g} TFLOP/s (`--peak-tflops`; H200: ~67 fp32, ~990 bf16 "
+        "dense); fraction = floor time / measured time (`n/a` on CPU).",
+        "- Local steps/s: the workload's SGD steps per round / the median ms/round. Peak memory: "
+        + ("`torch.cuda.max_memory_allocated` (tensors), reset at each row's start."
+           if device.type == "cuda" else
+           "the process's peak resident set (VmHWM), reset at each row's start (data, model, libraries and the "
+           "interpreter included; the auto row includes its probe)." if peak_resettable else
+           "the process's peak resident set since it started (`ru_maxrss`; the kernel did not allow a reset per "
+           "row, so a row shows at least the peak of the rows before it).")
+        + " The distributed row's processes are not measured (`-`).",
     ]
     if any(w.model == "std_cnn" for w in workloads):
         fwd = next(fwd_flops[w.name] for w in workloads if w.model == "std_cnn")
@@ -564,7 +644,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="W0,W1 only (unless --workloads), 5 timed rounds after 1 warm-up (a few minutes on 2 CPU cores)")
     p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"), help="where to train (default: auto = cuda if available)")
-    p.add_argument("--workloads", default=None, help="comma-separated subset of W0,W1,W2 (default: all; --quick: W0,W1)")
+    p.add_argument("--workloads", default=None, help="comma-separated subset of W0,W1,W2,V0,V1 (default: all; --quick: "
+                                                     "W0,W1; V1 runs on CUDA only)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
     p.add_argument("--repeats", type=int, default=1,
@@ -604,14 +685,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    fwd = {w.name: forward_flops(build_model(w), w.shape.input_shape) for w in args.workload_list}
+    runs = [w for w in args.workload_list if device.type == "cuda" or not w.cuda_only]
+    fwd = {w.name: forward_flops(build_model(w), w.shape.input_shape) for w in runs}
     log(f"device {device} ({device_name(device)}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
         "forward MFLOP/sample: " + ", ".join(f"{k} {v / 1e6:.4g}" for k, v in fwd.items()))
     t_start = time.perf_counter()
     tracking = _Tracking()
     rows: List[Row] = []
+    peak = PeakMemory(device)
     try:
         for w in args.workload_list:
+            if w not in runs:
+                rows.append(Row(w.name, "-", device.type, note=f"skipped on {device.type}: {w.cuda_only}"))
+                log(f"{w.name}: {rows[-1].note}")
+                continue
             log(f"{w.name}: {w.describe()}")
             ds = make_dataset(w, args.seed)
             part = make_partition(w, ds, args.seed)
@@ -619,6 +706,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             reps: Dict[str, List[Row]] = {name: [] for name in args.executor_list}
             for rep in range(args.repeats):  # interleaved: every row once per repeat
                 for name in args.executor_list:
+                    peak.start()
                     if name == "naive":
                         row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
                     elif name == "distributed":
@@ -629,11 +717,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             extra.append(f"engine.max_parallel_clients={args.max_parallel_clients}")
                         row = run_executor(name, w, ds, part, data, device, args.warmup, args.rounds, args.seed,
                                            tracking, extra)
+                    if name != "distributed" and not row.note:
+                        row.peak_mib = peak.peak_mib()
                     if row.note:
                         log(f"  {w.name} {name}: {row.note}")
                     else:
                         log(f"  {w.name} {name} (repeat {rep + 1}/{args.repeats}): median {row.ms:.1f} ms/round "
-                            f"({row.spread}){' -> ' + row.chosen if row.chosen else ''}")
+                            f"({row.spread}){' -> ' + row.chosen if row.chosen else ''}"
+                            + (f", peak {row.peak_mib:,.0f} MiB" if row.peak_mib is not None else ""))
                     reps[name].append(row)
                     gc.collect()
                     if device.type == "cuda":
@@ -644,7 +735,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         tracking.close()
     table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
-                   time.perf_counter() - t_start, args.repeats)
+                   time.perf_counter() - t_start, args.repeats, peak.resettable)
     print(table, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

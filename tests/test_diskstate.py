@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_core.engine.diskstate import AUTO_DISK_BYTES, DISK_KEY, SLOTS, DiskClientStateStore, choose
+from fl_core.engine.diskstate import AUTO_DISK_BYTES, DISK_KEY, SLOTS, DiskClientStateStore, choose, client_state_bytes
 
 from conftest import run_sim
 
@@ -113,3 +113,95 @@ def test_a_checkpoint_of_one_store_resumes_in_the_other(digits, tmp_path, first,
     _checkpointed(digits, tmp_path, f"engine.client_state={first}", "engine.checkpoint_every=2", stop_after=3)
     _, res = _checkpointed(digits, tmp_path, f"engine.client_state={then}", "engine.checkpoint_every=2")
     assert res.resumed_from == 2 and torch.equal(res.final_flat, full.final_flat)
+
+
+# --------------------------------------------------------------------------- a large model: ViT-B's d, vit_tiny runs
+
+VIT_B_D = 85_875_556  # ViT-B/16 with a 100-way head (docs/algorithms.md, Model catalogue)
+
+
+@pytest.mark.parametrize("rule, vectors", [("scaffold", 1), ("feddc", 2), ("fedavg", 0)])
+def test_vit_b_client_states_of_100_clients_go_to_disk(rule, vectors):
+    """engine.client_state=auto for the FedBCGD ViT-B setting (100 clients): the rule's declared state (its
+    init_client_state, on the meta device: nothing of size d is allocated) decides."""
+    from fl_core.algorithms import build_algorithm
+    from fl_core.config import compose
+    from fl_core.models import build_model
+    from fl_core.params import ParamSpec
+
+    cfg = compose(["+experiment=fedbcgd_vit_cifar100", f"algorithm={rule}"])
+    with torch.device("meta"):
+        model = build_model(cfg.model, "cifar100", (3, 32, 32), 100)
+    spec = ParamSpec.from_model(model)
+    algo = build_algorithm(cfg.algorithm, spec, model)
+    per_client = client_state_bytes(algo, spec.d, torch.float32)
+    assert (spec.d, per_client) == (VIT_B_D, vectors * 4 * VIT_B_D)
+    kind, reason = choose(cfg.engine.client_state, cfg.partition.num_clients, per_client)
+    if vectors == 0:
+        assert (kind, reason) == ("memory", "auto: 100 clients x 0.0 MiB of state = 0.00 GiB <= 4 GiB")
+    else:  # SCAFFOLD: 100 x 85.9 M x 4 B = 34.4 GB
+        total = 100 * per_client
+        assert kind == "disk" and reason == (f"auto: 100 clients x {per_client / 2 ** 20:.1f} MiB of state = "
+                                             f"{total / 2 ** 30:.2f} GiB > 4 GiB")
+    assert cfg.engine.client_state == "auto"
+
+
+def test_client_state_bytes_of_a_rule_that_cannot_run_on_meta_tensors():
+    class ReadsValues:
+        def init_client_state(self, global_flat):
+            return {"c": torch.zeros_like(global_flat) + float(global_flat.sum())}  # .item() has no meta kernel
+
+    class Keeps:
+        def init_client_state(self, global_flat):
+            return None
+
+    assert client_state_bytes(ReadsValues(), 10, torch.float64) == 80
+    assert client_state_bytes(Keeps(), 10 ** 12, torch.float32) == 0  # a d no machine holds: never allocated
+
+
+VIT_SCAFFOLD = ["algorithm=scaffold", "model=vit_tiny", "partition.num_clients=20", "train.participation=0.5",
+                "train.sampler=fixed", "train.rounds=3", "train.local_steps=2", "engine.checkpoint_every=2"]
+
+
+def test_vit_tiny_scaffold_on_disk_checkpoints_below_twice_the_server_side_state(digits, tmp_path):
+    """SCAFFOLD on vit_tiny with 20 clients: with the disk store the checkpoint holds the global model, the server's
+    state and the slot table, below 2 x (global model + server state) bytes; the memory store's checkpoint holds the
+    trained clients' control variates as well (above the bound); both runs train the same model."""
+    runs = {}
+    for store in ("disk", "memory"):
+        ck = tmp_path / store / "ck.pt"
+        sim, res = run_sim(digits, *VIT_SCAFFOLD, f"engine.client_state={store}", checkpoint_path=ck)
+        saved = torch.load(ck, weights_only=False)
+        assert sim.client_state == store and saved["round"] == 2
+        server = saved["global"].nbytes + sum(v.nbytes for v in saved["server"].values())
+        runs[store] = (res, ck.stat().st_size, server, saved)
+    res, size, server, saved = runs["disk"]
+    d = res.final_flat.numel()
+    assert server == 2 * 4 * d  # the model and the server's control variate c
+    assert size < 2 * server
+    assert set(saved["clients"]) == {DISK_KEY} and saved["clients"][DISK_KEY]["slot"].shape == (20,)
+    assert int((saved["clients"][DISK_KEY]["slot"] >= 0).sum()) > 10  # rounds 1-2 trained 11+ distinct clients
+    assert (tmp_path / "disk" / "ck.pt.states" / "c.bin").exists()
+    mem, mem_size, _, mem_saved = runs["memory"]
+    assert len(mem_saved["clients"]) > 10 and mem_size > 2 * server
+    assert torch.equal(res.final_flat, mem.final_flat)
+
+
+def test_auto_puts_the_states_on_disk_above_the_threshold(digits, monkeypatch):
+    """The factory resolves engine.client_state=auto from N and the rule's declared state: vit_tiny SCAFFOLD's 20
+    clients x 2.4 MB go to disk once the threshold is below their 47 MB."""
+    from fl_core.data import make_partition
+    from fl_core.engine import diskstate
+    from fl_core.engine.factory import build_simulator
+
+    from conftest import tiny_cfg
+
+    cfg = tiny_cfg(*VIT_SCAFFOLD, "engine.client_state=auto")
+    part = make_partition(cfg.partition, digits.y_train.numpy(), digits.num_classes)
+    assert build_simulator(cfg, digits, part).client_state == "memory"
+    monkeypatch.setattr(diskstate, "AUTO_DISK_BYTES", 40 * 2 ** 20)
+    sim = build_simulator(cfg, digits, part)
+    d = sim.spec.d
+    assert sim.client_state == "disk"
+    assert sim.client_state_reason == (f"auto: 20 clients x {4 * d / 2 ** 20:.1f} MiB of state = "
+                                       f"{20 * 4 * d / 2 ** 30:.2f} GiB > 0.0390625 GiB")

@@ -14,7 +14,8 @@ from ..algorithms import build_algorithm, prepare_model
 from ..algorithms.base import RoundContext
 from ..data.sampling import sample_clients
 from ..models import build_model
-from . import diskstate, kernels
+from ..schema import ConfigError
+from . import diskstate, kernels, memory
 from .executors import EXECUTORS, ClientData, SequentialExecutor, VectorizedExecutor, client_steps
 from .localwork import LocalWork
 from .simulator import RunLogger, Simulator, config_fingerprint
@@ -162,32 +163,86 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
                           time.perf_counter() - t0)
 
 
+def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_bytes: int,
+                   world_size: int = 1, held_bytes: int = 0) -> memory.Fit:
+    """Whether the vectorised executor fits this run's rounds on the model's device (:mod:`.memory`).
+
+    n is the number of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``, as the timing probe
+    takes them; with ``world_size`` K > 1 ranks, each rank's share ceil(n / K)), C = ``engine.max_parallel_clients``
+    (0: n), B = ``train.batch_size``; the activations are measured on one training sample
+    (:func:`.memory.activation_bytes`), the available memory read now, with the model and the data in place.
+
+    Args:
+        cfg: the composed config; model, algo: the run's model (on its device) and algorithm stack (not changed);
+        data: the clients' training data; state_bytes: one client's state (:func:`.diskstate.client_state_bytes`);
+        world_size: ranks that share each round's clients (``engine.executor=distributed``).
+        held_bytes: what the run adds to the device whichever executor trains (the in-memory store's client states
+            when they live on this device).
+    """
+    t = cfg.train
+    device = next(model.parameters()).device
+    n = len(sample_clients(len(data.indices), t.participation, t.sampler, int(cfg.seed), 1))
+    n = -(-n // max(1, int(world_size)))
+    sample = data.x[:1]
+    d = sum(p.numel() for p in model.parameters())
+    need = memory.vectorized_memory(
+        d=d, float_bytes=sample.element_size(), round_clients=n,
+        max_parallel_clients=int(cfg.engine.max_parallel_clients), batch_size=int(t.batch_size),
+        activation_per_sample=memory.activation_bytes(model, sample), state_bytes=state_bytes,
+        sample_bytes=sample.numel() * sample.element_size(),
+        extra_vectors=memory.extra_vectors(algo, float(t.momentum), str(t.optimizer)), held_bytes=held_bytes)
+    available, where = memory.available_bytes(device)
+    return memory.Fit(need, available, where)
+
+
 def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.device,
-                    probe: Optional[Callable[[], ExecutorTiming]] = None) -> Tuple[str, str]:
+                    probe: Optional[Callable[[], ExecutorTiming]] = None,
+                    fit: Optional[Callable[[], memory.Fit]] = None) -> Tuple[str, str]:
     """Resolve ``engine.executor`` (``auto`` included) to an executor name and the reason for it.
 
-    A name other than ``auto`` is taken as given. ``auto`` takes the sequential executor when the
-    vectorised one cannot run (a hook of the algorithm stack only runs sequentially, or the model has
-    buffers); otherwise it calls ``probe`` (:func:`time_executors`: one local step of some of round 1's
-    clients with each executor, on copies) and takes the executor with the lower predicted round time; within
-    ``PROBE_TIE`` (5 %) of each other, or without a probe, or when the probe fails, the device's default:
-    vectorised on CUDA, sequential on the CPU. The probe runs only in that last case, never when the choice is
-    forced. Both executors train the same model up to float rounding, so the choice changes speed, not results.
+    A name other than ``auto`` is taken as given; ``vectorized`` is checked against the memory first (below).
+    ``auto`` takes the sequential executor when the vectorised one cannot run (a hook of the algorithm stack only
+    runs sequentially, or the model has buffers) or cannot fit (``fit``: its memory estimate above
+    :data:`.memory.FIT_FRACTION` of the available memory; the reason gives both and the
+    ``engine.max_parallel_clients`` that would fit); otherwise it calls ``probe`` (:func:`time_executors`: one
+    local step of some of round 1's clients with each executor, on copies) and takes the executor with the lower
+    predicted round time; within ``PROBE_TIE`` (5 %) of each other, or without a probe, or when the probe fails,
+    the device's default: vectorised on CUDA, sequential on the CPU. The probe runs only in that last case, never
+    when the choice is forced. Both executors train the same model up to float rounding, so the choice changes
+    speed, not results.
 
     Args:
         requested: ``engine.executor`` (``sequential``, ``vectorized``, ``auto`` or another registered name).
         algo: the algorithm stack; model: the model (its buffers decide); device: where the run trains.
         probe: returns the :class:`ExecutorTiming` (called at most once), or None (device default).
+        fit: returns the vectorised executor's :class:`.memory.Fit` (:func:`vectorized_fit`; called at most once,
+            only for ``auto`` and ``vectorized`` with a stack and a model it can run), or None (no memory check).
 
     Returns:
         (executor name, reason): the reason is one line, logged as the MLflow tag ``executor_reason``.
+
+    Raises:
+        ConfigError: ``engine.executor=vectorized`` where it does not fit (one line: the estimate, the available
+            memory and the ``engine.max_parallel_clients`` that fits, or ``engine.executor=sequential``).
     """
+    runnable = algo.vectorizable and not any(True for _ in model.buffers())
+    if requested == "vectorized" and runnable and fit is not None:
+        check = fit()
+        if not check.fits:
+            raise ConfigError(f"engine.executor=vectorized needs {check.estimate()}: set engine.max_parallel_clients="
+                              f"{check.chunk} (fits) or engine.executor=sequential (or auto)" if check.chunk else
+                              f"engine.executor=vectorized needs {check.problem()}: set engine.executor=sequential "
+                              "(or auto)")
     if requested != "auto":
         return requested, "engine.executor=" + requested
     if not algo.vectorizable:
         return "sequential", f"auto: {algo.describe()} has hooks that only run sequentially"
     if any(True for _ in model.buffers()):
         return "sequential", "auto: the model has buffers (e.g. BatchNorm)"
+    if fit is not None:
+        check = fit()
+        if not check.fits:
+            return "sequential", f"auto: the vectorized executor would need {check.problem()}"
     default = "vectorized" if device.type == "cuda" else "sequential"
     where = "CUDA" if device.type == "cuda" else "CPU"
     if probe is None:
@@ -277,17 +332,24 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
                   momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
                   crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
+    state_bytes = diskstate.client_state_bytes(algo, spec.d, dtype)  # the rule's declared state, nothing allocated
+    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients, state_bytes)
+    rank, ranks = 0, 1  # engine.executor=distributed: each of torchrun's ranks trains a share; rank 0 holds the store
+    if distributed:
+        from .distributed import world
+
+        rank, ranks, _ = world()
+    # the in-memory store keeps every client's state on the host (Simulator._open_store): RAM the run will take
+    held = partition.num_clients * state_bytes if store == "memory" and device.type == "cpu" and rank == 0 else 0
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
-                                   device, probe=lambda: time_executors(cfg, model, algo, data, kwargs))
+                                   device, probe=lambda: time_executors(cfg, model, algo, data, kwargs),
+                                   fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks, held))
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
     executor.reason = reason
     if distributed:
         executor = _distribute(executor, cfg)
-    init = algo.init_client_state(torch.zeros(spec.d, dtype=dtype, device=device))
-    store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients,
-                                           sum(v.numel() * v.element_size() for v in (init or {}).values()))
     sim = Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=y_test,
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,
