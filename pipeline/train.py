@@ -70,7 +70,9 @@ def usage() -> str:
 
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
-       python -m pipeline.train --cfg [KEY=VALUE ...]    print the composed config and exit
+       python -m pipeline.train --cfg [job|hydra|all] [KEY=VALUE ...]   print the composed config and exit
+       python -m pipeline.train --info [KEY=VALUE ...]   the config search path, chosen groups and config
+       python -m pipeline.train --hydra-help             the override grammar (key=value, group=option, +, ~)
        python -m pipeline.train -m [KEY=A,B ...]         Hydra multirun: one experiment per combination
 
 (fl-train is the same command, installed as a console script.)
@@ -657,6 +659,57 @@ def _outcome(summary: Dict, cfg, grid: bool) -> int:
     return 0
 
 
+HYDRA_HELP = """Hydra's override grammar, as fl-train reads it (https://hydra.cc/docs/advanced/override_grammar/basic/):
+  key=value              set a value: train.rounds=5, train.lr=0.05, algorithm.wrappers=[fedbug]
+  group=option           choose a config group file: algorithm=fedprox, dataset=mnist1d, model=m1d_cnn
+  +experiment=NAME       add a preset (conf/experiment/NAME.yaml) on top of the defaults
+  +key=value / ~key      add a key the config does not have / delete one (fl-train refuses keys a run does not use)
+  key=a,b / range(a,b)   a sweep: a seed list with seed=, one job per value with -m (--multirun)
+  'key=${other.key}'     an OmegaConf interpolation (quote it for the shell)
+Options: --cfg [job|hydra|all] prints the composed config (job: fl-train's, hydra: Hydra's own node, all: both) and
+exits; --info prints the config search path, the chosen config groups and the composed config; --help lists the keys."""
+
+
+def _cfg_option(argv: List[str]) -> tuple:
+    """``--cfg [job|hydra|all]`` out of ``argv``: (the part asked for, or None without ``--cfg``; the rest). A bare
+    ``--cfg`` is ``job``, as in Hydra."""
+    if "--cfg" not in argv:
+        return None, argv
+    i = argv.index("--cfg")
+    part = "job"
+    rest = argv[:i] + argv[i + 1:]
+    if i + 1 < len(argv) and argv[i + 1] in ("job", "hydra", "all"):
+        part = argv[i + 1]
+        rest = argv[:i] + argv[i + 2:]
+    return part, rest
+
+
+def _describe(cfg, overrides: List[str], part: str, info: bool = False) -> str:
+    """What ``--cfg PART`` / ``--info`` print for a composed config: fl-train's config (``job``), Hydra's own node
+    (``hydra``: composed by Hydra from the same overrides), or both (``all``); with ``info`` first the config search
+    path and the chosen config groups."""
+    from omegaconf import OmegaConf
+
+    from fl_core.paths import conf_dir
+
+    out: List[str] = []
+    if info:
+        out += [f"Config search path: {conf_dir()} (file://, the project's conf/)",
+                "Config groups chosen: " + ", ".join(f"{g}={cfg[g].name}" for g in ("dataset", "partition", "model", "algorithm")
+                                              if "name" in cfg[g]), ""]
+    if part in ("hydra", "all"):
+        from hydra import compose as hydra_compose
+        from hydra import initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            node = hydra_compose(config_name="config", overrides=[o for o in overrides if not o.startswith("-")],
+                                 return_hydra_config=True).hydra
+        out.append(OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(node, resolve=False)})))
+    if part in ("job", "all") or info:
+        out.append(OmegaConf.to_yaml(cfg))
+    return "\n".join(out).rstrip("\n")
+
+
 def _restart_for_portable_kernels(cfgs: List, from_command_line: bool) -> None:
     """``engine.kernels=portable`` needs its variables before torch loads (:mod:`fl_core.engine.kernels`): run as a
     command, start this command again with them set (the process is replaced; nothing was written yet); called
@@ -681,15 +734,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .multirun import multirun
 
         return multirun([a for a in argv if a not in ("-m", "--multirun")])
-    show_cfg = "--cfg" in argv
-    argv = [a for a in argv if a != "--cfg"]
+    if "--hydra-help" in argv:
+        print(HYDRA_HELP)
+        return 0
+    show_cfg, argv = _cfg_option(argv)
+    show_info = "--info" in argv
+    argv = [a for a in argv if a != "--info"]
     grid = bool(argv) and argv[0] == "--grid"
     try:
         cfgs = _grid_configs(argv) if grid else _override_configs(argv)
-        if show_cfg:
-            from omegaconf import OmegaConf
-
-            print(OmegaConf.to_yaml(cfgs[0]))
+        if show_cfg or show_info:
+            print(_describe(cfgs[0], argv if not grid else [], show_cfg or "job", info=show_info))
             return 0
         _restart_for_portable_kernels(cfgs, from_command_line)
         device = resolve_device(cfgs[0].engine.device)

@@ -121,3 +121,32 @@ def test_bad_inputs_leave_an_earlier_good_run_untouched(tmp_path):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_cfg_info_and_hydra_help_as_in_hydra(tmp_path, capsys, monkeypatch):
+    """``--cfg job|hydra|all`` (bare: job), ``--info`` and ``--hydra-help`` print and exit 0 without running or
+    writing anything; the overrides are checked as for a run."""
+    import yaml
+
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def out(*args):
+        assert main(list(args)) == 0
+        return capsys.readouterr().out
+
+    job = yaml.safe_load(out("--cfg", "job", "train.rounds=2"))
+    assert job["train"]["rounds"] == 2 and "hydra" not in job
+    assert yaml.safe_load(out("--cfg", "train.rounds=2")) == job  # bare --cfg is job
+    hydra = yaml.safe_load(out("--cfg", "hydra", "algorithm=fedprox"))
+    assert list(hydra) == ["hydra"] and "algorithm=fedprox" in hydra["hydra"]["overrides"]["task"]
+    both = out("--cfg", "all", "algorithm=fedprox")
+    assert both.startswith("hydra:") and "\nalgorithm:\n  name: fedprox" in both
+    info = out("--info", "dataset=mnist1d", "model=m1d_cnn")
+    assert "Config search path:" in info and "dataset=mnist1d" in info and "model=m1d_cnn" in info
+    assert "key=value" in out("--hydra-help") and "group=option" in out("--hydra-help")
+    assert list(tmp_path.iterdir()) == []  # nothing run, nothing written
+    with pytest.raises(SystemExit) as err:
+        main(["--cfg", "hydra", "train.roudns=3"])
+    assert err.value.code == 2 and "did you mean train.rounds" in capsys.readouterr().err
