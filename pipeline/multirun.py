@@ -20,6 +20,7 @@ single run prints. Exit status: the worst job's (0 all ok, 1 a seed failed, 2 ba
 from __future__ import annotations
 
 import functools
+import re
 import signal
 import sys
 import traceback
@@ -124,7 +125,7 @@ def _keep_task_name() -> None:
     JobRuntime.instance().set("name", TASK_NAME)
 
 
-def _job(cfg, seeds: Optional[List[int]]) -> int:  # noqa: ARG001  (Hydra's task_function signature)
+def _job(cfg, seeds: Optional[List[int]], swept: Sequence[str] = ()) -> int:  # noqa: ARG001  (Hydra's signature)
     """One job of the sweep: its overrides (as Hydra expanded them) trained for every seed, via
     :func:`pipeline.train.train_one`, so that it validates, writes and tracks exactly like a single run.
 
@@ -136,6 +137,10 @@ def _job(cfg, seeds: Optional[List[int]]) -> int:  # noqa: ARG001  (Hydra's task
     hc = HydraConfig.get()
     overrides = [str(o) for o in hc.overrides.task]
     label = " ".join(overrides) or "(defaults)"
+    try:
+        overrides = _named(overrides, seeds, swept)
+    except ConfigError:
+        pass  # train_one says what is wrong, in its one line
     print(f"{PROG}: job #{hc.job.num}: {label}" + (f" (seeds {','.join(map(str, seeds))})" if seeds else ""),
           file=sys.stderr, flush=True)
     try:
@@ -197,7 +202,47 @@ def _name_hint(name: str, a: List[str], b: List[str]) -> str:
     return "e.g. name='...${KEY}' with the swept KEY"
 
 
-def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]]) -> None:
+NAMED_BY_DEFAULT = ("algorithm", "partition", "dataset")  # derive_name already tells their choices apart
+
+
+def swept_keys(parsed: List[Any]) -> List[str]:
+    """The keys (and groups) a parsed command line sweeps over, besides the seed list and Hydra's own."""
+    return [o.key_or_group for o in parsed
+            if o.is_sweep_override() and not o.is_hydra_override() and o.key_or_group != SEED]
+
+
+def job_name(cfg, job: Sequence[str], swept: Sequence[str]) -> str:
+    """The results name of one job of a sweep without ``name=``: :func:`pipeline.train.derive_name` followed by the
+    job's value of every swept key that name does not show, e.g. ``fedavg_shards-s2_digits-lr0.05`` for
+    ``-m train.lr=0.01,0.05`` and ``fedavg_shards-s2_digits-m1d_cnn`` for ``-m model=m1d_cnn,m1d_gru``."""
+    from .train import derive_name
+
+    values = {}
+    for o in job:
+        key, _, value = str(o).partition("=")
+        values[key.lstrip("+~")] = value
+    parts = [derive_name(cfg)]
+    for key in swept:
+        bare = key.lstrip("+~")
+        if bare in NAMED_BY_DEFAULT or bare not in values:
+            continue
+        value = re.sub(r"[^A-Za-z0-9._-]", "_", values[bare])
+        parts.append(value if bare in GROUPS or bare == "experiment" else f"{bare.rsplit('.', 1)[-1]}{value}")
+    return "-".join(parts)
+
+
+def _named(job: List[str], seeds: Optional[List[int]], swept: Sequence[str]) -> List[str]:
+    """``job`` with ``name=`` from :func:`job_name` added when the sweep has keys to name it by and the user gave no
+    name; else ``job`` unchanged."""
+    if not swept or any(str(o).split("=", 1)[0].lstrip("+") == "name" for o in job):
+        return list(job)
+    from fl_core.config import compose
+
+    cfg = compose(list(job) + seed_override(seeds[:1] if seeds else None))
+    return list(job) + [f"name={job_name(cfg, job, swept)}"]
+
+
+def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]], swept: Sequence[str] = ()) -> None:
     """Compose and validate every job before any runs; refuse jobs that would share ``results/<name>/``.
 
     Raises:
@@ -211,6 +256,7 @@ def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]]) -> None:
     owners: dict = {}
     devices = set()
     for num, job in enumerate(jobs):
+        job = _named(job, seeds, swept)
         cfg = compose(job + seed_override(seeds[:1] if seeds else None))
         devices.add(str(cfg.engine.device))
         name = cfg.name or derive_name(cfg)
@@ -284,7 +330,7 @@ def _validated_job_count(parsed: List[Any], user_keys: set, seeds: Optional[List
     if "hydra/sweeper" not in user_keys:  # the basic sweeper: its jobs are the product of the lists
         task = [o for o in parsed if not o.is_hydra_override()]
         jobs = [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
-        _check_jobs(jobs, seeds)
+        _check_jobs(jobs, seeds, swept_keys(parsed))
         _keep_task_name()
         return f"{len(jobs)} job(s)"
     from fl_core.config import compose
@@ -315,7 +361,8 @@ def _launch(hydra: Any, args: List[str]) -> Any:
     launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
     print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
           f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
-    return hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds),
+    return hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds,
+                                                                              swept=swept_keys(parsed)),
                           overrides=hydra_args)
 
 

@@ -100,12 +100,19 @@ def test_bad_value_in_a_swept_list_fails_before_any_job(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_jobs_that_would_share_a_results_folder_are_refused(tmp_path):
+def test_swept_values_name_the_jobs(tmp_path):
+    """Without name=, each job's results name is the derived name plus the swept values it does not show."""
     proc = _run(["-m", "train.lr=0.01,0.1"] + TINY, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(_metrics(tmp_path)) == ["fedavg_iid_digits-lr0.01", "fedavg_iid_digits-lr0.1"]
+
+
+def test_jobs_that_would_share_a_results_folder_are_refused(tmp_path):
+    proc = _run(["-m", "train.lr=0.01,0.1", "name=same"] + TINY, tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "error: jobs #0 (train.lr=0.01) and #1 (train.lr=0.1) would both write results/fedavg_iid_digits/: "
-        "give each job its own name, e.g. name='fedavg_iid_digits-lr${train.lr}'")
+        "error: jobs #0 (train.lr=0.01) and #1 (train.lr=0.1) would both write results/same/: "
+        "give each job its own name, e.g. name='same-lr${train.lr}'")
     assert list(tmp_path.iterdir()) == []
 
 
