@@ -88,7 +88,7 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
     if write:
         from pipeline.train import run_experiment
 
-        summary = run_experiment(cfgs)
+        summary = run_experiment(cfgs, adhoc=True)
         histories, models = _read_back(cfgs[0], summary)
     else:
         summary, histories, models = _in_memory(cfgs)

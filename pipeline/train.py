@@ -50,7 +50,8 @@ from fl_core.engine.simulator import RunFailed, config_fingerprint
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.models import resolve_model_name
 from fl_core.paths import project_root
-from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, split_summary
+from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
+                              split_summary)
 from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, git_commit, run_params
 
 from .figures import experiment_figure, readable_title, schedule_figure
@@ -73,6 +74,7 @@ def usage() -> str:
        python -m pipeline.train --cfg [job|hydra|all] [KEY=VALUE ...]   print the composed config and exit
        python -m pipeline.train --info [KEY=VALUE ...]   the config search path, chosen groups and config
        python -m pipeline.train --hydra-help             the override grammar (key=value, group=option, +, ~)
+       python -m pipeline.train --overwrite [KEY=VALUE ...]   replace results/<name>/ of another config (else refused)
        python -m pipeline.train -m [KEY=A,B ...]         Hydra multirun: one experiment per combination
 
 (fl-train is the same command, installed as a console script.)
@@ -241,8 +243,10 @@ def experiment_fingerprint(cfg) -> str:
 class _Experiment:
     """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs."""
 
-    def __init__(self, cfgs: List, callbacks: Optional[list]):
+    def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False):
         self.cfgs, self.cfg0 = cfgs, cfgs[0]
+        self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
+        self.adhoc = adhoc  # a run outside the grid: its results/<name>/ carries a .gitignore of its own
         cfg0 = self.cfg0
         self.name = cfg0.name or derive_name(cfg0)
         self.device = resolve_device(cfg0.engine.device)
@@ -301,10 +305,23 @@ class _Experiment:
         return sim
 
     # ------------------------------------------------------------------ the run
+    def _refuse_other_config(self) -> None:
+        """Without ``replace``: a ConfigError when ``results/<name>/`` holds the published results of another
+        config (another fingerprint), so that a reused name never replaces them silently."""
+        if self.replace:
+            return
+        held = read_results(self.store.out)
+        other = None if held is None else held.get("fingerprint")
+        if other and other != self.store.fingerprint:
+            raise ConfigError(f"{self.store.out}/ holds the results of another config of experiment {self.name} "
+                              f"(fingerprint {other}, this run's {self.store.fingerprint}): give this run its own "
+                              "name=..., or add --overwrite to replace them")
+
     def run(self) -> Dict:
         store, cfg0 = self.store, self.cfg0
         with store.lock():
             store.recover()
+            self._refuse_other_config()
             if cfg0.tracking.enabled:
                 self.tracking = Tracking(cfg0.tracking.experiment)
                 ended = self.tracking.end_orphans(self.name)
@@ -354,6 +371,9 @@ class _Experiment:
         write_text(staging / "config.yaml", yaml.safe_dump({**container, "name": self.name, "seeds": self.seeds,
                                                            "effective_update_u": self.u}, sort_keys=False))
         write_json(staging / "partition" / "stats.json", self.part.stats())
+        if self.adhoc:  # git ignores the folder (a grid experiment's small outputs are tracked instead)
+            write_text(staging / ".gitignore", "# results of a run outside the grid (fl-train / the API): not "
+                       "tracked by git\n*\n")
         plot_label_distribution(self.part, staging / "partition" / "labels_per_client.png", title=self.pkey)
 
     def _seed(self, cfg, staging: Path, schedule_files: List[Path]) -> Dict:
@@ -508,7 +528,8 @@ class _Experiment:
 INTERRUPTED = "interrupted; run the same command again to resume"
 
 
-def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
+def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: bool = True,
+                   adhoc: bool = False) -> Dict:
     """Train every seed of one experiment and publish its outputs, exactly once per (name, config, seed).
 
     Everything that can fail on the inputs (data files, partition, model vs. input shape, rule vs.
@@ -521,6 +542,10 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
     Args:
         cfgs: composed configs, one per seed, identical except for ``seed``.
         callbacks: extra ``cb(round, row)`` hooks passed to every simulator (tests).
+        replace: whether results of another config under the same name are replaced (a grid stage: DVC reruns it
+            when its config changes); False refuses them with a ConfigError (``fl-train`` without ``--overwrite``).
+        adhoc: a run outside the grid (``fl-train`` with overrides, the API): ``results/<name>/`` gets a
+            ``.gitignore`` so that git does not list it.
 
     Returns:
         The experiment summary (``metrics.json`` and ``experiment.json`` merged).
@@ -530,7 +555,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None) -> Dict:
         ExperimentBusy: another process writes this experiment (nothing written).
         Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
-    return _Experiment(cfgs, callbacks).run()
+    return _Experiment(cfgs, callbacks, replace, adhoc).run()
 
 
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
@@ -625,12 +650,12 @@ def _override_configs(argv: List[str]) -> List:
     return [compose(overrides + [f"seed={s}"]) for s in seeds] if seeds else [compose(overrides)]
 
 
-def _train(cfgs: List) -> Optional[Dict]:
+def _train(cfgs: List, replace: bool = True, adhoc: bool = False) -> Optional[Dict]:
     """:func:`run_experiment` with SIGTERM taken as Ctrl-C; None when interrupted (said on stderr). Bad inputs
     and a busy experiment exit 2 (:func:`fail`)."""
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        return run_experiment(cfgs)
+        return run_experiment(cfgs, replace=replace, adhoc=adhoc)
     except (ConfigError, DataSourceError, PartitionError, ExperimentBusy) as err:
         fail(str(err))
     except Interrupted as err:
@@ -739,7 +764,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     show_cfg, argv = _cfg_option(argv)
     show_info = "--info" in argv
-    argv = [a for a in argv if a != "--info"]
+    overwrite = "--overwrite" in argv
+    argv = [a for a in argv if a not in ("--info", "--overwrite")]
     grid = bool(argv) and argv[0] == "--grid"
     try:
         cfgs = _grid_configs(argv) if grid else _override_configs(argv)
@@ -754,7 +780,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rank > 0:
         return _serve(cfgs, device)
     try:
-        summary = _train(cfgs)
+        summary = _train(cfgs, replace=grid or overwrite, adhoc=not grid)
     finally:
         _release_ranks(cfgs[0])
     if summary is None:

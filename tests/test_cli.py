@@ -150,3 +150,25 @@ def test_cfg_info_and_hydra_help_as_in_hydra(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as err:
         main(["--cfg", "hydra", "train.roudns=3"])
     assert err.value.code == 2 and "did you mean train.rounds" in capsys.readouterr().err
+
+
+def test_a_name_holding_another_configs_results_is_refused_unless_overwrite(tmp_path):
+    """Rerunning a name with another config exits 2 with one line (name=... or --overwrite) and changes no file;
+    with --overwrite the new config's results replace the old ones; the same config again does nothing."""
+    good = ["train.rounds=1", "partition.num_clients=4", "train.local_epochs=1", "seed=1", "name=mine",
+            "engine.progress=false", "tracking.enabled=false"]
+    assert _run(good, tmp_path).returncode == 0
+    assert (tmp_path / "results" / "mine" / ".gitignore").read_text().splitlines()[-1] == "*"  # ad hoc: git-ignored
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = _run(good + ["train.lr=0.1"], tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: results/mine/ holds the results of another config of experiment mine")
+    assert "name=..." in lines[0] and "--overwrite" in lines[0]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    old = json.loads((tmp_path / "results" / "mine" / "experiment.json").read_text())["fingerprint"]
+    assert _run(good + ["train.lr=0.1", "--overwrite"], tmp_path).returncode == 0
+    new = json.loads((tmp_path / "results" / "mine" / "experiment.json").read_text())["fingerprint"]
+    assert new != old
+    again = _run(good + ["train.lr=0.1"], tmp_path)
+    assert again.returncode == 0 and "already holds this experiment" in again.stderr
