@@ -15,7 +15,7 @@ runs it (``results/<name>/``, MLflow, checkpoints, resume; :func:`pipeline.train
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class ExperimentResult:
 
 
 def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, write: bool = False,
-        track: Optional[bool] = None) -> ExperimentResult:
+        track: Optional[bool] = None, progress: Optional[bool] = None,
+        on_round: Optional[Callable[[int, int, Dict[str, Any]], None]] = None) -> ExperimentResult:
     """Train one experiment (``overrides``) for every seed in ``seeds`` and return its results.
 
     Args:
@@ -56,6 +57,11 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
             (outputs under ``results/<name>/``, checkpoints, MLflow when tracking is enabled).
         track: with ``write=True``, override ``tracking.enabled`` (None keeps the config's value).
             Without writing nothing is tracked, so ``track=True`` is refused there.
+        progress: a progress bar over all seeds' rounds (tqdm's notebook-aware ``tqdm.auto``, on stderr); None keeps
+            ``engine.progress`` (true by default), False turns it off.
+        on_round: called as ``on_round(seed, round, row)`` after every trained round of every seed, ``row`` that
+            round's metrics (``test_acc`` a fraction, ``train_loss``, ... as in ``history``); for live plots or early
+            looks. A round read back from a finished run is not trained again and not reported.
 
     Returns:
         :class:`ExperimentResult`.
@@ -83,23 +89,26 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
     if track and not write:
         raise ConfigError("track=True needs write=True (an in-memory run is not tracked)")
     extra = [] if track is None else [f"tracking.enabled={'true' if track else 'false'}"]
+    if progress is not None:
+        extra.append(f"engine.progress={'true' if progress else 'false'}")
     cfgs = [compose(overrides + extra + [f"seed={int(s)}"]) for s in seeds]
 
     if write:
         from pipeline.train import run_experiment
 
-        summary = run_experiment(cfgs, adhoc=True)
+        summary = run_experiment(cfgs, adhoc=True, on_round=on_round)
         histories, models = _read_back(cfgs[0], summary)
     else:
-        summary, histories, models = _in_memory(cfgs)
+        summary, histories, models = _in_memory(cfgs, on_round)
     rows = [{"seed": s, **row} for s, hist in histories.items() for row in hist]
     history = pd.DataFrame(rows)
     config = to_container(cfgs[0])
     return ExperimentResult(history=history, summary=summary, models=models, config=config)
 
 
-def _in_memory(cfgs: List) -> tuple:
-    """Train every seed in this process without files or tracking; (summary, histories, models)."""
+def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
+    """Train every seed in this process without files or tracking, with a progress bar when ``engine.progress``;
+    (summary, histories, models)."""
     from .data.access import dataset_for, partition_for
     from .engine.factory import DTYPES, build_simulator, client_data, resolve_device
     from .engine.simulator import RunFailed
@@ -111,15 +120,31 @@ def _in_memory(cfgs: List) -> tuple:
     device = resolve_device(cfg0.engine.device)
     data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
     histories, models, summaries, failures = {}, {}, {}, {}
+    bar = None
+    if cfg0.engine.progress:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=int(cfg0.train.rounds) * len(cfgs), desc=str(cfg0.name or "run"), unit="round",
+                   dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     for cfg in cfgs:
         seed = int(cfg.seed)
-        sim = build_simulator(cfg, ds, part, device=device, data=data)
+        callbacks = []
+        if bar is not None:
+            callbacks.append(lambda r, row: bar.update(1))
+        if on_round is not None:
+            callbacks.append(lambda r, row, seed=seed: on_round(seed, r, row))
+        sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
         try:
             result = sim.run()
         except RunFailed as err:
             failures[seed] = str(err)
             histories[seed] = err.history
             continue
+        finally:
+            if bar is not None and cfg is cfgs[-1]:
+                bar.close()
         histories[seed] = result.history
         models[seed] = result.state_dict
         summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)

@@ -29,13 +29,14 @@ holds (one line, nothing written); 130 when interrupted (Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -243,7 +244,8 @@ def experiment_fingerprint(cfg) -> str:
 class _Experiment:
     """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs."""
 
-    def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False):
+    def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False,
+                 on_round: Optional[Callable] = None):
         self.cfgs, self.cfg0 = cfgs, cfgs[0]
         self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
         self.adhoc = adhoc  # a run outside the grid: its results/<name>/ carries a .gitignore of its own
@@ -265,6 +267,7 @@ class _Experiment:
         self.store = ExperimentStore(self.name, experiment_fingerprint(cfg0), Path(cfg0.results_dir),
                                      Path(cfg0.engine.checkpoint_dir))
         self.callbacks = list(callbacks or [])
+        self.seed_callbacks = [on_round] if on_round is not None else []  # cb(seed, round, row)
         self.progress = _Progress(self.name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
         self.tracking: Optional[Tracking] = None
         self.parent_id: Optional[str] = None
@@ -388,7 +391,9 @@ class _Experiment:
         else:
             sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
                                   checkpoint_path=store.checkpoint_path(seed) if cfg.engine.checkpoint_every else None,
-                                  callbacks=[self.progress] + self.callbacks, cache_dir=objective_cache(cfg))
+                                  callbacks=[self.progress] + self.callbacks
+                                  + [functools.partial(cb, seed) for cb in self.seed_callbacks],
+                                  cache_dir=objective_cache(cfg))
             if self.tracking is not None:
                 sim.logger = logger = self._child_logger(cfg, seed)
             self.progress.start(seed, sim.restore())
@@ -529,7 +534,7 @@ INTERRUPTED = "interrupted; run the same command again to resume"
 
 
 def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: bool = True,
-                   adhoc: bool = False) -> Dict:
+                   adhoc: bool = False, on_round: Optional[Callable] = None) -> Dict:
     """Train every seed of one experiment and publish its outputs, exactly once per (name, config, seed).
 
     Everything that can fail on the inputs (data files, partition, model vs. input shape, rule vs.
@@ -546,6 +551,8 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
             when its config changes); False refuses them with a ConfigError (``fl-train`` without ``--overwrite``).
         adhoc: a run outside the grid (``fl-train`` with overrides, the API): ``results/<name>/`` gets a
             ``.gitignore`` so that git does not list it.
+        on_round: ``on_round(seed, round, row)`` after each trained round of every seed (``row``: that round's
+            metrics as logged; the API's callback).
 
     Returns:
         The experiment summary (``metrics.json`` and ``experiment.json`` merged).
@@ -555,7 +562,7 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
         ExperimentBusy: another process writes this experiment (nothing written).
         Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
-    return _Experiment(cfgs, callbacks, replace, adhoc).run()
+    return _Experiment(cfgs, callbacks, replace, adhoc, on_round).run()
 
 
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:

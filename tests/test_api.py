@@ -71,3 +71,25 @@ def test_the_readme_snippet_runs(tmp_path, monkeypatch, capsys):
     exec(compile(block.replace("train.rounds=10", "train.rounds=1"), "README.md", "exec"), {})
     assert "test_acc" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_path, monkeypatch, capsys):
+    """on_round(seed, round, row) sees each trained round once, with the row the history holds, in memory and when
+    writing; progress=False prints no bar, progress=True one on stderr."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    small = [o for o in TINY if not o.startswith("engine.progress")]
+    mem = run(small, seeds=(1, 2), progress=False, on_round=lambda s, r, row: seen.append((s, r, row["test_acc"])))
+    assert [(s, r) for s, r, _ in seen] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
+    assert [a for *_, a in seen] == list(mem.history["test_acc"])
+    assert "round" not in capsys.readouterr().err  # no bar
+    run(small, seeds=(1,), progress=True)
+    assert "3/3" in capsys.readouterr().err  # tqdm's bar over the seeds' rounds
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    seen.clear()
+    run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False,
+        on_round=lambda s, r, row: seen.append((s, r)))
+    assert seen == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
+    seen.clear()
+    run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False, on_round=lambda s, r, row: seen.append(s))
+    assert seen == []  # finished earlier: nothing trained, nothing reported
