@@ -33,7 +33,8 @@ class ExperimentResult:
         summary: mean and std over the seeds that finished (``final_acc_mean``, ``final_acc_std``,
             ``best_acc_*``, ``rounds_to_target_*``, ``up_floats_to_target_*``, ``final_client_acc_mean_*``,
             ``final_client_acc_worst10_*``), ``failures`` {seed: reason}
-            and ``per_seed`` (each seed's own summary).
+            and ``per_seed`` (each seed's own summary); with ``write=True`` and tracking, ``mlflow_run_id``: the
+            experiment's MLflow parent run (its children are the seeds).
         models: {seed: final ``state_dict``} of the seeds that finished.
         config: the resolved config of the first seed (a plain dict; ``seed`` differs per seed).
     """

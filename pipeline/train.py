@@ -341,7 +341,9 @@ class _Experiment:
                 self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags, continuing)
                 self.tracking.log_inputs(self.parent_id, self.inputs())
             try:
-                return self._run_locked()
+                summary = self._run_locked()
+                # the MLflow parent of this experiment, for the caller (not part of the published files)
+                return {**summary, "mlflow_run_id": self.parent_id} if self.parent_id else summary
             except KeyboardInterrupt:
                 if self.tracking is not None and self.parent_id is not None:
                     self.tracking.end_parent(self.parent_id, "KILLED", INTERRUPTED)

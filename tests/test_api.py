@@ -90,6 +90,11 @@ def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_
     run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False,
         on_round=lambda s, r, row: seen.append((s, r)))
     assert seen == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
+    import mlflow
+
+    parent = mlflow.MlflowClient().get_run(written_id := run(small + ["name=ids"], seeds=(1,), write=True,
+                                                             progress=False).summary["mlflow_run_id"])
+    assert parent.info.run_id == written_id and parent.info.status == "FINISHED"
     seen.clear()
     run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False, on_round=lambda s, r, row: seen.append(s))
     assert seen == []  # finished earlier: nothing trained, nothing reported
