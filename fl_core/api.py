@@ -129,26 +129,25 @@ def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
 
         bar = tqdm(total=int(cfg0.train.rounds) * len(cfgs), desc=str(cfg0.name or "run"), unit="round",
                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-    for cfg in cfgs:
-        seed = int(cfg.seed)
-        callbacks = []
+    try:
+        for cfg in cfgs:
+            seed = int(cfg.seed)
+            callbacks = [] if bar is None else [lambda r, row: bar.update(1)]
+            if on_round is not None:
+                callbacks.append(lambda r, row, seed=seed: on_round(seed, r, row))
+            sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
+            try:
+                result = sim.run()
+            except RunFailed as err:
+                failures[seed] = str(err)
+                histories[seed] = err.history
+                continue
+            histories[seed] = result.history
+            models[seed] = result.state_dict
+            summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
+    finally:
         if bar is not None:
-            callbacks.append(lambda r, row: bar.update(1))
-        if on_round is not None:
-            callbacks.append(lambda r, row, seed=seed: on_round(seed, r, row))
-        sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
-        try:
-            result = sim.run()
-        except RunFailed as err:
-            failures[seed] = str(err)
-            histories[seed] = err.history
-            continue
-        finally:
-            if bar is not None and cfg is cfgs[-1]:
-                bar.close()
-        histories[seed] = result.history
-        models[seed] = result.state_dict
-        summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
+            bar.close()
     return summarize_seeds(summaries, failures), histories, models
 
 

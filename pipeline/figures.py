@@ -312,6 +312,15 @@ def _label_panels(acc_axes: List, loss_axes: List, panels: List[str], ncol: int)
             _tidy(ax)
 
 
+def _finish(fig: Figure, methods: List[str], drawn: Dict[str, Line2D], width: float, title: Optional[str]) -> Figure:
+    """One legend below the panels for the methods drawn (in ``methods`` order) and the optional title."""
+    labels = [m for m in methods if m in drawn]
+    _legend_below(fig, [drawn[m] for m in labels], labels, width)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
     """The comparison figure of a grid, before saving.
 
@@ -346,11 +355,7 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
     drawn, lo, hi = _draw_curves(curves, panels, styles, many, acc_axes, loss_axes)
     _accuracy_limits(acc_axes[0], lo, hi)
     _label_panels(acc_axes, loss_axes, panels, ncol)
-    labels = [m for m in methods if m in drawn]
-    _legend_below(fig, [drawn[m] for m in labels], labels, width)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return fig
+    return _finish(fig, methods, drawn, width, title)
 
 
 def comparison_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,
@@ -416,11 +421,7 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
         else:
             ax.tick_params(labelleft=False)
         _tidy(ax)
-    labels = [m for m in methods if m in drawn]
-    _legend_below(fig, [drawn[m] for m in labels], labels, width)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return fig
+    return _finish(fig, methods, drawn, width, title)
 
 
 def uplink_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,

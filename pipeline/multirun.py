@@ -251,15 +251,13 @@ def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]], swept: Sequen
     from fl_core.config import compose
 
     from .common import resolve_device
-    from .train import derive_name
 
     owners: dict = {}
     devices = set()
     for num, job in enumerate(jobs):
-        job = _named(job, seeds, swept)
         cfg = compose(job + seed_override(seeds[:1] if seeds else None))
         devices.add(str(cfg.engine.device))
-        name = cfg.name or derive_name(cfg)
+        name = cfg.name or job_name(cfg, job, swept)  # derive_name(cfg) when nothing is swept
         out = Path(cfg.results_dir) / name
         key = out.resolve()
         if key in owners:
