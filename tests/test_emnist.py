@@ -14,6 +14,7 @@ import torch
 
 from fl_core.config import ConfigError, DatasetConfig, compose
 from fl_core.data import sources
+from test_sources import _one_line_error
 from fl_core.data.sources import DataSourceError, get_dataset, load_source, prepared_path
 
 # split -> (classes, first and last label in the official files)
@@ -56,14 +57,6 @@ def write_emnist(root: Path, split: str = "byclass", arrays: dict | None = None,
             else:
                 (raw / name).write_bytes(data)
     return arrays
-
-
-def _one_line_error(err) -> str:
-    msg = str(err.value)
-    assert type(err.value) is DataSourceError
-    assert "\n" not in msg and msg.startswith("dataset.root: ")
-    assert err.value.__cause__ is None and (err.value.__context__ is None or err.value.__suppress_context__)
-    return msg
 
 
 # --------------------------------------------------------------------------- reading
