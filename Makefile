@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro check-repro test test-slow clean-venv
+.PHONY: setup repro check-repro exp-show test test-slow clean-venv
 
 setup: $(STAMP)
 
@@ -21,6 +21,13 @@ repro: $(STAMP)
 	test -d .dvc || $(VENV)/bin/dvc init -q
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
+
+# the first screen of `dvc exp show` (docs/cli.md, Comparing runs): every experiment's final accuracy and only the
+# params, metrics and code that differ between the rows; the rest of the headline numbers (final_std, best, worst10,
+# rounds/uplink to target) are in report/metrics.json and `dvc exp show` without these flags.
+EXP_SHOW := exp show --no-pager --only-changed --keep 'Created|final\.' --drop '.*_std\.|best|worst10|rounds_to_target|uplink_to_target'
+exp-show: $(STAMP)
+	$(VENV)/bin/dvc $(EXP_SHOW)
 
 # after `make repro`: the fresh metrics against the committed ones (tolerance: docs/reliability.md)
 check-repro: $(STAMP)

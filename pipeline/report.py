@@ -17,10 +17,14 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
   each participating client has uploaded so far, in units of the model size d (FedAvg: 1 d per round).
 * ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
   fractions.
-* ``test_acc.csv``: test accuracy in % per round (mean over seeds), one column per experiment: the
+* ``test_acc.csv``: test accuracy as a fraction per round (mean over seeds), one column per experiment: the
   data of the overlay chart of ``dvc plots show``.
-* ``metrics.json``: per experiment the final accuracy (%, mean and std over seeds) and the difference
-  to FedAvg (percentage points): what ``dvc metrics show`` and ``dvc exp show`` list.
+* ``metrics.json``: the headline numbers as fractions, grouped by number then experiment (``final.fedavg``,
+  ``final_std.fedavg``, ``best...``, ``worst10...``, ``rounds_to_target...``, ``uplink_to_target...`` in d):
+  what ``dvc metrics show`` and ``dvc exp show`` list (:func:`root_metrics`).
+
+Machine-readable files hold fractions; the tables of ``report.md`` show percentages and say so in their
+headers.
 
 Exit status: 0 when at least one experiment has results; 2 (one-line ``error:`` on stderr, nothing
 written) for an unreadable ``params.yaml``, a malformed claims file (naming the file, claim and key) or when
@@ -603,32 +607,48 @@ def differences_section(exps: List[Experiment]) -> List[str]:
     return out
 
 
+# ``report/metrics.json``, the one metrics file DVC tracks: (group, key of the experiment's metrics.json). Groups
+# come first and experiments second, so that the leftmost columns of ``dvc exp show`` (the ones it keeps when
+# the terminal is narrow) are every experiment's final accuracy.
+HEADLINE = (("final", "final_acc_mean"), ("final_std", "final_acc_std"),
+            ("best", "best_acc_mean"), ("best_std", "best_acc_std"),
+            ("worst10", "final_client_acc_worst10_mean"),
+            ("rounds_to_target", "rounds_to_target_mean"))
+
+
 def root_metrics(exps: List[Experiment]) -> Dict[str, Dict[str, float]]:
-    """The numbers ``dvc metrics show`` / ``dvc exp show`` list per experiment: ``acc`` and ``std`` (final
-    test accuracy in %, mean and std over seeds) and ``vs_fedavg`` (:func:`differences`, pp), rounded
-    to 2 decimals."""
-    diffs = differences(exps)
+    """The headline numbers ``dvc metrics show`` / ``dvc exp show`` list, as ``{group: {experiment: value}}``.
+
+    Groups: ``final`` / ``final_std`` (test accuracy as a fraction, mean over the last ``train.final_window``
+    evaluations of each seed, then mean and std over seeds), ``best`` / ``best_std`` (highest test accuracy of
+    any round), ``worst10`` (accuracy of the final model on the tenth of clients where it is lowest),
+    ``rounds_to_target`` (first round at the target accuracy, mean over the seeds that reached it) and
+    ``uplink_to_target`` (floats each client uploaded until then, in units of the model size d). Fractions and
+    d rounded to 4 decimals. An experiment without a value (never reached the target, failed) is left out of
+    that group, and a group no experiment has is left out, so no column is empty; the report's tables carry
+    everything else (percentages, client accuracy, losses, the difference to FedAvg)."""
     out: Dict[str, Dict[str, float]] = {}
+    for group, key in HEADLINE:
+        vals = {e.name: round(v, 4) for e in exps if (v := _num((e.metrics or {}).get(key))) is not None}
+        if vals:
+            out[group] = vals
+    up = {}
     for e in exps:
         m = e.metrics or {}
-        acc, sd = _num(m.get("final_acc_mean")), _num(m.get("final_acc_std"))
-        row: Dict[str, float] = {}
-        if acc is not None:
-            row["acc"] = round(100 * acc, 2)
-        if sd is not None:
-            row["std"] = round(100 * sd, 2)
-        if e.name in diffs:
-            row["vs_fedavg"] = round(diffs[e.name]["mean"], 2)
-        out[e.name] = row
+        floats, d = _num(m.get("up_floats_to_target_mean")), _num(m.get("model_d"))
+        if floats is not None and d:
+            up[e.name] = round(floats / d, 4)
+    if up:
+        out["uplink_to_target"] = up
     return out
 
 
 def accuracy_table_csv(exps: List[Experiment]) -> str:
-    """``test_acc.csv``: ``round`` and one column per experiment with its test accuracy in % (mean over
-    seeds) per round, for ``dvc plots show`` to overlay; empty where an experiment has no value."""
+    """``test_acc.csv``: ``round`` and one column per experiment with its test accuracy as a fraction (mean
+    over seeds) per round, for ``dvc plots show`` to overlay; empty where an experiment has no value."""
     curves = {e.name: e.curves for e in exps if e.curves is not None and len(e.curves["acc_round"])}
     rounds = sorted({int(r) for c in curves.values() for r in c["acc_round"]})
-    values = {n: {int(r): 100.0 * float(a) for r, a in zip(c["acc_round"], c["acc_mean"])} for n, c in curves.items()}
+    values = {n: {int(r): float(a) for r, a in zip(c["acc_round"], c["acc_mean"])} for n, c in curves.items()}
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["round"] + list(curves))
@@ -747,7 +767,8 @@ def _header_lines(grid: Grid, exps_all: List[Experiment], exps: List[Experiment]
             f"dataset {_join_values([m.get('dataset') for m in ms])}, "
             f"model {_join_values([m.get('model') for m in ms])}, "
             f"{_join_values([m.get('rounds') for m in ms])} rounds"
-            + (f", target accuracy {100 * target:g}%." if target is not None else "."),
+            + (f", target accuracy {100 * target:g}%" if target is not None else "")
+            + f". *final* is {_final_window_text(ms)} of each seed.",
             ""]
 
 
@@ -777,8 +798,9 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
     """The "Comparison" table: algorithm x partition, final accuracy, the best per column in bold."""
     row_labels, col_labels, cells = comparison(exps)
     rows = accuracy_cells(row_labels, col_labels, cells)
-    return ["## Comparison", "", "Final test accuracy (%), mean \u00b1 std over seeds; the best per column "
-            "is in bold.", "",
+    window = _final_window_text([e.metrics for e in exps])
+    return ["## Comparison", "", f"Final test accuracy (%, {window}), mean \u00b1 std over seeds; the best per "
+            "column is in bold.", "",
             _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
             ""]
 

@@ -685,9 +685,10 @@ def _outcome(summary: Dict, cfg, grid: bool) -> int:
         reasons = "; ".join(f"seed {s}: {r}" for s, r in (summary.get("failures") or {}).items())
         print(f"{summary['experiment']}: FAILED ({reasons}); recorded in {out}/{EXPERIMENT_FILE}", file=sys.stderr)
         return 0 if grid else 1  # a grid stage completes so that the other experiments and the report run
-    fa, fs = summary["final_acc_mean"], summary["final_acc_std"]
-    print(f"{summary['experiment']}: final test accuracy {fa:.4f} +- {fs:.4f} over {len(summary['seeds'])} "
-          f"seed(s); results in {out}/")
+    fa, fs, k = summary["final_acc_mean"], summary["final_acc_std"], summary.get("final_window")
+    window = f" (fraction, mean of the last {k} evaluations)" if k and int(k) > 1 else " (fraction, last round)"
+    print(f"{summary['experiment']}: final test accuracy{window} {fa:.4f} +- {fs:.4f} over "
+          f"{len(summary['seeds'])} seed(s); results in {out}/")
     if summary.get("failed_seeds"):
         return 0 if grid else 1
     return 0

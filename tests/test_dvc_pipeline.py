@@ -6,6 +6,8 @@ import csv
 import io
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,20 +34,37 @@ def _leaves(d) -> int:
     return sum(_leaves(v) for v in d.values()) if isinstance(d, dict) else 1
 
 
-def _expected_columns(params_yaml: Path, dvc_yaml: Path) -> int:
-    """Columns of `dvc exp show`: Experiment, Created, the report's metrics (acc and std per experiment,
-    vs_fedavg for all but FedAvg), every params.yaml leaf (a list is one) and every distinct dependency."""
+def _expected_columns(params_yaml: Path, dvc_yaml: Path, metrics_json: Path) -> int:
+    """Columns of `dvc exp show`: Experiment, Created, one per number of report/metrics.json, every params.yaml
+    leaf (a list is one) and every distinct dependency."""
     params = yaml.safe_load(params_yaml.read_text())
     stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
     deps = {d for st in stages.values() for d in (st.get("do", st).get("deps") or [])}
-    n = len(params["experiments"])
-    return 2 + (3 * n - 1) + _leaves(params) + len(deps)
+    return 2 + _leaves(json.loads(metrics_json.read_text())) + _leaves(params) + len(deps)
 
 
-def test_dvc_exp_show_of_the_default_grid_fits_about_40_columns():
-    """The column count of `dvc exp show` on the project's own grid (the tiny repro below checks that the
-    count formula is what DVC shows)."""
-    assert _expected_columns(ROOT / "params.yaml", ROOT / "dvc.yaml") <= 42
+def _exp_show_flags() -> list:
+    """The flags of `make exp-show` (the Makefile's EXP_SHOW line, after `exp show`)."""
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("EXP_SHOW :="))
+    return shlex.split(line.split(":=", 1)[1])
+
+
+def test_the_committed_dvc_metrics_lead_with_every_experiments_final_accuracy():
+    """report/metrics.json, the one file DVC tracks as metrics: the first group is `final` with every experiment
+    of params.yaml in grid order (so the leftmost columns of `dvc exp show` are those), values are fractions, no
+    group is empty, and `make exp-show` keeps `final.*` and drops the other groups."""
+    root = json.loads((ROOT / "report" / "metrics.json").read_text())
+    grid = list(yaml.safe_load((ROOT / "params.yaml").read_text())["experiments"])
+    assert list(root)[0] == "final" and list(root["final"]) == grid
+    assert all(root[g] for g in root)
+    for group in ("final", "final_std", "best", "best_std", "worst10"):
+        assert all(0.0 <= v <= 1.0 for v in root[group].values()), (group, root[group])
+    flags = _exp_show_flags()
+    keep, drop = flags[flags.index("--keep") + 1], flags[flags.index("--drop") + 1]
+    assert re.match(keep, "final.fedavg") and not re.match(drop, "final.fedavg")
+    for group in set(root) - {"final"}:
+        assert re.match(drop, f"{group}.fedavg"), group
+    assert not re.match(drop, "train.lr")
 
 
 @pytest.mark.slow
@@ -77,6 +96,8 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     _sh(["git", "init", "-q"], work, env)
     _sh(["dvc", "init", "-q"], work, env)
     _sh(["dvc", "config", "core.analytics", "false"], work, env)
+    shutil.copy(ROOT / ".dvc" / "plots.html", work / ".dvc" / "plots.html")  # the offline page, as .dvc/config names it
+    _sh(["dvc", "config", "plots.html_template", "plots.html"], work, env)
     out = _sh(["dvc", "repro"], work, env)
     assert "train@fedbug" in out
 
@@ -92,7 +113,8 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     assert "## Difference to FedAvg" in report
     assert (work / "report" / "curves.png").exists() and (work / "report" / "curves.pdf").exists()
     root = json.loads((work / "report" / "metrics.json").read_text())
-    assert set(root) == {"fedavg", "fedbug"} and set(root["fedbug"]) == {"acc", "std", "vs_fedavg"}
+    assert list(root)[0] == "final" and list(root["final"]) == ["fedavg", "fedbug"]
+    assert all(0.0 <= v <= 1.0 for v in root["final"].values())
     assert (work / "mlflow.db").exists()  # default store in the folder the stages run in
 
     # git keeps the small outputs, the DVC cache the large ones
@@ -107,11 +129,13 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     assert "Running stage" not in again  # a second repro does nothing
 
     metrics = _sh(["dvc", "metrics", "show"], work, env)
-    assert "fedbug.vs_fedavg" in metrics and "failed" not in metrics.lower(), metrics
+    assert "final.fedbug" in metrics and "failed" not in metrics.lower(), metrics
+    assert len([ln for ln in metrics.splitlines() if ln.strip()]) == 2, metrics  # a header and one file, no empty row
     plots = _sh(["dvc", "plots", "show"], work, env)
     assert "failed" not in plots.lower() and "warning" not in plots.lower(), plots
     html = (work / "dvc_plots" / "index.html").read_text()
     assert "curves.png" in html and "fedbug" in html
+    assert not re.search(r"<script[^>]*\bsrc=", html)  # Vega inline: the charts open without internet
 
     # `dvc exp run -S train.rounds=N` edits the shared section and retrains; the experiment carries numbers
     _sh(["git", "add", "-A"], work, env)
@@ -121,8 +145,13 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     assert m["rounds"] == 1
     table = _sh(["dvc", "exp", "show", "--csv"], work, env)
     cols = [c for c in _columns(table) if c not in ("rev", "typ", "parent")]  # --csv only: not on screen
-    assert len(cols) == _expected_columns(work / "params.yaml", work / "dvc.yaml"), cols
+    assert len(cols) == _expected_columns(work / "params.yaml", work / "dvc.yaml", work / "report/metrics.json"), cols
     rows = list(csv.DictReader(io.StringIO(table)))
     exp_rows = [r for r in rows if r["typ"] == "branch_base"]
-    assert exp_rows and all(r["fedavg.acc"] not in ("", "!") for r in exp_rows), rows
+    assert exp_rows and all(r["final.fedavg"] not in ("", "!") for r in exp_rows), rows
+    # `make exp-show`, rendered as wide as it wants: within 160 columns, every final accuracy and the changed param
+    wide = _sh(["dvc", *_exp_show_flags()], work, {**env, "COLUMNS": "1000"})
+    lines = [ln for ln in wide.splitlines() if ln.strip()]
+    assert max(len(ln) for ln in lines) <= 160 and "\u2026" not in wide, wide
+    assert all(h in wide for h in ("final.fedavg", "final.fedbug", "train.rounds")), wide
     assert not any(c.startswith(("per_seed", "studies")) for c in cols), cols

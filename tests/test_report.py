@@ -152,13 +152,21 @@ def test_report(tree, capsys):
     assert rows == [["FedBug P=0.2 (FedAvg)", "IID", "+2.00 ± 5.66", "2", "[-48.82, +52.82]"],
                     ["FedBug P=0.2 (FedAvg)", "Dirichlet α=0.3", "+7.00 ± 4.24", "2", "[-31.12, +45.12]"]]
     root_metrics = json.loads((results / "metrics.json").read_text())
-    assert root_metrics["fedavg_iid"] == {"acc": 85.0, "std": 7.07}
-    assert root_metrics["fedbug_dir"] == {"acc": 72.0, "std": 2.83, "vs_fedavg": 7.0}
+    # DVC's metrics: headline numbers as fractions (d for the uplink), grouped by number then experiment; a group
+    # no experiment has (worst10: no client accuracy in these results) and the values no seed reached are left out
+    assert root_metrics == {
+        "final": {"fedavg_iid": 0.85, "fedbug_iid": 0.87, "fedavg_dir": 0.65, "fedbug_dir": 0.72},
+        "final_std": {"fedavg_iid": 0.0707, "fedbug_iid": 0.0141, "fedavg_dir": 0.0707, "fedbug_dir": 0.0283},
+        "best": {"fedavg_iid": 0.85, "fedbug_iid": 0.87, "fedavg_dir": 0.65, "fedbug_dir": 0.72},
+        "best_std": {"fedavg_iid": 0.0707, "fedbug_iid": 0.0141, "fedavg_dir": 0.0707, "fedbug_dir": 0.0283},
+        "rounds_to_target": {"fedavg_iid": 4, "fedbug_iid": 4},
+        "uplink_to_target": {"fedavg_iid": 4.0, "fedbug_iid": 4.0}}
+    assert list(root_metrics["final"]) == ["fedavg_iid", "fedbug_iid", "fedavg_dir", "fedbug_dir"]  # grid order
     with open(results / "test_acc.csv", newline="") as f:
         acc = list(csv.DictReader(f))
     assert list(acc[0]) == ["round", "fedavg_iid", "fedbug_iid", "fedavg_dir", "fedbug_dir"]
     assert [a["round"] for a in acc] == ["1", "3", "4"]  # round 2 was not evaluated
-    assert float(acc[-1]["fedavg_iid"]) == pytest.approx(85.0)  # % at the last round, mean over seeds
+    assert float(acc[-1]["fedavg_iid"]) == pytest.approx(0.85)  # fraction at the last round, mean over seeds
 
     # Table 2
     header, rows = _table(md, "## Comparison")
