@@ -39,10 +39,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from fl_core import procs
 from fl_core.config import ConfigError
+from fl_core.schema import format_value
 from fl_core.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
 from fl_core.tracking import end_orphaned_runs as tracking_end_orphans
 
-from .spaces import TRIAL_FIXED, Space, load_space, make_override, merge_overrides
+from .spaces import TRIAL_FIXED, VALIDATION_FRACTION, Space, load_space, make_override, merge_overrides
 
 OBJECTIVES = {"acc": "maximize", "uplink": "minimize"}  # uplink: cumulative floats per client, in units of d
 METRIC_NAMES = {"acc": "val_acc", "uplink": "uplink"}  # the objectives' names in Optuna (dashboard, plots)
@@ -65,6 +66,7 @@ class Settings:
     study_name: str
     storage: str  # URL or journal file path
     rounds: int = 1  # train.rounds of the base configuration (pruner resources)
+    final_window: int = 1  # train.final_window of the base configuration (the objective's last evaluations)
     sampler: str = "tpe"
     sampler_seed: Optional[int] = None
     pruner: str = "median"
@@ -382,6 +384,88 @@ def sampler_and_pruner(settings: Settings, space: Space, worker: int = 0) -> Dic
     seed = None if settings.sampler_seed is None else settings.sampler_seed + worker
     return {"sampler": make_sampler(settings.sampler, seed, settings.multi, bool(space.conditional)),
             "pruner": make_pruner(settings.pruner, settings.rounds, len(settings.seeds), settings.multi)}
+
+
+# =========================================================================== what a study shows
+
+
+def _param_text(p) -> str:
+    """``"float [0.005, 0.5] log"``, ``"int [1, 3]"``, ``"fedavg | fedprox"``: one parameter's distribution."""
+    if p.kind == "categorical":
+        return " | ".join(format_value(c) for c in p.choices)
+    scale = " log" if p.log else (f" step {p.step:g}" if p.step is not None else "")
+    return f"{p.kind} [{p.low:g}, {p.high:g}]{scale}"
+
+
+def _pruning_text(settings: Settings) -> str:
+    """What the pruner of ``settings`` does, in the words of docs/sweeps.md (How trials end, Pruning steps)."""
+    kind, x = parse_pruner(settings.pruner)
+    r, warmup = settings.rounds, max(0, settings.rounds // 3)
+    when = f"from step {warmup} on" if warmup > 0 else "at every step"
+    reasons = ("diverged (non-finite loss) or infeasible (a combination that does not build)")
+    if settings.multi:
+        return ("none: multi-objective studies cannot prune (no intermediate values); a PRUNED trial's user "
+                "attribute reason starts with " + reasons)
+    reasons = "a PRUNED trial's user attribute reason starts with pruned (the pruner), " + reasons
+    if kind == "none":
+        rule = "none; "
+    elif kind == "median":
+        rule = (f"median: stops a trial whose best val_acc so far is below the median of the COMPLETE trials at "
+                f"the same step, {when} once 5 trials are COMPLETE; ")
+    elif kind == "hyperband":
+        rule = (f"hyperband: budgets from {max(1, r // 4)} to {len(settings.seeds) * r} steps, reduction factor 3; ")
+    else:
+        rule = f"threshold: stops a trial as soon as val_acc < {x:g}, {when}; "
+    return (rule + f"step = seed_index * {r} + round (val_acc of every evaluated round: the intermediate values); "
+            + reasons)
+
+
+def study_labels(settings: Settings, space: Space) -> Dict[str, str]:
+    """The study's user attributes that say what a sweep optimises (:func:`label_study`), as text.
+
+    Keys: ``objective`` (each objective's name, direction and meaning), ``search_space`` (every searched
+    override with its distribution, ``;`` between them; a conditional branch's as ``if algorithm=fedbug: ...``),
+    ``base`` (the overrides of the base experiment: the space's base, the command line, the validation split),
+    ``pruning`` (the pruner of the latest invocation, what a step is, how a PRUNED trial's reason reads) and
+    ``space`` (the space's name and description).
+    """
+    seeds = settings.seeds
+    over = f"seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    meaning = {"acc": (f"validation accuracy (fraction; {VALIDATION_FRACTION:.0%} of the training set held out), "
+                       f"mean of the last {settings.final_window} evaluation(s), mean over {over}"),
+               "uplink": "cumulative uplink floats per client after the last round, in units of d (model size)"}
+    objective = "; ".join(f"{METRIC_NAMES[o]} ({OBJECTIVES[o]}): {meaning[o]}" for o in settings.objectives)
+    searched = [f"{k}: {_param_text(p)}" for k, p in space.params.items()]
+    for key, branches in space.conditional.items():
+        for value, branch in branches.items():
+            if branch.params:
+                searched.append(f"if {make_override(key, value)}: " +
+                                ", ".join(f"{k}: {_param_text(p)}" for k, p in branch.params.items()))
+    return {"objective": objective, "search_space": "; ".join(searched),
+            "base": " ".join(space.experiment_overrides([], settings.overrides, [])),
+            "pruning": _pruning_text(settings),
+            "space": f"{space.name}: {space.description}" if space.description else space.name}
+
+
+def label_study(study, settings: Settings, space: Space) -> Dict[str, str]:
+    """Name the study's objectives (``study.set_metric_names``: ``val_acc``, ``uplink``) and set the user
+    attributes of :func:`study_labels`, so that optuna-dashboard's first screen says what was optimised, over
+    which parameters and why trials were pruned (the names also label Optuna's plots and ``trials_dataframe``).
+    Called by every invocation, under the storage's setup lock (a space's ranges or the pruner may change between
+    invocations); an attribute already holding the value is not written again.
+
+    Returns:
+        The user attributes set (key -> text).
+    """
+    names = [METRIC_NAMES[o] for o in settings.objectives]
+    if study.metric_names != names:
+        study.set_metric_names(names)
+    labels = study_labels(settings, space)
+    current = study.user_attrs
+    for key, text in labels.items():
+        if current.get(key) != text:
+            study.set_user_attr(key, text)
+    return labels
 
 
 # =========================================================================== stale trials

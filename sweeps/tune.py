@@ -31,10 +31,10 @@ if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make t
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fl_core.paths import project_root
-from sweeps.runner import (EXIT_INTERRUPTED, METRIC_NAMES, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
+from sweeps.runner import (EXIT_INTERRUPTED, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
                            TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url,
-                           open_storage, optimize, parse_pruner, quiet_optuna, run_workers, sampler_and_pruner,
-                           set_threads, setup_lock, shown_storage)
+                           label_study, open_storage, optimize, parse_pruner, quiet_optuna, run_workers,
+                           sampler_and_pruner, set_threads, setup_lock, shown_storage)
 from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
@@ -171,6 +171,7 @@ def _settings(args: argparse.Namespace, space, base_cfg, objectives: List[str]) 
     return Settings(space=str(space.path.resolve()), overrides=list(args.overrides),
                     seeds=list(range(1, args.seeds + 1)), objectives=objectives, study_name=study_name,
                     storage=args.storage or default_storage(study_name), rounds=int(base_cfg.train.rounds),
+                    final_window=int(base_cfg.train.final_window),
                     sampler=args.sampler, sampler_seed=args.sampler_seed, pruner=args.pruner or "median",
                     experiment=None if args.no_mlflow else (args.experiment or
                                                            f"{base_cfg.tracking.experiment}-sweeps"),
@@ -207,6 +208,7 @@ def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
             fail(str(err))
         study = _open_study(settings, kwargs)
         _check_signature(study, settings, space)
+        label_study(study, settings, space)  # objective names and what the dashboard's first screen shows
         if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
             _fail_stale(study)
         tracking = None
@@ -252,8 +254,6 @@ def _check_signature(study, settings: Settings, space) -> None:
     old = study.user_attrs.get("signature")
     if old is None:
         study.set_user_attr("signature", signature)
-        # the dashboard and plots name the objectives instead of "Objective 0"
-        study.set_metric_names([METRIC_NAMES[o] for o in settings.objectives])
     elif old != signature:
         diff = next(k for k in signature if old.get(k) != signature[k])
         fail(f"study {settings.study_name!r} in {shown_storage(settings.storage)} was created with "
