@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro check-repro exp-show test test-slow clean-venv
+.PHONY: setup repro check-repro exp-show test test-slow dashboard clean-venv
 
 setup: $(STAMP)
 
@@ -44,6 +44,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --durations=25
+
+# optuna-dashboard on a sweep's storage, on this machine only (127.0.0.1): sweeps/studies/$(STUDY).log, the journal
+# sweeps/tune.py writes by default (without STUDY: the only journal there), or STORAGE=<journal file | RDB URL>.
+# A storage that does not exist yet is not created: one line says to run a sweep first (docs/sweeps.md, Dashboard).
+STUDY   ?=
+STORAGE ?=
+PORT    ?= 8080
+dashboard: $(STAMP)
+	@$(PY) -m sweeps.dashboard $(if $(STORAGE),--storage '$(STORAGE)',$(if $(STUDY),--study '$(STUDY)')) \
+		--host 127.0.0.1 --port $(PORT)
 
 clean-venv:
 	rm -rf $(VENV)
