@@ -24,7 +24,9 @@ Rows (each ``--repeats`` times, interleaved):
 
 Seconds per round: wall time between the ends of consecutive rounds (the round callback of either simulator), over
 ``--rounds`` timed rounds after ``--warmup`` untimed ones; min / median / max over the timed rounds of all repeats.
-Ratio: the row's median / the lowest median. Every row reports the machine (CPU model, cores this process may use),
+Ratio: the row's median / the lowest median. CPU seconds per round: the process's CPU time (``time.process_time``, all
+its threads) over the same rounds, median and its ratio: what other jobs on a shared machine change least (time a
+busy machine takes the core away is not counted). Every row reports the machine (CPU model, cores this process may use),
 the 1-minute load average at the row's start and end (other jobs on the machine slow every row), torch's version and
 its thread count (``--threads``, also passed to the pfl driver; default: torch's choice in each process).
 
@@ -97,6 +99,7 @@ class Row:
     contender: str
     executor: str
     times: List[float] = field(default_factory=list)  # seconds of the timed rounds, all repeats
+    cpu_times: List[float] = field(default_factory=list)  # the process's CPU seconds over the same rounds
     torch_version: str = ""
     threads: int = 0
     loads: List[Tuple[float, float]] = field(default_factory=list)  # 1-min load average at each run's start, end
@@ -186,18 +189,18 @@ def initial_state(seed: int, input_shape: Sequence[int]) -> dict:
 
 
 def run_ours(executor: str, setup: SetUp, ds: FLDataset, part: Partition, data, warmup: int, timed: int,
-             seed: int) -> List[float]:
-    """Seconds of the timed rounds of one run of the project's ``executor`` (one more round runs after them: the
-    simulator evaluates its last round; it is not timed)."""
+             seed: int) -> Tuple[List[float], List[float]]:
+    """Wall seconds and the process's CPU seconds of the timed rounds of one run of the project's ``executor`` (one more
+    round runs after them: the simulator evaluates its last round; it is not timed)."""
     rounds = warmup + timed + 1
     cfg = compose(overrides(setup, executor, rounds, seed))
     if setup.cohort != round(cfg.train.participation * setup.users):
         raise SystemExit(f"error: --cohort {setup.cohort} of --users {setup.users} is not a participation the "
                          "fixed sampler reproduces exactly")
-    stamps = {}
+    stamps, cpu = {}, {}
 
     def on_round(r: int, row: dict) -> None:
-        stamps[r] = time.perf_counter()
+        stamps[r], cpu[r] = time.perf_counter(), time.process_time()
         kind = "warm-up" if r <= warmup else "timed" if r <= warmup + timed else "untimed, evaluates"
         spent = f"{1e3 * (stamps[r] - stamps[r - 1]):.0f} ms" if r - 1 in stamps else "first"
         log(f"  fl-pipeline {executor} round {r}: {spent} ({kind}), train_loss {row['train_loss']:.4f}")
@@ -205,7 +208,8 @@ def run_ours(executor: str, setup: SetUp, ds: FLDataset, part: Partition, data, 
     torch.manual_seed(seed)
     sim = build_simulator(cfg, ds, part, device=torch.device("cpu"), data=data, callbacks=[on_round])
     sim.run()
-    return [stamps[r] - stamps[r - 1] for r in range(warmup + 1, warmup + timed + 1)]
+    timed_rounds = range(warmup + 1, warmup + timed + 1)
+    return [stamps[r] - stamps[r - 1] for r in timed_rounds], [cpu[r] - cpu[r - 1] for r in timed_rounds]
 
 
 def run_pfl(python: str, blob_path: Path, setup: SetUp, warmup: int, timed: int, seed: int,
@@ -240,28 +244,34 @@ def render(rows: List[Row], setup: SetUp, data_line: str, warmup: int, timed: in
     date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     medians = [statistics.median(r.times) for r in rows if r.times]
     best = min(medians) if medians else None
+    cpu_medians = [statistics.median(r.cpu_times) for r in rows if r.cpu_times]
+    cpu_best = min(cpu_medians) if cpu_medians else None
     lines = [
         f"pfl-research's CIFAR-10 cross-device set-up: {setup.describe()}. {date}.",
         "",
-        "| contender | executor | s/round min | s/round median | s/round max | ratio to fastest | machine "
-        "| load (1 min, start -> end) | torch (threads) |",
-        "|---|---|---:|---:|---:|---:|---|---|---|",
+        "| contender | executor | s/round min | s/round median | s/round max | ratio to fastest "
+        "| CPU s/round median | CPU ratio | machine | load (1 min, start -> end) | torch (threads) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         if not r.times:
-            lines.append(f"| {r.contender} | {r.executor} | - | {r.note or '-'} | - | - | {machine} | - | - |")
+            lines.append(f"| {r.contender} | {r.executor} | - | {r.note or '-'} | - | - | - | - | {machine} | - | - |")
             continue
         lo, med, hi = _spread(r.times)
+        cpu_med = statistics.median(r.cpu_times)
         load = ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in r.loads)
         lines.append(f"| {r.contender} | {r.executor} | {lo:.2f} | {med:.2f} | {hi:.2f} | {med / best:.2f} "
-                     f"| {machine} | {load} | {r.torch_version} ({r.threads}) |")
+                     f"| {cpu_med:.2f} | {cpu_med / cpu_best:.2f} | {machine} | {load} | {r.torch_version} "
+                     f"({r.threads}) |")
     lines += [
         "",
         f"- Data: {data_line}.",
         f"- {timed} timed rounds after {warmup} warm-up round(s) per run"
         + (f", {repeats} interleaved runs per row (min/median/max over all their timed rounds)" if repeats > 1 else "")
         + ". Seconds per round: wall time between the ends of consecutive rounds (sampling, local training, "
-          "aggregation; no evaluation, no tracking, no checkpoints). Ratio: row median / lowest median.",
+          "aggregation; no evaluation, no tracking, no checkpoints). Ratio: row median / lowest median. CPU: the "
+          "process's CPU seconds (`time.process_time`, all its threads) over the same rounds, less sensitive to "
+          "other jobs on the machine than wall time.",
         "- fl-pipeline: `model=pfl_cnn algorithm=fedavg algorithm.aggregation=uniform algorithm.eta_g=1.0 "
         "train.sampler=fixed` (distinct users per round). pfl-research: `SimulatedBackend` in one process, "
         "`WeightByUser`, `random` user sampler (with replacement), batches in the users' stored order; both start "
@@ -344,14 +354,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     load0 = load_avg()
                     if row.contender == "pfl-research":
                         out = run_pfl(args.pfl, blob_path, setup, args.warmup, args.rounds, args.seed, args.threads)
-                        times = out["times"]
+                        times, cpu_times = out["times"], out["cpu_times"]
                         row.torch_version, row.threads = f"{out['torch']}, pfl {out['pfl']}", out["threads"]
                         log(f"  pfl-research moved the global parameters by {out['moved']:.4g} (L2)")
                     else:
-                        times = run_ours(row.executor, setup, ds, part, data, args.warmup, args.rounds, args.seed)
+                        times, cpu_times = run_ours(row.executor, setup, ds, part, data, args.warmup, args.rounds,
+                                                    args.seed)
                     row.times += times
+                    row.cpu_times += cpu_times
                     row.loads.append((load0, load_avg()))
-                    log(f"  median {statistics.median(times):.2f} s/round")
+                    log(f"  median {statistics.median(times):.2f} s/round, CPU {statistics.median(cpu_times):.2f} s")
                     gc.collect()
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None

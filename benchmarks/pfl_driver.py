@@ -16,7 +16,8 @@ images, ``y`` int64 ``[N]``, ``scale``, ``mean`` and ``std`` (per channel, of ``
 (each user's sample indices), ``num_classes`` and ``init`` (the network's initial ``state_dict``).
 
 Output: one JSON line on stdout, last: ``times`` (seconds of each timed round: between the ends of consecutive
-central iterations, measured in pfl's ``after_central_iteration`` callback), ``pfl`` and ``torch`` versions, torch
+central iterations, measured in pfl's ``after_central_iteration`` callback), ``cpu_times`` (the process's CPU seconds,
+``time.process_time``, over the same intervals), ``pfl`` and ``torch`` versions, torch
 ``threads``, ``moved`` (L2 norm of the change of the global parameters over all rounds: training happened).
 
 Timing: ``--warmup`` central iterations, then ``--rounds`` timed ones. pfl evaluates the cohort before and after local
@@ -114,11 +115,12 @@ def main(argv=None) -> int:
     model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(net.parameters(), args.eta_g))
     backend = SimulatedBackend(training_data=federated, val_data=None, postprocessors=[WeightByUser()])
-    stamps = []
+    stamps, cpu = [], []
 
     class Stamp(TrainingProcessCallback):
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             print(f"  pfl-research round {central_iteration + 1}: "
                   + (f"{1e3 * (stamps[-1] - stamps[-2]):.0f} ms" if len(stamps) > 1 else "done"),
                   file=sys.stderr, flush=True)
@@ -133,8 +135,9 @@ def main(argv=None) -> int:
                                               local_batch_size=args.batch_size),
         model_eval_params=None, callbacks=[Stamp()])
     times = [b - a for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
+    cpu_times = [b - a for a, b in zip(cpu[args.warmup - 1:], cpu[args.warmup:])]
     moved = float((torch.cat([q.detach().flatten() for q in net.parameters()]) - start).norm())
-    print(json.dumps({"times": times, "pfl": pfl.version.__version__, "torch": torch.__version__,
+    print(json.dumps({"times": times, "cpu_times": cpu_times, "pfl": pfl.version.__version__, "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "moved": moved}), flush=True)
     return 0
 
