@@ -24,7 +24,7 @@ GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; fl
 DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
           "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny",
-          "logreg_binary")
+          "logreg_binary", "pfl_cnn")
 # logreg_binary: dataset classes -> labels 1 (b = +1) / 0 (b = -1); docs/algorithms.md, FedBCGD's convex problem
 BINARY_MAPS = ("first_class", "parity", "lt_half", "digits_letters")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
@@ -277,7 +277,7 @@ class PartitionConfig:
 class ModelConfig:
     name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f/e)mnist), std_cnn (CIFAR), tiny_cnn "
                       "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d); m1d_*: the MNIST-1D "
-                      "authors' models", choices=MODELS)
+                      "authors' models; pfl_cnn: pfl-research's CIFAR-10 CNN", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
     norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,

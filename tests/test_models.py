@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fl_core.schema import MODELS as CONFIG_MODELS
 from fl_core.config import ModelConfig
 from fl_core.models import AUTO_MODEL, MODELS, build_model, unit_layouts
-from fl_core.models.cnn import TinyCNN
+from fl_core.models.cnn import PflCNN, TinyCNN
 from fl_core.models.resnet import ResNet18GN, ResNet34GN
 from fl_core.models.vgg import VGG9, VGG11, VGG19, VGG_CFGS, repo_head_width
 
@@ -31,6 +32,7 @@ SHAPES = {
     "vgg9": ((3, 32, 32), 10),
     "vgg11": ((3, 32, 32), 10),
     "vgg19": ((3, 32, 32), 100),
+    "pfl_cnn": ((3, 32, 32), 10),
 }
 ALL_LAYOUTS = [(name, units) for name in SHAPES for units in ("default", *unit_layouts(name))]
 
@@ -70,6 +72,7 @@ def test_units_cover_every_parameter_once(built, name, units):
     ("tiny_cnn", 530_888),      # 3x64x64, C = 200
     ("resnet18", 11_227_812),   # C = 100, about 11.23M
     ("resnet34", 21_335_972),   # C = 100, about 21.34M
+    ("pfl_cnn", 1_626_442),     # 3x32x32, C = 10: 896 + 18,496 + 1,605,760 + 1,290
 ])
 def test_parameter_counts(built, name, expected):
     assert _count(built[name, "default"]) == expected
@@ -89,7 +92,7 @@ def test_resnet_counts_cross_checks():
     ("tiny_cnn", "default", 5), ("tiny_cnn", "code5", 5), ("tiny_cnn", "paper6", 6),
     ("resnet18", "default", 4), ("resnet18", "module", 4), ("resnet18", "block", 8),
     ("resnet34", "module", 4), ("resnet34", "block", 16),
-    ("std_cnn", "default", 5), ("mcmahan_cnn", "default", 4),
+    ("std_cnn", "default", 5), ("mcmahan_cnn", "default", 4), ("pfl_cnn", "default", 4),
 ])
 def test_unit_counts(built, name, units, m):
     assert len(built[name, units].units()) == m
@@ -289,9 +292,44 @@ def test_vgg9_registry_and_auto():
         build_model(ModelConfig(name="vgg9", units="block"), "cifar10", (3, 32, 32), 10)
 
 
+def test_pfl_cnn_layers_shapes_init_and_dropout():
+    """pfl-research's CIFAR-10 CNN (PflCNN docstring): every layer's shape, the layers' function written out with
+    torch.nn.functional on the model's own weights, Xavier-uniform weights, dropout only in train mode."""
+    torch.manual_seed(3)
+    m = build_model(ModelConfig(name="pfl_cnn"), "cifar10", (3, 32, 32), 10)
+    assert type(m) is PflCNN and MODELS["pfl_cnn"] is PflCNN
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert shapes == {"conv1.weight": (32, 3, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
+                      "conv2.bias": (64,), "fc1.weight": (128, 12_544), "fc1.bias": (128,), "fc2.weight": (10, 128),
+                      "fc2.bias": (10,)}
+    assert [m.drop_conv.p, m.drop_fc.p] == [0.25, 0.5] and list(m.buffers()) == []
+    for layer in (m.conv1, m.conv2, m.fc1, m.fc2):  # xavier_uniform_: U(-a, a), a = sqrt(6 / (fan_in + fan_out))
+        w = layer.weight
+        rf = w[0, 0].numel() if w.dim() == 4 else 1
+        bound = (6 / ((w.shape[0] + w.shape[1]) * rf)) ** 0.5
+        assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+    x = torch.randn(5, 3, 32, 32)
+    m.eval()
+    with torch.no_grad():
+        logits, f = m.forward_features(x)
+        h = F.max_pool2d(F.relu(F.conv2d(F.relu(F.conv2d(x, m.conv1.weight, m.conv1.bias)), m.conv2.weight,
+                                          m.conv2.bias)), 2)
+        assert h.shape == (5, 64, 14, 14)
+        ref = F.linear(F.relu(F.linear(h.flatten(1), m.fc1.weight, m.fc1.bias)), m.fc2.weight, m.fc2.bias)
+        assert logits.shape == (5, 10) and f.shape == (5, 128)
+        assert torch.allclose(logits, ref, atol=1e-5) and torch.allclose(m.fc2(f), logits, atol=1e-6)
+    m.train()
+    with torch.no_grad():
+        a, fa = m.forward_features(x)
+        assert not torch.equal(a, m(x)) and torch.allclose(m.fc2(fa), a, atol=1e-6)
+    assert PflCNN((1, 28, 28), 62).fc1.in_features == 64 * 12 * 12
+    with pytest.raises(ValueError, match=r"^pfl_cnn needs inputs of at least 6x6, got 5x5$"):
+        PflCNN((3, 5, 5), 10)
+
+
 NEURON_MODELS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn", "default"), ("mlp", "default"),
                  ("logreg", "default"), ("tiny_cnn", "code5"), ("tiny_cnn", "paper6"), ("vgg9", "default"),
-                 ("vgg11", "default"), ("vgg19", "default")]
+                 ("vgg11", "default"), ("vgg19", "default"), ("pfl_cnn", "default")]
 NEURON_NAMES = {
     "small_cnn": ["conv1", "conv2", "fc1", "fc2"],
     "std_cnn": ["conv1", "conv2", "fc1", "fc2", "fc3"],
@@ -302,6 +340,7 @@ NEURON_NAMES = {
     "vgg9": VGG9_LAYERS,
     "vgg11": [f"conv{i}" for i in range(1, 9)] + ["fc1", "fc2"],
     "vgg19": [f"conv{i}" for i in range(1, 17)] + ["fc1", "fc2"],
+    "pfl_cnn": ["conv1", "conv2", "fc1", "fc2"],
 }
 
 

@@ -211,7 +211,7 @@ MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
                  ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default"),
                  ("vit_tiny", "default"), ("vit_b_16", "default"),
-                 ("logreg_binary", "default")]
+                 ("logreg_binary", "default"), ("pfl_cnn", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)

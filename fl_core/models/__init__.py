@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .base import FLModel
-from .cnn import McMahanCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
+from .cnn import McMahanCNN, PflCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
 from .logreg_binary import BinaryLogisticRegression
 from .mnist1d import MNIST1DCNN, MNIST1DGRU, MNIST1DMLP
@@ -33,6 +33,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "vit_b_16": ViTB16,
     "vit_tiny": ViTTiny,
     "logreg_binary": BinaryLogisticRegression,  # docs/algorithms.md, FedBCGD's convex problem
+    "pfl_cnn": PflCNN,  # pfl-research's CIFAR-10 CNN (docs/benchmarks.md, pfl-research's CIFAR-10 cross-device set-up)
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -100,5 +101,5 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
 
 
 __all__ = ["FLModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
-           "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model", "resolve_model_name", "unit_layouts", "ViTB16",
+           "PflCNN", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model", "resolve_model_name", "unit_layouts", "ViTB16",
            "ViTTiny"]

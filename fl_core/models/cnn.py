@@ -4,6 +4,7 @@
 - :class:`TinyCNN`: FedBug's 3-conv CNN for 3x64x64 Tiny-ImageNet, FedBug units ``code5`` | ``paper6``.
 - :class:`McMahanCNN`: the 2-conv CNN of McMahan et al. used by the IID-to-non-IID study (valid padding).
 - :class:`SmallCNN`: a small CNN for 8x8 inputs (scikit-learn digits), not from a paper.
+- :class:`PflCNN`: the CIFAR-10 CNN of pfl-research's image-classification benchmark (Granqvist et al. 2024).
 
 Every model here also has ``neuron_layers()`` (:class:`NeuronLayersMixin`): its weighted layers in forward
 order, as FedNLR's activation statistics need them (docs/algorithms.md, Neuron layers). All ReLUs are
@@ -177,4 +178,64 @@ class SmallCNN(NeuronLayersMixin, FLModel):
         x = F.relu(self.conv1(x))
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         f = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(f), f
+
+
+class PflCNN(NeuronLayersMixin, FLModel):
+    """pfl-research's CIFAR-10 CNN (``simple_cnn`` of apple/pfl-research ``benchmarks/model/pytorch/cnn.py``, the model
+    of their CIFAR-10 benchmarks; Granqvist et al., "pfl-research", arXiv 2404.06430), layer for layer::
+
+        input [B, C_in, H, W]
+        conv1 Conv(C_in, 32, 3x3, valid)  ReLU                          [B, 32, H-2, W-2]
+        conv2 Conv(32, 64, 3x3, valid)    ReLU  MaxPool2  Dropout(0.25) [B, 64, (H-4)//2, (W-4)//2]
+        flatten 64 * ((H-4)//2) * ((W-4)//2)  (12,544 for 32x32)
+        fc1 Linear(., 128)  ReLU  Dropout(0.5)                          features [B, 128]
+        fc2 Linear(128, C)                                              logits [B, C]
+
+    d = 1,626,442 for 3x32x32 inputs and C = 10 (conv1 896, conv2 18,496, fc1 1,605,760, fc2 1,290). pfl-research's
+    module takes channels-last images ``[B, H, W, C]`` and permutes them to ``[B, C, H, W]`` first; the project's
+    data are channels-first already, so that permutation (no parameters) is left out and the flatten order
+    (channel, row, column) is the same. Initialisation as theirs: Xavier-uniform weights of every conv and linear
+    layer, PyTorch's default biases. The dropout layers act in train mode only; no buffers.
+
+    Features: the classifier's input (dropout(relu(fc1)), the identity in eval mode), so ``fc2(features) ==
+    logits``. FedBug units (M = 4) and neuron layers: conv1, conv2, fc1, fc2.
+
+    Raises:
+        ValueError: an input smaller than 6x6 (names ``pfl_cnn``).
+    """
+
+    unit_prefixes = (("conv1",), ("conv2",), ("fc1",), ("fc2",))
+    NEURON_LAYERS = (("conv1", "conv"), ("conv2", "conv"), ("fc1", "linear"), ("fc2", "linear"))
+
+    def __init__(self, input_shape: Tuple[int, int, int], num_classes: int):
+        super().__init__()
+        c, h, w = input_shape
+        h2, w2 = (h - 4) // 2, (w - 4) // 2
+        if h2 < 1 or w2 < 1:
+            raise ValueError(f"pfl_cnn needs inputs of at least 6x6, got {h}x{w}")
+        self.conv1 = nn.Conv2d(c, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.drop_conv = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(64 * h2 * w2, 128)
+        self.drop_fc = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(128, num_classes)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights for every conv and linear layer (torch's global generator; biases untouched)."""
+        for _, module, _ in self.neuron_layers():
+            nn.init.xavier_uniform_(module.weight)
+
+    def init_parameters(self) -> None:
+        """The run's seeded initialisation ends here (FLModel.init_parameters): Xavier-uniform weights again, so a run
+        starts from them and not from the layers' defaults that the run's per-layer reset draws first."""
+        self.reset_parameters()
+
+    def forward_features(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, C_in, H, W]`` -> ``(logits [B, C], features [B, 128])``."""
+        x = F.relu(self.conv1(x))
+        x = self.drop_conv(F.max_pool2d(F.relu(self.conv2(x)), 2))
+        f = self.drop_fc(F.relu(self.fc1(x.flatten(1))))
         return self.fc2(f), f
