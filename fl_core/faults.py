@@ -31,10 +31,13 @@ POINTS: Dict[str, str] = {
     "checkpoint_swap": "the previous checkpoint is renamed aside, the new one not yet renamed into place",
     "after_last_round": "a seed's last round is done, its completion record not yet written",
     "after_record": "a seed's completion record is written, its checkpoint not yet removed",
+    "after_child_model": "a seed's MLflow model is logged, its MLflow run not yet FINISHED",
     "after_child_finished": "a seed's MLflow run is FINISHED, the next seed and the outputs not yet started",
     "between_seeds": "one seed of the experiment is complete, the next one not yet started",
     "outputs_swap": "the old results/<name> is renamed aside, the staged outputs not yet renamed into place",
     "after_outputs": "results/<name> holds the new outputs, the MLflow parent run is not yet ended",
+    "after_parent_curves": "the MLflow parent run holds its seed-mean curves, its best-child tags not yet set and "
+                           "it is not yet ended",
 }
 #: Points that only a worker rank of ``engine.executor=distributed`` reaches (tests/test_distributed.py kills there);
 #: the rank 0 of such a run reaches the points above.

@@ -1,9 +1,10 @@
 """MLflow tracking: one parent run per experiment, one child run per seed, metrics every round.
 
-Store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<project root>/mlflow.db`` with artifacts
-under ``<project root>/mlartifacts`` (absolute, so DVC stages, queued ``dvc exp`` runs and sweeps
-share one store). Per-round metrics are buffered and written in one ``log_batch`` every
-``tracking.log_every`` rounds and at checkpoints (about a millisecond per round on SQLite).
+Store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<project root>/mlflow.db`` with artifacts under
+``<project root>/mlartifacts`` (the store's path is absolute, so DVC stages, queued ``dvc exp`` runs and sweeps
+share one store; the artifact locations inside it are not, see below). Per-round metrics are buffered and
+written in one ``log_batch`` every ``tracking.log_every`` rounds and at checkpoints (about a millisecond per
+round on SQLite).
 
 Run identity: an experiment's parent run carries the tags ``fl.experiment`` (its name),
 ``fl.fingerprint`` (hash of the config that determines its numbers, seeds excluded) and
@@ -15,23 +16,33 @@ that runs it (:func:`fl_core.procs.identity`), so a later start can end the runs
 is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``).
 
 What the UI shows: a run's params are :func:`run_params` (the config without the sections of the rules
-that are not in its stack); per-round metrics get MLflow names of the form ``<section>/<key>``
-(:func:`mlflow_metric_name`) so that the chart view shows accuracy, loss, communication, per-round
-bookkeeping and diagnostics in that order (the CSV files and histories keep the plain keys); every
+that are not in its stack); per-round metrics get MLflow names ``<section>/<name>`` (:func:`mlflow_metric_name`:
+``test/acc``, ``train/loss``, ``comm/up_floats``, ...; the UI's chart view makes one section of each part before
+the ``/``; the CSV files and histories keep the plain keys); per-layer and per-client values stay in the
+``seed_<s>.csv`` artifact unless ``tracking.detail_metrics`` (:func:`is_detail`); a parent run gets the seed-mean
+curves (:meth:`Tracking.log_curves`), a child run its final model as an MLflow model named ``model``
+(:meth:`Tracking.log_model`, ``mlflow.pytorch``), and the parent the tags :data:`TAG_BEST_CHILD`,
+:data:`TAG_BEST_SEED` and :data:`TAG_BEST_MODEL_URI` (the child with the best final accuracy); every
 experiment carries the tag ``mlflow.experimentKind`` = ``custom_model_development`` (a model-training
-experiment, not a GenAI one).
+experiment, not a GenAI one). The metric names are listed in ``docs/tracking.md``.
+
+Artifacts of a SQLite store live in ``mlartifacts/`` beside ``mlflow.db``, recorded in the store as
+``mlflow-artifacts:/...`` (no folder in the database): a moved or copied project folder keeps its artifacts
+(:mod:`fl_core.mlflow_artifacts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 
-from . import procs
+from . import mlflow_artifacts, procs
 from .paths import store_root
 
 log = logging.getLogger(__name__)
@@ -50,15 +61,37 @@ ORPHAN_REASON = "orphaned: the process that ran it is gone"
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
-#: sections of the per-round metrics in MLflow, in the order the chart view shows them. The chart view
-#: puts a metric ``a/b/c`` in section ``a/b`` and orders the sections by name (keys without ``/`` go to
-#: "Model metrics", shown after every named section), hence the leading digits.
-GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS = (
-    "1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
-METRIC_GROUPS = (GROUP_ACCURACY, GROUP_LOSS, GROUP_COMM, GROUP_ROUND, GROUP_DIAGNOSTICS)
-#: per-round bookkeeping of the round loop
-ROUND_KEYS = ("lr", "num_clients", "round_time_s", "local_steps_mean", "local_steps_min", "local_steps_max",
-              "stragglers")
+#: the name of a child run's MLflow model: ``mlflow.pytorch.load_model("runs:/<child run id>/model")``
+MODEL_NAME = "model"
+#: parent-run tags naming the child whose final accuracy is the highest: its run id, its seed, its model's URI
+TAG_BEST_CHILD, TAG_BEST_SEED, TAG_BEST_MODEL_URI = "fl.best_child", "fl.best_seed", "fl.best_model_uri"
+#: how a child's model was serialised (``pt2``: torch.export; ``pickle``: the fallback for a model torch.export
+#: cannot trace)
+TAG_MODEL_FORMAT = "fl.model_format"
+
+#: The MLflow names of the per-round keys (docs/tracking.md lists them with units). The UI's chart view puts
+#: ``<section>/<name>`` in section ``<section>`` (the run page: the part before the first ``/``; the experiment's
+#: chart view: before the last one; every name here has one ``/``, so both agree) and titles the chart
+#: ``<name>``. Sections: ``test`` (the global model on the evaluation split), ``val`` (a sweep's validation
+#: split), ``post`` (after a post-training step such as CCVR), ``train``, ``comm``, ``round`` (per-round
+#: bookkeeping), ``diag`` (rule and study diagnostics), ``detail`` (per-layer and per-client values, only with
+#: ``tracking.detail_metrics``).
+METRIC_NAMES: Dict[str, str] = {
+    "test_acc": "test/acc", "test_acc_std": "test/acc_std", "test_loss": "test/loss",
+    "client_acc_mean": "test/client_acc_mean", "client_acc_std": "test/client_acc_std",
+    "client_acc_worst10": "test/client_acc_worst10",
+    "val_acc": "val/acc", "val_loss": "val/loss",
+    "train_loss": "train/loss", "train_loss_clients_min": "train/loss_clients_min",
+    "train_loss_clients_max": "train/loss_clients_max", "lr": "train/lr",
+    "comm_up_floats": "comm/up_floats", "comm_down_floats": "comm/down_floats",
+    "num_clients": "round/clients", "local_steps_mean": "round/local_steps_mean",
+    "local_steps_min": "round/local_steps_min", "local_steps_max": "round/local_steps_max",
+    "stragglers": "round/stragglers", "round_time_s": "round/time_s",
+}
+METRIC_SECTIONS = ("comm", "detail", "diag", "post", "round", "test", "train", "val")
+#: the sections of the names before these (a run begun with them keeps them when it resumes)
+LEGACY_SECTIONS = ("1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
+_PER_LAYER = re.compile(r"_l\d+$")
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
@@ -70,15 +103,11 @@ def tracking_uri(root: Optional[Path] = None) -> str:
 
 
 def artifact_root(uri: str) -> Optional[str]:
-    """For a SQLite store, ``<folder of the .db>/mlartifacts`` (MLflow would otherwise use ``./mlruns``
-    of whatever folder a run starts in); None (the server's default) for other stores."""
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix):
-        return None
-    db = Path(uri[len(prefix):])
-    if not db.is_absolute():
-        db = Path.cwd() / db
-    return (db.parent / "mlartifacts").as_uri()
+    """The artifact location of a new experiment: for a SQLite store ``mlflow-artifacts:/``, which
+    :mod:`fl_core.mlflow_artifacts` resolves to ``<folder of the .db>/mlartifacts`` and ``mlflow ui
+    --artifacts-destination <that folder>`` serves (no absolute path in the store, so a moved project folder keeps
+    its artifacts); None (the server's default) for other stores."""
+    return mlflow_artifacts.LOCATION if mlflow_artifacts.local_destination(uri) is not None else None
 
 
 def flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
@@ -94,38 +123,51 @@ def flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
+def is_detail(key: str) -> bool:
+    """Whether the per-round key ``key`` is a per-client or per-layer value: ``client_loss/<i>``
+    (``tracking.client_loss_trace``), ``cos_<layer>`` (``tracking.layer_cosine``; their mean ``cos_mean`` is not),
+    and every key ending in ``_l<digits>`` (``fednlr_mu_l<l>``, ``fednlr_T_l<l>``, ``neuron_drift_l<l>``). They
+    go to MLflow only with ``tracking.detail_metrics``; the per-seed CSV (``details/seed_<s>.csv``, a child
+    artifact) always holds them."""
+    return "/" in key or (key.startswith("cos_") and key != "cos_mean") or bool(_PER_LAYER.search(key))
+
+
 def mlflow_metric_name(key: str) -> str:
-    """The MLflow name of the per-round metric ``key``: ``<section>/<key>``, the section (one of
-    :data:`METRIC_GROUPS`) telling where the chart view shows it. Tokens are the ``_``-separated parts
-    of ``key``; the first rule that applies wins:
+    """The MLflow name of the per-round key ``key`` (a column of the histories and CSV files).
 
-    - a ``/`` in the key (``client_loss/3``): ``5_diagnostics/<key>`` (section ``5_diagnostics/client_loss``);
-    - a token ``acc``: ``1_accuracy/<key>`` (``test_acc``, ``val_acc``, ``post_test_acc``), or
-      ``1_accuracy/clients/<key>`` when the first token is ``client`` (``client_acc_mean`` / ``_std`` /
-      ``_worst10``: their own section, right after the accuracies);
-    - a token ``loss``: ``2_loss/<key>`` (``test_loss``, ``train_loss``, ``train_loss_clients_max``);
-    - first token ``comm``: ``3_communication/<key>`` (``comm_up_floats``, ``comm_down_floats``);
-    - one of :data:`ROUND_KEYS`: ``4_round/<key>`` (``lr``, ``num_clients``, ``round_time_s``);
-    - anything else: ``5_diagnostics/<key>`` (``cos_*``, ``neuron_drift*``, the rules' diagnostics).
+    The first rule that applies:
 
-    A name already in a section (its first part one of :data:`METRIC_GROUPS`) and MLflow's ``system/``
-    metrics are returned unchanged.
+    - a name already in a section (``test/acc``; its part before the first ``/`` one of :data:`METRIC_SECTIONS`), and
+      MLflow's own ``system/...``: unchanged;
+    - a key of :data:`METRIC_NAMES`: its name there (``test_acc`` -> ``test/acc``, ``comm_up_floats`` ->
+      ``comm/up_floats``, ``num_clients`` -> ``round/clients``);
+    - ``post_<k>`` (after a post-training step): ``post/<k>`` (``post_test_acc`` -> ``post/test_acc``);
+    - a per-client or per-layer key (:func:`is_detail`): ``detail/<key>`` with ``/`` as ``_``
+      (``client_loss/3`` -> ``detail/client_loss_3``);
+    - anything else: ``diag/<key>`` (``cos_mean``, ``neuron_drift``, ``fedbug_trainable_share``,
+      ``server_update_norm``, ``objective_gap``, ...).
     """
     head = key.split("/", 1)[0]
-    if head in METRIC_GROUPS or head == "system":
+    if "/" in key and (head in METRIC_SECTIONS or head == "system"):
         return key
-    if "/" in key:
-        return f"{GROUP_DIAGNOSTICS}/{key}"
-    tokens = key.split("_")
-    if "acc" in tokens:
-        return f"{GROUP_ACCURACY}/clients/{key}" if tokens[0] == "client" else f"{GROUP_ACCURACY}/{key}"
-    if "loss" in tokens:
-        return f"{GROUP_LOSS}/{key}"
-    if tokens[0] == "comm":
-        return f"{GROUP_COMM}/{key}"
-    if key in ROUND_KEYS:
-        return f"{GROUP_ROUND}/{key}"
-    return f"{GROUP_DIAGNOSTICS}/{key}"
+    if key in METRIC_NAMES:
+        return METRIC_NAMES[key]
+    if key.startswith("post_"):
+        return f"post/{key[len('post_'):]}"
+    if is_detail(key):
+        return "detail/" + key.replace("/", "_")
+    return f"diag/{key}"
+
+
+def _legacy_key(name: str) -> Optional[str]:
+    """The per-round key of a name an older run holds: a plain key itself, ``1_accuracy/clients/client_acc_mean``
+    -> ``client_acc_mean``, ``5_diagnostics/client_loss/3`` -> ``client_loss/3``; None for a current name."""
+    head, _, rest = name.partition("/")
+    if not rest:
+        return name
+    if head not in LEGACY_SECTIONS:
+        return None
+    return rest[len("clients/"):] if rest.startswith("clients/") else rest
 
 
 def rule_sections() -> Dict[str, FrozenSet[str]]:
@@ -243,6 +285,7 @@ class Tracking:
 
         self.root = root or store_root()
         self.uri = tracking_uri(self.root)
+        mlflow_artifacts.register()  # mlflow-artifacts:/ beside a SQLite store (also an entry point once installed)
         ensure_store(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(experiment)
@@ -305,8 +348,9 @@ class Tracking:
         return len(end_orphaned_runs(self.client, self.experiment_id, {TAG_EXPERIMENT: name}))
 
     def child_logger(self, parent_id, name: str, tags: Dict[str, str], params: Dict[str, Any],
-                     log_every: int = 10) -> "MlflowRunLogger":
-        return MlflowRunLogger(self, parent_id, name, tags, params, log_every)
+                     log_every: int = 10, detail: bool = False) -> "MlflowRunLogger":
+        """The logger of a (new or reopened) child run; ``detail``: ``tracking.detail_metrics``."""
+        return MlflowRunLogger(self, parent_id, name, tags, params, log_every, detail)
 
     def log_params(self, run_id: str, params: Dict[str, Any]) -> None:
         """Log params, skipping those the run already holds (params cannot change once logged)."""
@@ -330,6 +374,125 @@ class Tracking:
         todo = [Metric(k, float(v), ts, step) for k, v in metrics.items() if k not in have and v is not None]
         for s in range(0, len(todo), _MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=todo[s:s + _MAX_METRICS_PER_BATCH])
+
+    def log_curves(self, run_id: str, rows: Iterable[Dict[str, Any]]) -> int:
+        """Log per-round rows (each with ``round`` and metric keys, e.g. the seed-mean curve of ``rounds.csv``)
+        as metrics with step = round under their :func:`mlflow_metric_name`, once: every (name, step) the run
+        already holds is skipped (a parent ended by a kill while logging them gets the rest on the rerun).
+        Per-client and per-layer keys (:func:`is_detail`) and None values are left out.
+
+        Returns:
+            How many values were logged.
+        """
+        from mlflow.entities import Metric
+
+        rows = [r for r in rows if "round" in r]
+        names = {k: mlflow_metric_name(k) for r in rows for k in r if k != "round" and not is_detail(k)}
+        held = {n: {m.step for m in self.client.get_metric_history(run_id, n)} for n in set(names.values())}
+        ts = int(time.time() * 1000)
+        todo = [Metric(names[k], float(v), ts, int(r["round"])) for r in rows for k, v in r.items()
+                if k in names and v is not None and int(r["round"]) not in held[names[k]]]
+        for s in range(0, len(todo), _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=todo[s:s + _MAX_METRICS_PER_BATCH])
+        return len(todo)
+
+    def logged_models(self, run_id: str, name: str = MODEL_NAME) -> List[Any]:
+        """The MLflow logged models named ``name`` whose source is run ``run_id`` (``mlflow.entities.LoggedModel``)."""
+        found, token = [], None
+        while True:
+            page = self.client.search_logged_models(experiment_ids=[self.experiment_id],
+                                                    filter_string=f"name = '{name}' AND source_run_id = '{run_id}'",
+                                                    page_token=token)
+            found += [m for m in page if m.source_run_id == run_id]
+            token = page.token
+            if not token:
+                return found
+
+    def model_uri(self, run_id: str) -> Optional[str]:
+        """``runs:/<run_id>/model`` when the run holds a complete (READY) model :data:`MODEL_NAME`, else None."""
+        from mlflow.entities import LoggedModelStatus
+
+        ready = [m for m in self.logged_models(run_id) if m.status == LoggedModelStatus.READY]
+        return f"runs:/{run_id}/{MODEL_NAME}" if ready else None
+
+    def log_model(self, run_id: str, model, example) -> str:
+        """Log ``model`` as the MLflow model :data:`MODEL_NAME` of run ``run_id`` with ``mlflow.pytorch.log_model``,
+        once: a run that already holds a complete one (a rerun after a kill) keeps it, an incomplete one is deleted
+        first. The model is saved as MLflow 3's default ``pt2`` (``torch.export``: loading needs neither the
+        project's classes nor pickle); a model that torch.export cannot trace is pickled instead, with a warning
+        line (loading it needs ``MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true`` and ``fl_core`` importable). The tag
+        :data:`TAG_MODEL_FORMAT` records which.
+
+        Args:
+            run_id: an open child run of this experiment.
+            model: ``torch.nn.Module`` on the CPU in eval mode, holding the final weights.
+            example: [n, ...] CPU tensor of model inputs (n >= 2, so that the batch dimension stays free in ``pt2``);
+                its numpy form is the input example, and the signature is inferred from it and ``model(example)``
+                (logits [n, classes]).
+
+        Returns:
+            ``runs:/<run_id>/model`` (``mlflow.pytorch.load_model`` takes it).
+
+        Raises:
+            mlflow.exceptions.MlflowException: the store cannot be written, or the model cannot be saved at all.
+        """
+        import sys
+
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import infer_signature
+
+        uri = self.model_uri(run_id)
+        if uri is not None:
+            return uri
+        for stale in self.logged_models(run_id):  # left by a kill while it was logged: load_model could pick it
+            self.client.delete_logged_model(stale.model_id)
+        with torch.no_grad():
+            out = model(example)
+        x = example.numpy()
+        kwargs = dict(name=MODEL_NAME, signature=infer_signature(x, out.numpy()), input_example=x,
+                      pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"])
+        fmt = "pt2"
+        with self._active_run(run_id):
+            try:
+                mlflow.pytorch.log_model(model, serialization_format=fmt, **kwargs)
+            except Exception as err:  # noqa: BLE001  (whatever torch.export raises on a model it cannot trace)
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                print(f"warning: torch.export cannot trace {type(model).__name__} ({first}); its MLflow model is "
+                      "pickled instead", file=sys.stderr)
+                for failed in self.logged_models(run_id):
+                    self.client.delete_logged_model(failed.model_id)
+                fmt = "pickle"
+                mlflow.pytorch.log_model(model, serialization_format=fmt, **kwargs)
+        self.client.set_tag(run_id, TAG_MODEL_FORMAT, fmt)
+        return f"runs:/{run_id}/{MODEL_NAME}"
+
+    @contextlib.contextmanager
+    def _active_run(self, run_id: str):
+        """Run ``run_id`` of this store as MLflow's active run (what ``mlflow.pytorch.log_model`` logs to), left
+        RUNNING afterwards (its owner ends it); the tracking URI and active run of the process are restored."""
+        import mlflow
+
+        before = os.environ.get("MLFLOW_TRACKING_URI")  # what mlflow.set_tracking_uri mirrors
+        started = False
+        try:
+            mlflow.set_tracking_uri(self.uri)
+            mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None)
+            started = True
+            yield
+        finally:
+            if started:
+                mlflow.end_run(status="RUNNING")
+            mlflow.set_tracking_uri(before)  # None: unset again
+
+    def set_best_child(self, parent_id: str, seed: int, child_id: str) -> None:
+        """Tag the parent with its best child: :data:`TAG_BEST_CHILD` (run id), :data:`TAG_BEST_SEED` and, when the
+        child holds a model, :data:`TAG_BEST_MODEL_URI` (``runs:/<child>/model``)."""
+        self.client.set_tag(parent_id, TAG_BEST_CHILD, child_id)
+        self.client.set_tag(parent_id, TAG_BEST_SEED, str(seed))
+        uri = self.model_uri(child_id)
+        if uri is not None:
+            self.client.set_tag(parent_id, TAG_BEST_MODEL_URI, uri)
 
     def log_inputs(self, run_id: str, inputs: Iterable[Dict[str, str]]) -> None:
         """Log datasets as the run's MLflow inputs (shown in the UI's Datasets column), once per run.
@@ -361,19 +524,21 @@ class MlflowRunLogger:
     (metric, step) pairs; else, or without them, the run id saved in a checkpoint is reopened, or a
     new child is created.
 
-    Per-round metrics go to MLflow under :func:`mlflow_metric_name`; a metric that a reopened run
-    already holds under its plain name (a run begun before the names had sections) keeps that name,
-    so that each series stays whole.
+    Per-round metrics go to MLflow under :func:`mlflow_metric_name`; per-client and per-layer keys
+    (:func:`is_detail`) only with ``detail`` (``tracking.detail_metrics``). A metric that a reopened run
+    already holds under an older name (its plain key, or the ``1_accuracy/``-style sections of
+    :data:`LEGACY_SECTIONS`) keeps that name, so that each series stays whole.
     """
 
     def __init__(self, tracking: Tracking, parent_id: Optional[str], name: str, tags: Dict[str, str],
-                 params: Dict[str, Any], log_every: int):
+                 params: Dict[str, Any], log_every: int, detail: bool = False):
         self.tracking = tracking
         self.parent_id = parent_id
         self.name = name
         self.tags = dict(tags)
         self.params = params
         self.log_every = max(1, int(log_every))
+        self.detail = bool(detail)
         self.run_id: Optional[str] = None
         self._buffer: List[Any] = []
         self._logged: Dict[str, set] = {}  # MLflow name -> steps the (reopened) run already holds
@@ -408,16 +573,17 @@ class MlflowRunLogger:
     def state(self) -> dict:
         return {"run_id": self.run_id, "parent_id": self.parent_id}
 
-    def metric_name(self, key: str) -> str:
-        """The MLflow name of the per-round metric ``key`` in this run: :func:`mlflow_metric_name`, or
-        ``key`` itself where the reopened run holds ``key`` and not the sectioned name."""
-        name = self._names.get(key)
-        if name is None:
+    def metric_name(self, key: str) -> Optional[str]:
+        """The MLflow name of the per-round metric ``key`` in this run: :func:`mlflow_metric_name`, or the older
+        name under which the reopened run holds ``key`` (and not the current one); None for a per-client or
+        per-layer key without ``detail``."""
+        if key not in self._names:
             name = mlflow_metric_name(key)
-            if name != key and key in self._logged and name not in self._logged:
-                name = key
-            self._names[key] = name
-        return name
+            if name not in self._logged:
+                older = {_legacy_key(n): n for n in self._logged}
+                name = older.get(key, name)
+            self._names[key] = name if self.detail or not is_detail(key) else None
+        return self._names[key]
 
     def log_round(self, step: int, metrics: Dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -426,7 +592,7 @@ class MlflowRunLogger:
         step = int(step)
         named = ((self.metric_name(k), v) for k, v in metrics.items())
         self._buffer.extend(Metric(n, float(v), ts, step) for n, v in named
-                            if step not in self._logged.get(n, ()))
+                            if n is not None and step not in self._logged.get(n, ()))
         self._pending_steps += 1
         if self._pending_steps >= self.log_every:
             self.flush()

@@ -429,7 +429,7 @@ class _Experiment:
         tags = {**self.tags, "seed": str(seed), TAG_SEED: str(seed), TAG_EXPERIMENT: self.name,
                 TAG_FINGERPRINT: self.store.fingerprint}
         return self.tracking.child_logger(self.parent_id, f"{self.name}/seed{seed}", tags, params,
-                                          cfg.tracking.log_every)
+                                          cfg.tracking.log_every, cfg.tracking.detail_metrics)
 
     def inputs(self) -> List[Dict[str, str]]:
         """The dataset and the partition as MLflow inputs (name, content digest, source)."""
@@ -466,13 +466,12 @@ class _Experiment:
         if rec["status"] == "ok":
             model_path = staging / "models" / f"seed_{seed}.pt"
             atomic_write(model_path, lambda p: torch.save(rec["state_dict"], p))
-            if self.cfg0.tracking.log_model:
-                files.append(model_path)
         return files
 
     def _finish_child(self, cfg, seed: int, rec: Dict, logger, files: List[Path]) -> None:
         """Bring the seed's MLflow child run to its end state, once: every round, the summary, the
-        artifacts, FINISHED (or FAILED with the reason). A run already ended is left as it is."""
+        artifacts, the final model (``tracking.log_model``), FINISHED (or FAILED with the reason). A run already
+        ended is left as it is."""
         if logger is None:  # read back from its record: find the child, or create it if it never was
             found = self.tracking.child_run(self.parent_id, seed)
             if found is not None and found.info.status in ("FINISHED", "FAILED"):
@@ -490,7 +489,27 @@ class _Experiment:
         logger.log_artifacts([staging / "config.yaml"] + files)
         logger.log_artifacts([staging / "partition" / "stats.json", staging / "partition" / "labels_per_client.png"],
                              "partition")
+        if rec["status"] == "ok" and self.cfg0.tracking.log_model:
+            self.tracking.log_model(logger.run_id, self._final_model(rec["state_dict"]), self._model_example())
+            faults.point("after_child_model")
         logger.close("FINISHED" if rec["status"] == "ok" else "FAILED", rec.get("reason"))
+
+    def _final_model(self, state_dict: Dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A fresh model of this experiment (built as the simulator builds it, without the data a model may bind)
+        holding ``state_dict``, on the CPU in eval mode: what MLflow logs."""
+        from fl_core.algorithms import prepare_model
+        from fl_core.models import build_model
+
+        cfg, ds = self.cfg0, self.ds
+        model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes,
+                            input_norm=(ds.mean, ds.std)).to("cpu", DTYPES[cfg.engine.dtype])
+        prepare_model(cfg.algorithm, model)
+        model.load_state_dict(state_dict)
+        return model.eval()
+
+    def _model_example(self) -> torch.Tensor:
+        """[2, *input_shape]: the first two training inputs (as the model takes them), the logged model's input example."""
+        return self.data.x[:2].detach().cpu()
 
     def _write_outputs(self, staging: Path) -> Dict:
         """runs.csv, rounds.csv, curves.png, metrics.json and experiment.json of the finished seeds."""
@@ -516,7 +535,17 @@ class _Experiment:
         write_json(staging / EXPERIMENT_FILE, info)
         return summary
 
+    @staticmethod
+    def _best_seed(records: Dict[int, Dict]) -> Optional[int]:
+        """The seed with the highest final accuracy (``final_acc``: the mean of the last ``train.final_window``
+        evaluations; the lowest such seed on a tie), or None when no seed has one."""
+        scored = [(-r["summary"]["final_acc"], s) for s, r in records.items()
+                  if r.get("summary", {}).get("final_acc") is not None]
+        return min(scored)[1] if scored else None
+
     def _end_parent(self, summary: Dict) -> None:
+        """The parent's params, summary metrics, seed-mean curves (step = round), artifacts and best-child tags, once
+        (a rerun skips what the parent holds); then FINISHED, or FAILED naming the seeds that failed."""
         if self.tracking is None or self.parent_id is None:
             return
         container = to_container(self.cfg0)
@@ -525,6 +554,15 @@ class _Experiment:
         tr.log_params(self.parent_id, {**run_params(container), "seeds": self.seeds, "effective_update_u": self.u})
         tr.log_metrics_once(self.parent_id, {k: v for k, v in summary.items()
                                              if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))})
+        ok = {s: r for s, r in self.records.items() if r["status"] == "ok"}
+        # the seed-mean curves of rounds.csv but the per-client accuracy summaries (final values in the metrics)
+        tr.log_curves(self.parent_id, [{k: v for k, v in row.items() if not k.startswith("client_acc_")}
+                                       for row in mean_curve({s: r["history"] for s, r in ok.items()})])
+        faults.point("after_parent_curves")
+        best = self._best_seed(ok)
+        child = tr.child_run(self.parent_id, best) if best is not None else None
+        if child is not None:
+            tr.set_best_child(self.parent_id, best, child.info.run_id)
         tr.log_artifacts(self.parent_id, [out / METRICS_FILE, out / EXPERIMENT_FILE, out / "rounds.csv", out / "curves.png", out / "curves.pdf",
                                           out / "config.yaml"])
         failures = summary.get("failures") or {}

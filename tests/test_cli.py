@@ -86,10 +86,12 @@ def test_single_run_writes_results_and_mlflow(tmp_path):
     assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
     assert child.data.tags["algorithm"] == "fedbug[P=0.2](fedavg)"
     assert child.data.params["partition.alpha"] == "0.3"
-    assert [m.step for m in client.get_metric_history(child.info.run_id, "1_accuracy/test_acc")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "test/acc")] == [1, 2, 3]
     arts = {a.path for a in client.list_artifacts(child.info.run_id)}
-    assert {"config.yaml", "seed_1.pt", "seed_1.csv", "seed_1.png", "partition", "schedule.csv", "schedule.png"} <= arts
-    assert [m.step for m in client.get_metric_history(child.info.run_id, "5_diagnostics/fedbug_trainable_share")] == [1, 2, 3]
+    assert {"config.yaml", "seed_1.csv", "seed_1.png", "partition", "schedule.csv", "schedule.png"} <= arts
+    assert "seed_1.pt" not in arts  # the model is the run's MLflow model (tests/test_tracking.py loads it)
+    assert parents[0].data.tags["fl.best_model_uri"] == f"runs:/{child.info.run_id}/model"
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "diag/fedbug_trainable_share")] == [1, 2, 3]
     assert child.data.tags["mlflow.source.git.commit"] == child.data.tags["git_commit"]
     for run in (child, parents[0]):
         inputs = {d.dataset.name: d for d in client.get_run(run.info.run_id).inputs.dataset_inputs}

@@ -315,7 +315,7 @@ def test_the_cli_writes_the_objective_columns_params_and_the_cached_optimum(tmp_
     child = next(r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags)
     assert float(child.data.params["model.L"]) == pytest.approx(blob["L"])
     assert float(child.data.params["model.lambda"]) == pytest.approx(1e-4 * blob["L"])
-    gaps = client.get_metric_history(child.info.run_id, "5_diagnostics/objective_gap")
+    gaps = client.get_metric_history(child.info.run_id, "diag/objective_gap")
     assert [m.step for m in gaps] == [1, 2] and all(m.value > 0 for m in gaps)
 
 

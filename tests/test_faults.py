@@ -4,8 +4,9 @@ Each case runs a two-seed SCAFFOLD grid experiment in a process (a fork of this 
 interpreter) that ``FL_FAULT`` kills (SIGKILL) or interrupts (SIGINT) at a named point of
 :mod:`fl_core.faults`, then runs the same command again
 (in this process) and checks the end state against an uninterrupted run: the same final models,
-one MLflow parent with one child per seed, every (metric, step) once, every run FINISHED, no
-temporary or staging files, no attempt folder left.
+one MLflow parent with one child per seed, every (metric, step) once (the parent's seed-mean curves
+included), one complete MLflow model per child and the parent's best-child tags, every run FINISHED,
+no temporary or staging files, no attempt folder left.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def _mlflow_state(tmp: Path):
 
 def _assert_clean(tmp: Path, reference: dict) -> None:
     """The end state every kill must lead to after one rerun."""
+    from mlflow.entities import LoggedModelStatus
+
     got = _models(tmp)
     for s in SEEDS:
         assert got[s].keys() == reference[s].keys()
@@ -150,8 +153,15 @@ def _assert_clean(tmp: Path, reference: dict) -> None:
             assert len(steps) == len(set(steps)), (key, steps)  # each (key, step) once
             if key.startswith("summary_"):
                 assert steps == [0]
-        assert sorted(m.step for m in client.get_metric_history(c.info.run_id, "1_accuracy/test_acc")) == list(range(1, ROUNDS + 1))
-    assert parents[0].data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
+        assert sorted(m.step for m in client.get_metric_history(c.info.run_id, "test/acc")) == list(range(1, ROUNDS + 1))
+        models = client.search_logged_models([c.info.experiment_id], filter_string=f"source_run_id = '{c.info.run_id}'")
+        assert [(m.name, m.status) for m in models] == [("model", LoggedModelStatus.READY)]  # one, complete
+    parent = parents[0]
+    assert parent.data.metrics["final_acc_mean"] == pytest.approx(metrics["final_acc_mean"])
+    for key in ("test/acc", "test/loss", "train/loss", "comm/up_floats"):  # the seed-mean curves, each step once
+        assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, key)) == list(range(1, ROUNDS + 1))
+    best = {c.data.tags["fl.seed"]: c.info.run_id for c in children}[parent.data.tags["fl.best_seed"]]
+    assert parent.data.tags["fl.best_model_uri"] == f"runs:/{best}/model"
 
     leftovers = [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".corrupt", ".staging", ".old",
                                                                  ".removed", ".holder", ".init"))]

@@ -1,5 +1,6 @@
 """What the MLflow UI shows: params of the rules in the stack only, per-round metric names grouped in
-sections (accuracy first), and experiments marked as model training (fl_core/tracking.py)."""
+sections (``test/acc``, ``train/loss``, ...; per-client and per-layer values only with tracking.detail_metrics),
+and experiments marked as model training (fl_core/tracking.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 from fl_core.algorithms import registry
 from fl_core.config import AlgorithmConfig, to_container
-from fl_core.tracking import (EXPERIMENT_KIND, METRIC_GROUPS, TAG_EXPERIMENT_KIND, Tracking, ensure_store, flatten,
-                              mlflow_metric_name, rule_sections, run_params)
+from fl_core.tracking import (EXPERIMENT_KIND, METRIC_NAMES, METRIC_SECTIONS, TAG_EXPERIMENT_KIND, Tracking, ensure_store,
+                              flatten, is_detail, mlflow_metric_name, rule_sections, run_params)
 
 from conftest import run_sim, tiny_cfg
 
@@ -97,50 +98,61 @@ def test_run_params_without_an_algorithm_is_flatten():
 
 
 @pytest.mark.parametrize("key, name", [
-    ("test_acc", "1_accuracy/test_acc"),
-    ("post_test_acc", "1_accuracy/post_test_acc"),
-    ("val_acc", "1_accuracy/val_acc"),
-    ("client_acc_mean", "1_accuracy/clients/client_acc_mean"),
-    ("client_acc_std", "1_accuracy/clients/client_acc_std"),
-    ("client_acc_worst10", "1_accuracy/clients/client_acc_worst10"),
-    ("test_loss", "2_loss/test_loss"),
-    ("train_loss", "2_loss/train_loss"),
-    ("post_test_loss", "2_loss/post_test_loss"),
-    ("val_loss", "2_loss/val_loss"),
-    ("train_loss_clients_max", "2_loss/train_loss_clients_max"),
-    ("comm_up_floats", "3_communication/comm_up_floats"),
-    ("comm_down_floats", "3_communication/comm_down_floats"),
-    ("lr", "4_round/lr"),
-    ("num_clients", "4_round/num_clients"),
-    ("round_time_s", "4_round/round_time_s"),
-    ("local_steps_mean", "4_round/local_steps_mean"),
-    ("local_steps_max", "4_round/local_steps_max"),
-    ("stragglers", "4_round/stragglers"),
-    ("cos_mean", "5_diagnostics/cos_mean"),
-    ("cos_conv1.weight", "5_diagnostics/cos_conv1.weight"),
-    ("neuron_drift_l2", "5_diagnostics/neuron_drift_l2"),
-    ("fedbug_trainable_share", "5_diagnostics/fedbug_trainable_share"),
-    ("topk_residual_norm", "5_diagnostics/topk_residual_norm"),
-    ("server_update_norm", "5_diagnostics/server_update_norm"),
-    ("client_loss/3", "5_diagnostics/client_loss/3"),
-    ("accuracy_like", "5_diagnostics/accuracy_like"),  # "acc" must be a whole token
+    ("test_acc", "test/acc"),
+    ("test_loss", "test/loss"),
+    ("test_acc_std", "test/acc_std"),
+    ("client_acc_mean", "test/client_acc_mean"),
+    ("client_acc_std", "test/client_acc_std"),
+    ("client_acc_worst10", "test/client_acc_worst10"),
+    ("val_acc", "val/acc"),
+    ("val_loss", "val/loss"),
+    ("post_test_acc", "post/test_acc"),
+    ("post_test_loss", "post/test_loss"),
+    ("post_client_acc_mean", "post/client_acc_mean"),
+    ("train_loss", "train/loss"),
+    ("train_loss_clients_max", "train/loss_clients_max"),
+    ("lr", "train/lr"),
+    ("comm_up_floats", "comm/up_floats"),
+    ("comm_down_floats", "comm/down_floats"),
+    ("num_clients", "round/clients"),
+    ("round_time_s", "round/time_s"),
+    ("local_steps_mean", "round/local_steps_mean"),
+    ("local_steps_max", "round/local_steps_max"),
+    ("stragglers", "round/stragglers"),
+    ("cos_mean", "diag/cos_mean"),
+    ("neuron_drift", "diag/neuron_drift"),
+    ("fedbug_trainable_share", "diag/fedbug_trainable_share"),
+    ("topk_residual_norm", "diag/topk_residual_norm"),
+    ("server_update_norm", "diag/server_update_norm"),
+    ("objective_gap", "diag/objective_gap"),
+    ("cos_conv1", "detail/cos_conv1"),
+    ("cos_layer1.0.conv1", "detail/cos_layer1.0.conv1"),
+    ("neuron_drift_l2", "detail/neuron_drift_l2"),
+    ("fednlr_mu_l3", "detail/fednlr_mu_l3"),
+    ("fednlr_T_l12", "detail/fednlr_T_l12"),
+    ("client_loss/3", "detail/client_loss_3"),
     ("system/cpu_utilization_percentage", "system/cpu_utilization_percentage"),  # MLflow's own
 ])
 def test_mlflow_metric_name(key, name):
     assert mlflow_metric_name(key) == name
     assert mlflow_metric_name(name) == name  # idempotent
+    assert name.count("/") == 1 and name.split("/")[0] in METRIC_SECTIONS + ("system",)  # one section in every UI view
 
 
-def test_sections_sort_accuracy_first_then_loss_communication_round_diagnostics():
-    """The chart view orders named sections by name (code units at first, localeCompare later): the
-    leading digits make both orders the intended one."""
-    keys = ["round_time_s", "cos_mean", "client_loss/0", "comm_up_floats", "lr", "train_loss", "test_loss",
-            "client_acc_mean", "test_acc"]
-    sections = sorted({mlflow_metric_name(k).rsplit("/", 1)[0] for k in keys})
-    assert sections == ["1_accuracy", "1_accuracy/clients", "2_loss", "3_communication", "4_round",
-                        "5_diagnostics", "5_diagnostics/client_loss"]
-    assert sorted(METRIC_GROUPS) == list(METRIC_GROUPS)
-    assert sorted(METRIC_GROUPS, key=str.lower) == list(METRIC_GROUPS)
+def test_detail_keys_are_the_per_client_and_per_layer_ones():
+    detail = ["client_loss/0", "cos_conv1", "cos_fc", "fednlr_mu_l1", "fednlr_T_l2", "neuron_drift_l10"]
+    summary = ["cos_mean", "neuron_drift", "train_loss_clients_max", "fedbug_gu_steps_mean", "fedexp_eta_g",
+               "qsgd_rel_error", "objective", "opt_distance", *METRIC_NAMES]
+    assert all(is_detail(k) for k in detail)
+    assert not any(is_detail(k) for k in summary)
+
+
+def test_the_named_keys_are_those_the_round_loop_and_the_evaluation_write(digits):
+    """Every key of a round's row of a plain run has its stable name (no diag/ fallback for the standard ones)."""
+    _, res = run_sim(digits)
+    keys = {k for row in res.history for k in row if k != "round"}
+    assert keys <= set(METRIC_NAMES)
+    assert {mlflow_metric_name(k).split("/")[0] for k in keys} == {"test", "train", "comm", "round"}
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -166,11 +178,13 @@ def _history_names(tracking, run_id):
     return set(run.data.metrics), run
 
 
-def test_tiny_run_has_grouped_metrics_stack_params_and_the_experiment_kind(digits, tracking):
-    overrides = ["algorithm=fedbug", "algorithm.name=fedprox", "tracking.client_loss_trace=2"]
+@pytest.mark.parametrize("detail", [False, True])
+def test_tiny_run_has_grouped_metrics_stack_params_and_the_experiment_kind(digits, tracking, detail):
+    overrides = ["algorithm=fedbug", "algorithm.name=fedprox", "tracking.client_loss_trace=2",
+                 "tracking.layer_cosine=true"]
     cfg = tiny_cfg(*overrides)
     params = run_params(to_container(cfg))
-    lg = tracking.child_logger(None, "view/seed0", {"fl.seed": "0"}, params, log_every=1)
+    lg = tracking.child_logger(None, "view/seed0", {"fl.seed": "0"}, params, log_every=1, detail=detail)
     sim, res = run_sim(digits, *overrides, logger=lg)
     lg.log_summary({"summary_final_acc": res.history[-1]["test_acc"]})
     lg.close("FINISHED")
@@ -180,17 +194,19 @@ def test_tiny_run_has_grouped_metrics_stack_params_and_the_experiment_kind(digit
 
     names, run = _history_names(tracking, lg.run_id)
     row_keys = {k for row in res.history for k in row if k != "round"}
-    assert {"test_acc", "train_loss", "comm_up_floats", "lr", "fedbug_trainable_share"} <= row_keys
-    assert any(k.startswith("client_loss/") for k in row_keys)
-    assert names == {mlflow_metric_name(k) for k in row_keys} | {"summary_final_acc"}
-    assert {"1_accuracy/test_acc", "2_loss/train_loss", "3_communication/comm_up_floats", "4_round/lr",
-            "5_diagnostics/fedbug_trainable_share"} <= names
+    assert {"test_acc", "train_loss", "comm_up_floats", "lr", "fedbug_trainable_share", "cos_mean"} <= row_keys
+    per_client = {k for k in row_keys if k.startswith(("client_loss/", "cos_")) and k != "cos_mean"}
+    assert per_client and all(is_detail(k) for k in per_client)
+    logged = row_keys if detail else row_keys - per_client
+    assert names == {mlflow_metric_name(k) for k in logged} | {"summary_final_acc"}
+    assert {"test/acc", "train/loss", "comm/up_floats", "train/lr", "diag/fedbug_trainable_share",
+            "diag/cos_mean"} <= names
+    assert any(n.startswith("detail/client_loss_") for n in names) == detail
     assert not names & row_keys  # no plain per-round name
     R = cfg.train.rounds
-    assert [m.step for m in tracking.client.get_metric_history(lg.run_id, "1_accuracy/test_acc")] == \
-        list(range(1, R + 1))
+    assert [m.step for m in tracking.client.get_metric_history(lg.run_id, "test/acc")] == list(range(1, R + 1))
     assert res.history[0]["test_acc"] == pytest.approx(
-        tracking.client.get_metric_history(lg.run_id, "1_accuracy/test_acc")[0].value)
+        tracking.client.get_metric_history(lg.run_id, "test/acc")[0].value)
     # params: the stack's sections only
     assert _sections_in(run.data.params) == {"fedbug", "fedprox"}
     assert run.data.params["algorithm.name"] == "fedprox"
@@ -222,28 +238,32 @@ def test_reopened_run_skips_the_steps_it_holds_under_the_grouped_names(tracking)
     for r in (1, 2, 3):  # a resume replays rounds 1-2: each (metric, step) stays once
         lg2.log_round(r, {"test_acc": 0.1 * r, "comm_up_floats": 10.0 * r})
     lg2.close("FINISHED")
-    for name in ("1_accuracy/test_acc", "3_communication/comm_up_floats"):
+    for name in ("test/acc", "comm/up_floats"):
         assert [m.step for m in tracking.client.get_metric_history(lg.run_id, name)] == [1, 2, 3], name
-    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"1_accuracy/test_acc",
-                                                                     "3_communication/comm_up_floats"}
+    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"test/acc", "comm/up_floats"}
 
 
-def test_run_begun_with_plain_names_keeps_them_on_resume(tracking):
-    """A run logged before the names had sections continues its plain series instead of splitting it."""
+@pytest.mark.parametrize("older", ["test_acc", "1_accuracy/test_acc"])
+def test_run_begun_with_older_names_keeps_them_on_resume(tracking, older):
+    """A run logged before the names had sections (plain keys) or with the earlier numbered sections continues
+    its series under that name instead of splitting it; new keys get the current names."""
     from mlflow.entities import Metric
 
     lg = tracking.child_logger(None, "legacy", {}, {}, log_every=1)
     lg.open(None)
-    tracking.client.log_batch(lg.run_id, metrics=[Metric("test_acc", 0.1, 0, 1), Metric("test_acc", 0.2, 0, 2)])
+    tracking.client.log_batch(lg.run_id, metrics=[Metric(older, 0.1, 0, 1), Metric(older, 0.2, 0, 2),
+                                                  Metric("5_diagnostics/client_loss/0", 1.0, 0, 1)])
     lg.close("KILLED")
     lg2 = tracking.child_logger(None, "legacy", {}, {}, log_every=1)
     lg2.open(lg.state())
     for r in (2, 3):
-        lg2.log_round(r, {"test_acc": 0.1 * r, "train_loss": 1.0 / r})
+        lg2.log_round(r, {"test_acc": 0.1 * r, "train_loss": 1.0 / r, "client_loss/0": 1.0})
     lg2.close("FINISHED")
-    hist = tracking.client.get_metric_history(lg.run_id, "test_acc")
+    hist = tracking.client.get_metric_history(lg.run_id, older)
     assert sorted(m.step for m in hist) == [1, 2, 3]
-    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {"test_acc", "2_loss/train_loss"}
+    # client_loss/0 is a per-client key: without detail it is not logged, not even under its older name
+    assert [m.step for m in tracking.client.get_metric_history(lg.run_id, "5_diagnostics/client_loss/0")] == [1]
+    assert set(tracking.client.get_run(lg.run_id).data.metrics) == {older, "train/loss", "5_diagnostics/client_loss/0"}
 
 
 def test_fingerprint_depends_on_the_sections_of_the_stack_only():

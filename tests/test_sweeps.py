@@ -318,7 +318,7 @@ def test_study_prunes_survives_divergence_resumes_and_its_best_yaml_reproduces(s
         0: ("KILLED", "PRUNED"), 1: ("KILLED", "PRUNED"), 2: ("FINISHED", "COMPLETE")}
     assert by_trial[1].data.tags["failure_reason"].startswith("diverged: ")
     assert all(r.data.tags["mlflow.parentRunId"] == parent for r in children)
-    assert [m.step for m in client.get_metric_history(by_trial[2].info.run_id, "1_accuracy/val_acc")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(by_trial[2].info.run_id, "val/acc")] == [1, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(parent)}
     assert {"best.yaml", "summary.md", "trials.csv", "history.png"} <= artifacts
 
