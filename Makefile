@@ -1,10 +1,10 @@
-# Two entry points (see README): `make repro` and `make test`.
+# Two entry points (see README): `make repro` and `make test`; `make ui` browses the MLflow runs.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro check-repro exp-show test test-slow dashboard clean-venv
+.PHONY: setup repro check-repro exp-show ui test test-slow dashboard clean-venv
 
 setup: $(STAMP)
 
@@ -20,7 +20,14 @@ $(STAMP): pyproject.toml
 repro: $(STAMP)
 	test -d .dvc || $(VENV)/bin/dvc init -q
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
-	@echo "Report: $(CURDIR)/report/report.md  (MLflow: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db, runs view: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
+	@echo "Report: $(CURDIR)/report/report.md  (MLflow: make ui, then http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning)"
+
+# The MLflow UI on the project's store, at http://127.0.0.1:5000 (Ctrl-C stops it). The store records artifact
+# locations as mlflow-artifacts:/... (docs/tracking.md), served from this folder's mlartifacts/, so a moved or
+# copied project opens its own artifacts. No background job runners (MLflow's GenAI jobs, unused here).
+ui: $(STAMP)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+		--artifacts-destination $(CURDIR)/mlartifacts --serve-artifacts --host 127.0.0.1 --port 5000
 
 # the first screen of `dvc exp show` (docs/cli.md, Comparing runs): every experiment's final accuracy and only the
 # params, metrics and code that differ between the rows; the rest of the headline numbers (final_std, best, worst10,
