@@ -101,7 +101,8 @@ Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) give
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
-Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db).
+Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db; make ui
+browses it, docs/tracking.md).
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
 2 bad input or experiment busy, 130 interrupted.
