@@ -248,7 +248,9 @@ def ensure_store(uri: str) -> None:
     """Create a missing SQLite store whole: MLflow builds its schema in a temporary file beside the
     target, which is renamed into place only when complete (under a lock, so that concurrent first
     starts create it once). A kill during MLflow's schema creation would otherwise leave a store
-    that no later start can open. Other stores (a server, PostgreSQL) are left to MLflow.
+    that no later start can open. MLflow's own ``Default`` experiment gets the artifact location
+    ``mlflow-artifacts:/0`` (as every experiment of the project, :func:`artifact_root`), so the new store
+    holds no absolute folder. Other stores (a server, PostgreSQL) are left to MLflow.
     Fault point ``store_init``."""
     prefix = "sqlite:///"
     if not uri.startswith(prefix):
@@ -259,7 +261,7 @@ def ensure_store(uri: str) -> None:
     if db.exists():
         return
     from filelock import FileLock
-    from mlflow.tracking import MlflowClient
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     from . import durable, faults
 
@@ -270,7 +272,7 @@ def ensure_store(uri: str) -> None:
         for stale in db.parent.glob(f".{db.name}.*.init"):  # left by a killed creation
             stale.unlink()
         tmp = db.with_name(f".{db.name}.{os.getpid()}.init")
-        MlflowClient(tracking_uri=f"{prefix}{tmp}").search_experiments(max_results=1)  # builds the schema
+        SqlAlchemyStore(f"{prefix}{tmp}", mlflow_artifacts.LOCATION).engine.dispose()  # builds the schema
         faults.point("store_init")
         os.replace(tmp, db)
         durable.fsync_dir(db.parent)

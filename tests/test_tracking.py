@@ -55,14 +55,13 @@ def _model_of(cfg: dict, state: dict) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, empty_store):
-    """A project folder after ``run(TINY, seeds=(1, 2), write=True)`` with the default store (./mlflow.db), and
-    the run's result."""
+def project(tmp_path_factory):
+    """A project folder after ``run(TINY, seeds=(1, 2), write=True)`` with the default store (./mlflow.db, created
+    by the run), and the run's result."""
     from fl_core.api import run
 
     proj = tmp_path_factory.mktemp("moved") / "proj"
     proj.mkdir()
-    shutil.copy(empty_store, proj / "mlflow.db")
     mp = pytest.MonkeyPatch()
     try:
         mp.chdir(proj)
@@ -149,6 +148,7 @@ def test_a_moved_project_folder_still_opens_its_artifacts_and_models(project, tm
     proj, result = project
     db_bytes = (proj / "mlflow.db").read_bytes()
     assert str(proj).encode() not in db_bytes  # no absolute location of the folder in the store
+    assert b"file://" not in db_bytes
     moved = tmp_path / "elsewhere" / "copy"
     shutil.copytree(proj, moved)
     shutil.rmtree(proj / "mlartifacts")  # the original artifacts are gone: only the copy's can answer
@@ -251,6 +251,7 @@ def test_a_model_torch_export_cannot_trace_is_pickled_with_a_warning(tracking, c
 def test_artifact_locations_are_relative_to_the_store(tracking, tmp_path):
     exp = tracking.client.get_experiment(tracking.experiment_id)
     assert exp.artifact_location == "mlflow-artifacts:/"
+    assert tracking.client.get_experiment("0").artifact_location == "mlflow-artifacts:/0"  # MLflow's Default
     run_id = tracking.start_parent("arts", {})
     assert tracking.client.get_run(run_id).info.artifact_uri == f"mlflow-artifacts:/{run_id}/artifacts"
     f = tmp_path / "note.txt"
