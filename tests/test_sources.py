@@ -285,6 +285,20 @@ def test_get_dataset_caches(tmp_path, monkeypatch):
     assert len(calls) == 1 and not torch.equal(third.x_train, first.x_train)
 
 
+def test_single_runs_never_rewrite_a_prepared_file_of_other_source_settings(tmp_path):
+    from fl_core.config import compose
+    from fl_core.data.access import dataset_for
+
+    cfg = compose([f"data_dir={tmp_path / 'data'}"])
+    prepared = dataset_for(cfg, write_cache=True)  # the prepare stage
+    path = prepared_path(cfg.dataset, tmp_path / "data")
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    other = dataset_for(compose([f"data_dir={tmp_path / 'data'}", "dataset.test_fraction=0.5"]), write_cache=False)
+    assert len(other.y_test) in (898, 899) and len(prepared.y_test) == 450
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    assert _same_dataset(dataset_for(cfg, write_cache=False), prepared)
+
+
 def test_get_dataset_unwritable_data_dir_is_one_line(tmp_path):
     (tmp_path / "data").write_text("a file where the data folder should be")
     with pytest.raises(DataSourceError) as err:

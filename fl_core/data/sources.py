@@ -1168,7 +1168,7 @@ def _save_atomic(obj: Any, path: Path) -> None:
         raise
 
 
-def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
+def get_dataset(cfg: Any, data_dir: Path, project_root: Path, write: bool = True) -> FLDataset:
     """Load the prepared dataset, building and caching it on first use.
 
     The cache ``prepared_path(cfg, data_dir)`` is reused only when it was built
@@ -1181,6 +1181,9 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
         cfg: dataset config; a relative ``cfg.root`` is resolved against ``project_root``.
         data_dir: the data directory holding ``prepared/``.
         project_root: base of relative ``cfg.root`` paths.
+        write: False reads a matching prepared file but never writes one: a missing or mismatching file (other
+            source settings) leaves the source read and the file as it was (single runs: the prepared files are
+            the DVC pipeline's outputs).
 
     Raises:
         DataSourceError: see :func:`load_source`; or the prepared file cannot be written (names
@@ -1195,6 +1198,8 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path) -> FLDataset:
     if not root.is_absolute():
         root = Path(project_root) / root
     ds = load_source(cfg, root.resolve())
+    if not write:
+        return ds
     try:
         _save_atomic(_to_blob(ds, signature), path)
     except OSError as err:  # data_dir is a file, read-only, full, ...
