@@ -29,8 +29,9 @@ def lazy_import(name: str) -> types.ModuleType:
 
     Returns:
         ``sys.modules[name]`` if the module is imported already (lazily or not); else a new module object,
-        registered in ``sys.modules``, whose code runs on first attribute access. A later ``import name``
-        anywhere returns the same object.
+        registered in ``sys.modules``, whose code runs on first attribute access. An ``import name`` statement
+        anywhere returns the same object and runs it (the import system reads the module's ``__spec__``), so a
+        module that needs ``name`` at once simply imports it.
 
     Raises:
         ValueError: ``name`` names a submodule.
