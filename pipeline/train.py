@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import gc
 import io
 import json
 import os
@@ -411,6 +412,7 @@ class _Experiment:
             if self.tracking is not None:
                 sim.logger = logger = self._child_logger(cfg, seed)
             self.progress.start(seed, sim.restore())
+            _end_startup()
             try:
                 result = sim.run()
             except RunFailed as err:
@@ -784,10 +786,42 @@ def _restart_for_portable_kernels(cfgs: List, from_command_line: bool) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "pipeline.train", *sys.argv[1:]], env)
 
 
+_gc_paused = False  # the command's start-up runs without the cyclic garbage collector (_end_startup)
+
+
+def _end_startup() -> None:
+    """End the start-up of a command (:func:`main` without ``argv``): move every object allocated so far (the
+    modules of torch, MLflow, matplotlib, the data) to the collector's permanent generation and switch the collector
+    on again. Called when the first seed starts training, when a worker rank starts serving, and when the command
+    ends; a no-op otherwise. Collections while the start-up imports ran traversed every object imported so far, again
+    and again: about a fifth of the start-up's CPU time on two cores."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Command-line entry point (see :func:`usage` and the module docstring); returns the exit status."""
-    from_command_line = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Command-line entry point (see :func:`usage` and the module docstring); returns the exit status.
+
+    ``argv`` None (``fl-train``, ``python -m pipeline.train``): ``sys.argv``, with the garbage collector paused for
+    the start-up (:func:`_end_startup`) and, once the command is done, every object frozen so that the exit collects
+    nothing; a list (tests, the jobs of ``-m``): those arguments, the collector left as it is."""
+    global _gc_paused
+    if argv is not None:
+        return _main(list(argv), from_command_line=False)
+    if gc.isenabled():
+        gc.disable()
+        _gc_paused = True
+    try:
+        return _main(sys.argv[1:], from_command_line=True)
+    finally:
+        _end_startup()
+        gc.freeze()
+
+
+def _main(argv: List[str], from_command_line: bool) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
@@ -864,6 +898,7 @@ def _serve(cfgs: List, device) -> int:
         return build_simulator(by_job[job], ds, part, device=device, data=data).executor
 
     try:
+        _end_startup()
         distributed.serve(executor_for, on_task=lambda: faults.point("worker_task"))
     finally:
         distributed.shutdown()

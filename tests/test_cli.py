@@ -91,6 +91,34 @@ def test_help_cfg_and_info_load_no_torch_mlflow_or_matplotlib(tmp_path, module, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_command_trains_with_the_garbage_collector_on(tmp_path, monkeypatch):
+    """``fl-train`` (main without argv) pauses the cyclic garbage collector while it starts (imports, data, model)
+    and switches it on before the first round trains; main with an argv list leaves it alone."""
+    import gc
+
+    from pipeline import train
+
+    seen = {}
+    preflight, progress = train._Experiment._preflight, train._Progress.__call__
+    monkeypatch.setattr(train._Experiment, "_preflight",
+                        lambda self: seen.setdefault("start-up", gc.isenabled()) is None or preflight(self))
+    monkeypatch.setattr(train._Progress, "__call__",
+                        lambda self, r, row: seen.setdefault("training", gc.isenabled()) is None or progress(self, r, row))
+    args = ["train.rounds=1", "partition.num_clients=4", "train.local_epochs=1", "seed=1", "engine.progress=false",
+            "tracking.enabled=false", f"results_dir={tmp_path / 'r'}", f"engine.checkpoint_dir={tmp_path / 'c'}",
+            f"data_dir={tmp_path / 'd'}"]
+    monkeypatch.setattr(sys, "argv", ["fl-train", *args])
+    try:
+        assert train.main() == 0
+        assert seen == {"start-up": False, "training": True} and gc.isenabled()
+        seen.clear()
+        assert train.main(args + ["name=again"]) == 0
+        assert seen == {"start-up": True, "training": True} and gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_single_run_writes_results_and_mlflow(tmp_path):
     proc = _run(["partition=dirichlet", "partition.alpha=0.3", "algorithm=fedbug", "train.rounds=3",
                  "partition.num_clients=8", "seed=1", "name=smoke", "engine.progress=false"], tmp_path)
