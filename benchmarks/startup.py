@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Start-up benchmark: how long ``fl-train`` takes to do nothing, and what a one-round run costs besides training.
+
+Every row starts a fresh process (``<venv>/bin/fl-train``, or ``python -m pipeline.train`` where the console script
+is missing) in the project folder ``--project`` (default: this checkout; with ``PYTHONPATH`` set to it, so another
+checkout can be measured with this script, e.g. the commit before a change), ``--repeats`` times after
+``--warmup`` runs that are not counted, the rows taking turns (row 1, row 2, ..., row 1, ...) so that a change in
+the machine's load touches every row alike. Wall time is a monotonic clock read around the child process.
+
+Rows:
+
+- ``fl-train --help`` and ``fl-train --cfg``: the whole process, nothing trained.
+- ``1 round, 1 seed``: ``fl-train name=startup_probe seed=1 train.rounds=1`` (the default config: FedAvg on digits,
+  10 clients, participation 0.5, E = 3, B = 16) into a temporary ``results_dir``, ``engine.checkpoint_dir``,
+  ``data_dir`` (no prepared dataset: the run reads the source, i.e. the digits array cache after the warm-up) and
+  MLflow store (``MLFLOW_TRACKING_URI``: one SQLite file for all repeats, created by the warm-up). ``training s``
+  is the run's own ``round_time_s`` (sampling, local training, aggregation, evaluation; ``details/seed_1.csv``),
+  ``overhead s`` = wall - training, per repeat: interpreter start, imports, config, data, model, MLflow, the
+  figures and files, exit.
+- ``1 round, tracking off``: the same with ``tracking.enabled=false`` (what MLflow adds is the difference).
+
+The figures are min / median / max over the repeats; quote the median. ``OMP_NUM_THREADS`` is passed on as it is
+(set it to 1 on a shared machine). The table names the machine and the load average before and after.
+
+    python benchmarks/startup.py                       # 5 repeats after 1 warm-up
+    python benchmarks/startup.py --repeats 10 --project /path/to/other/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> str:
+    """CPU model and the cores this process may use."""
+    cpu = platform.processor() or platform.machine() or "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores"
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def versions() -> str:
+    out = [f"Python {platform.python_version()}"]
+    for pkg in ("torch", "mlflow", "hydra-core", "matplotlib"):
+        try:
+            out.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def entry() -> List[str]:
+    """The ``fl-train`` console script beside this interpreter, else ``python -m pipeline.train``."""
+    script = Path(sys.executable).parent / "fl-train"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pipeline.train"]
+
+
+class Row:
+    """One command and its timings; ``train``: a training run (its own folders, its training time read back)."""
+
+    def __init__(self, name: str, args: List[str], train: bool):
+        self.name, self.args, self.train = name, args, train
+        self.wall: List[float] = []
+        self.training: List[float] = []
+
+    def command(self, scratch: Path, i: int) -> List[str]:
+        if not self.train:
+            return entry() + self.args
+        tag = f"{self.name.replace(' ', '_').replace(',', '')}-{i}"
+        return entry() + self.args + [f"results_dir={scratch / 'results' / tag}",
+                                      f"engine.checkpoint_dir={scratch / 'checkpoints' / tag}",
+                                      f"data_dir={scratch / 'data'}"]
+
+    def run_once(self, scratch: Path, i: int, env: Dict[str, str], project: Path, count: bool) -> None:
+        cmd = self.command(scratch, i)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            tail = "\n".join(done.stdout.strip().splitlines()[-5:])
+            raise SystemExit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{tail}")
+        if not count:
+            return
+        self.wall.append(wall)
+        if self.train:
+            self.training.append(_training_seconds(cmd))
+
+    def cells(self) -> List[str]:
+        wall = _stats(self.wall)
+        if not self.train:
+            return [self.name, wall, "", ""]
+        overhead = [w - t for w, t in zip(self.wall, self.training)]
+        return [self.name, wall, _stats(self.training), _stats(overhead)]
+
+
+def _training_seconds(cmd: List[str]) -> float:
+    """Sum of ``round_time_s`` of the run's ``details/seed_1.csv``."""
+    results = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("results_dir=")))
+    with open(results / "startup_probe" / "details" / "seed_1.csv", newline="") as f:
+        return sum(float(r["round_time_s"]) for r in csv.DictReader(f))
+
+
+def _stats(xs: List[float]) -> str:
+    if not xs:
+        return ""
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="counted runs of every row (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="runs of every row before counting (default 1)")
+    ap.add_argument("--project", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    project = args.project.resolve()
+    if not (project / "pipeline" / "train.py").is_file():
+        ap.error(f"--project: {project} holds no pipeline/train.py")
+    rows = [Row("fl-train --help", ["--help"], False),
+            Row("fl-train --cfg", ["--cfg"], False),
+            Row("1 round, 1 seed", ["name=startup_probe", "seed=1", "train.rounds=1"], True),
+            Row("1 round, tracking off", ["name=startup_probe", "seed=1", "train.rounds=1",
+                                          "tracking.enabled=false"], True)]
+    before = load()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fl-startup-") as tmp:
+        scratch = Path(tmp)
+        path = [str(project)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / 'mlflow.db'}"}
+        n = 0
+        for i in range(args.warmup + args.repeats):
+            for row in rows:
+                row.run_once(scratch, n, env, project, count=i >= args.warmup)
+                n += 1
+    print(f"Command: {' '.join(entry())}, in {project}; {args.repeats} repeats after {args.warmup} warm-up, "
+          f"{time.perf_counter() - t0:.0f} s in all")
+    print(f"Machine: {machine()}; {versions()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    print(f"Load average (1 / 5 / 15 min): {before} before, {load()} after")
+    print()
+    print("| command | wall s (min / median / max) | training s | overhead s (wall - training) |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row.cells()) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
