@@ -3,9 +3,10 @@
 
 Every row starts a fresh process (``<venv>/bin/fl-train``, or ``python -m pipeline.train`` where the console script
 is missing) in the project folder ``--project`` (default: this checkout; with ``PYTHONPATH`` set to it, so another
-checkout can be measured with this script, e.g. the commit before a change), ``--repeats`` times after
-``--warmup`` runs that are not counted, the rows taking turns (row 1, row 2, ..., row 1, ...) so that a change in
-the machine's load touches every row alike. Wall time is a monotonic clock read around the child process.
+checkout can be measured with this script), ``--repeats`` times after ``--warmup`` runs that are not counted, the
+rows taking turns (row 1, row 2, ..., row 1, ...) so that a change in the machine's load touches every row alike.
+``--baseline DIR`` adds every row for a second checkout (e.g. the commit before a change), in the same turns, so
+that the two are compared under the same load. Wall time is a monotonic clock read around the child process.
 
 Rows:
 
@@ -23,7 +24,7 @@ The figures are min / median / max over the repeats; quote the median. ``OMP_NUM
 (set it to 1 on a shared machine). The table names the machine and the load average before and after.
 
     python benchmarks/startup.py                       # 5 repeats after 1 warm-up
-    python benchmarks/startup.py --repeats 10 --project /path/to/other/checkout
+    python benchmarks/startup.py --repeats 10 --baseline /path/to/the/checkout/before
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,25 +79,30 @@ def entry() -> List[str]:
 
 
 class Row:
-    """One command and its timings; ``train``: a training run (its own folders, its training time read back)."""
+    """One command in one checkout and its timings; ``train``: a training run (its own folders, its training time
+    read back)."""
 
-    def __init__(self, name: str, args: List[str], train: bool):
-        self.name, self.args, self.train = name, args, train
+    def __init__(self, checkout: str, project: Path, name: str, args: List[str], train: bool):
+        self.checkout, self.project, self.name, self.args, self.train = checkout, project, name, args, train
         self.wall: List[float] = []
         self.training: List[float] = []
 
     def command(self, scratch: Path, i: int) -> List[str]:
         if not self.train:
             return entry() + self.args
-        tag = f"{self.name.replace(' ', '_').replace(',', '')}-{i}"
+        tag = f"{self.checkout}-{self.name.replace(' ', '_').replace(',', '')}-{i}"
         return entry() + self.args + [f"results_dir={scratch / 'results' / tag}",
                                       f"engine.checkpoint_dir={scratch / 'checkpoints' / tag}",
                                       f"data_dir={scratch / 'data'}"]
 
-    def run_once(self, scratch: Path, i: int, env: Dict[str, str], project: Path, count: bool) -> None:
+    def run_once(self, scratch: Path, i: int, count: bool) -> None:
         cmd = self.command(scratch, i)
+        path = [str(self.project)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),
+               "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / f'mlflow-{self.checkout}.db'}"}
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(cmd, cwd=self.project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
         wall = time.perf_counter() - t0
         if done.returncode != 0:
             tail = "\n".join(done.stdout.strip().splitlines()[-5:])
@@ -110,9 +116,9 @@ class Row:
     def cells(self) -> List[str]:
         wall = _stats(self.wall)
         if not self.train:
-            return [self.name, wall, "", ""]
+            return [self.checkout, self.name, wall, "", ""]
         overhead = [w - t for w, t in zip(self.wall, self.training)]
-        return [self.name, wall, _stats(self.training), _stats(overhead)]
+        return [self.checkout, self.name, wall, _stats(self.training), _stats(overhead)]
 
 
 def _training_seconds(cmd: List[str]) -> float:
@@ -133,36 +139,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="counted runs of every row (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="runs of every row before counting (default 1)")
     ap.add_argument("--project", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
+    ap.add_argument("--baseline", type=Path, help="a second checkout, measured in the same turns")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
-    project = args.project.resolve()
-    if not (project / "pipeline" / "train.py").is_file():
-        ap.error(f"--project: {project} holds no pipeline/train.py")
-    rows = [Row("fl-train --help", ["--help"], False),
-            Row("fl-train --cfg", ["--cfg"], False),
-            Row("1 round, 1 seed", ["name=startup_probe", "seed=1", "train.rounds=1"], True),
-            Row("1 round, tracking off", ["name=startup_probe", "seed=1", "train.rounds=1",
-                                          "tracking.enabled=false"], True)]
+    checkouts = [("project", args.project)] + ([("baseline", args.baseline)] if args.baseline else [])
+    for flag, folder in checkouts:
+        if not (folder / "pipeline" / "train.py").is_file():
+            ap.error(f"--{flag}: {folder} holds no pipeline/train.py")
+    run = ["name=startup_probe", "seed=1", "train.rounds=1"]
+    rows = [row for flag, folder in checkouts for row in (
+        Row(flag, folder.resolve(), "fl-train --help", ["--help"], False),
+        Row(flag, folder.resolve(), "fl-train --cfg", ["--cfg"], False),
+        Row(flag, folder.resolve(), "1 round, 1 seed", run, True),
+        Row(flag, folder.resolve(), "1 round, tracking off", run + ["tracking.enabled=false"], True))]
     before = load()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fl-startup-") as tmp:
-        scratch = Path(tmp)
-        path = [str(project)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / 'mlflow.db'}"}
         n = 0
         for i in range(args.warmup + args.repeats):
             for row in rows:
-                row.run_once(scratch, n, env, project, count=i >= args.warmup)
+                row.run_once(Path(tmp), n, count=i >= args.warmup)
                 n += 1
-    print(f"Command: {' '.join(entry())}, in {project}; {args.repeats} repeats after {args.warmup} warm-up, "
-          f"{time.perf_counter() - t0:.0f} s in all")
+    print(f"Command: {' '.join(entry())}; " + ", ".join(f"{flag} {folder.resolve()}" for flag, folder in checkouts)
+          + f"; {args.repeats} repeats after {args.warmup} warm-up, {time.perf_counter() - t0:.0f} s in all")
     print(f"Machine: {machine()}; {versions()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"Load average (1 / 5 / 15 min): {before} before, {load()} after")
     print()
-    print("| command | wall s (min / median / max) | training s | overhead s (wall - training) |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
+    print("| checkout | command | wall s (min / median / max) | training s | overhead s (wall - training) |")
+    print("|---|---|---:|---:|---:|")
+    for row in sorted(rows, key=lambda r: r.checkout != "baseline"):
         print("| " + " | ".join(row.cells()) + " |")
     return 0
 
