@@ -6,15 +6,18 @@ is missing) in the project folder ``--project`` (default: this checkout; with ``
 checkout can be measured with this script), ``--repeats`` times after ``--warmup`` runs that are not counted, the
 rows taking turns (row 1, row 2, ..., row 1, ...) so that a change in the machine's load touches every row alike.
 ``--baseline DIR`` adds every row for a second checkout (e.g. the commit before a change), in the same turns, so
-that the two are compared under the same load. Wall time is a monotonic clock read around the child process.
+that the two are compared under the same load. Wall time is a monotonic clock read around the child process; CPU
+time is the child's user + system time (``getrusage(RUSAGE_CHILDREN)``), which other jobs on the machine change much
+less than the wall time.
 
 Rows:
 
 - ``fl-train --help`` and ``fl-train --cfg``: the whole process, nothing trained.
 - ``1 round, 1 seed``: ``fl-train name=startup_probe seed=1 train.rounds=1`` (the default config: FedAvg on digits,
   10 clients, participation 0.5, E = 3, B = 16) into a temporary ``results_dir``, ``engine.checkpoint_dir``,
-  ``data_dir`` (no prepared dataset: the run reads the source, i.e. the digits array cache after the warm-up) and
-  MLflow store (``MLFLOW_TRACKING_URI``: one SQLite file for all repeats, created by the warm-up). ``training s``
+  ``data_dir`` (no prepared dataset: the run reads the source, i.e. the user's digits array cache, filled by the
+  warm-up where it is empty) and MLflow store (``MLFLOW_TRACKING_URI``: one SQLite file per checkout for all
+  repeats, created by the warm-up: a new store takes seconds to create). ``training s``
   is the run's own ``round_time_s`` (sampling, local training, aggregation, evaluation; ``details/seed_1.csv``),
   ``overhead s`` = wall - training, per repeat: interpreter start, imports, config, data, model, MLflow, the
   figures and files, exit.
@@ -33,6 +36,7 @@ import argparse
 import csv
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -85,6 +89,7 @@ class Row:
     def __init__(self, checkout: str, project: Path, name: str, args: List[str], train: bool):
         self.checkout, self.project, self.name, self.args, self.train = checkout, project, name, args, train
         self.wall: List[float] = []
+        self.cpu: List[float] = []
         self.training: List[float] = []
 
     def command(self, scratch: Path, i: int) -> List[str]:
@@ -100,25 +105,26 @@ class Row:
         path = [str(self.project)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),
                "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / f'mlflow-{self.checkout}.db'}"}
-        t0 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         done = subprocess.run(cmd, cwd=self.project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-        wall = time.perf_counter() - t0
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             tail = "\n".join(done.stdout.strip().splitlines()[-5:])
             raise SystemExit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{tail}")
         if not count:
             return
         self.wall.append(wall)
+        self.cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
         if self.train:
             self.training.append(_training_seconds(cmd))
 
     def cells(self) -> List[str]:
-        wall = _stats(self.wall)
+        wall, cpu = _stats(self.wall), _stats(self.cpu)
         if not self.train:
-            return [self.checkout, self.name, wall, "", ""]
+            return [self.checkout, self.name, wall, cpu, "", ""]
         overhead = [w - t for w, t in zip(self.wall, self.training)]
-        return [self.checkout, self.name, wall, _stats(self.training), _stats(overhead)]
+        return [self.checkout, self.name, wall, cpu, _stats(self.training), _stats(overhead)]
 
 
 def _training_seconds(cmd: List[str]) -> float:
@@ -166,8 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"Machine: {machine()}; {versions()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"Load average (1 / 5 / 15 min): {before} before, {load()} after")
     print()
-    print("| checkout | command | wall s (min / median / max) | training s | overhead s (wall - training) |")
-    print("|---|---|---:|---:|---:|")
+    print("| checkout | command | wall s (min / median / max) | CPU s | training s | overhead s (wall - training) |")
+    print("|---|---|---:|---:|---:|---:|")
     for row in sorted(rows, key=lambda r: r.checkout != "baseline"):
         print("| " + " | ".join(row.cells()) + " |")
     return 0
