@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from . import faults
+from .lazy import lazy_import
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 PREV = ".prev"
 CORRUPT = ".corrupt"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-import torch
-from torch import nn
+from .lazy import lazy_import
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ParamSpec:
         return sum(self.numels)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "ParamSpec":
+    def from_model(cls, model: torch.nn.Module) -> "ParamSpec":
         named = list(model.named_parameters())
         names = tuple(n for n, _ in named)
         units = model.units() if hasattr(model, "units") else [list(names)]
@@ -63,22 +64,22 @@ class ParamSpec:
         return out
 
 
-def flatten_params(model: nn.Module) -> torch.Tensor:
+def flatten_params(model: torch.nn.Module) -> torch.Tensor:
     """The model's parameters as one detached flat vector [d] (a copy)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-@torch.no_grad()
-def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
     """Copy ``flat`` [d] into the model's parameters in place.
 
     (``torch.nn.utils.vector_to_parameters`` is not used: it turns the parameters into views of
     ``flat``, so training the model would silently write into the broadcast global vector.)
     """
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        p.copy_(flat[offset:offset + n].view_as(p))
-        offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} entries, the model {offset}")
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        if offset != flat.numel():
+            raise ValueError(f"flat vector has {flat.numel()} entries, the model {offset}")

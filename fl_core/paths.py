@@ -31,6 +31,16 @@ def store_root() -> Path:
     return Path.cwd().resolve()
 
 
+def cache_dir() -> Path:
+    """Folder of caches that any command may rebuild, shared by every project and working directory of this user
+    (the digits split as arrays: :mod:`fl_core.data.sources`): ``$XDG_CACHE_HOME/fl-pipeline``, by default
+    ``~/.cache/fl-pipeline``. Deleting it costs only the time to rebuild what it held."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    if not base.is_absolute():  # the XDG specification: a relative path is invalid and ignored
+        base = Path.home() / ".cache"
+    return base / "fl-pipeline"
+
+
 def conf_dir() -> Path:
     """The Hydra config folder shipped with the project."""
     return Path(__file__).resolve().parent.parent / "conf"

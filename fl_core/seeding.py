@@ -12,7 +12,10 @@ import zlib
 from typing import Sequence
 
 import numpy as np
-import torch
+
+from .lazy import lazy_import
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 def _key(k) -> int:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from fl_core.data import dataset_tag, partition_key
-
-from .common import dataset_for, fail, partition_for
+from .common import fail
 from .prepare import stage_configs
 
 
@@ -20,6 +18,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfgs = stage_configs(argv, __doc__)
     if cfgs is None:
         return 0
+    from fl_core.data import dataset_tag, partition_key  # loads torch: not for --help
+    from fl_core.data.access import dataset_for, partition_for
+
     seen = set()
     for cfg in cfgs:
         key = partition_key(cfg.partition, dataset_tag(cfg.dataset))

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from fl_core.config import ConfigError
-from fl_core.data import dataset_tag
 
-from .common import dataset_for, fail
+from .common import fail
 from .grid import load_grid
 
 
@@ -48,6 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfgs = stage_configs(argv, __doc__)
     if cfgs is None:
         return 0
+    from fl_core.data import dataset_tag  # loads torch: not for --help
+    from fl_core.data.access import dataset_for
+
     seen = set()
     for cfg in cfgs:
         key = (dataset_tag(cfg.dataset), cfg.data_dir)

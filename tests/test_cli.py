@@ -57,6 +57,68 @@ def test_help_lists_the_keys(tmp_path):
         assert key in proc.stdout
 
 
+# What a command executed, printed as its last line: the heavy libraries among sys.modules. torch is bound lazily by
+# the rule files (fl_core/lazy.py), so "torch" itself may be listed without having run: its compiled core torch._C
+# tells whether it was executed.
+_LOADED = """
+import json, runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except SystemExit as stop:
+    assert stop.code in (0, None), stop.code
+heavy = ("mlflow", "matplotlib", "sklearn", "scipy", "torchvision", "optuna", "dvc", "pandas")
+print(json.dumps([m for m in heavy if m in sys.modules] + (["torch"] if "torch._C" in sys.modules else [])))
+"""
+
+
+@pytest.mark.parametrize("module,args", [
+    ("pipeline.train", ["--help"]),
+    ("pipeline.train", ["--hydra-help"]),
+    ("pipeline.train", ["--cfg", "algorithm=fedprox", "train.rounds=2"]),
+    ("pipeline.train", ["--cfg", "all", "algorithm=fedbug"]),
+    ("pipeline.train", ["--info", "dataset=mnist1d", "model=m1d_cnn"]),
+    ("pipeline.prepare", ["--help"]),
+    ("pipeline.partition", ["--help"]),
+])
+def test_help_cfg_and_info_load_no_torch_mlflow_or_matplotlib(tmp_path, module, args):
+    """The commands that print and exit import none of the heavy libraries (a run imports them where it uses them):
+    structural, so it holds on any machine however loaded."""
+    proc = subprocess.run([sys.executable, "-c", _LOADED, module, *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_trains_with_the_garbage_collector_on(tmp_path, monkeypatch):
+    """``fl-train`` (main without argv) pauses the cyclic garbage collector while it starts (imports, data, model)
+    and switches it on before the first round trains; main with an argv list leaves it alone."""
+    import gc
+
+    from pipeline import train
+
+    seen = {}
+    preflight, progress = train._Experiment._preflight, train._Progress.__call__
+    monkeypatch.setattr(train._Experiment, "_preflight",
+                        lambda self: seen.setdefault("start-up", gc.isenabled()) is None or preflight(self))
+    monkeypatch.setattr(train._Progress, "__call__",
+                        lambda self, r, row: seen.setdefault("training", gc.isenabled()) is None or progress(self, r, row))
+    args = ["train.rounds=1", "partition.num_clients=4", "train.local_epochs=1", "seed=1", "engine.progress=false",
+            "tracking.enabled=false", f"results_dir={tmp_path / 'r'}", f"engine.checkpoint_dir={tmp_path / 'c'}",
+            f"data_dir={tmp_path / 'd'}"]
+    monkeypatch.setattr(sys, "argv", ["fl-train", *args])
+    try:
+        assert train.main() == 0
+        assert seen == {"start-up": False, "training": True} and gc.isenabled()
+        seen.clear()
+        assert train.main(args + ["name=again"]) == 0
+        assert seen == {"start-up": True, "training": True} and gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_single_run_writes_results_and_mlflow(tmp_path):
     proc = _run(["partition=dirichlet", "partition.alpha=0.3", "algorithm=fedbug", "train.rounds=3",
                  "partition.num_clients=8", "seed=1", "name=smoke", "engine.progress=false"], tmp_path)

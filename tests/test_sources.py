@@ -201,6 +201,60 @@ def test_unknown_source():
         load_source(DatasetConfig(name="svhn"), Path("."))
 
 
+def _same_dataset(a: FLDataset, b: FLDataset) -> bool:
+    return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("x_train", "y_train", "x_test", "y_test"))
+            and (a.mean, a.std, a.scale, a.num_classes) == (b.mean, b.std, b.scale, b.num_classes))
+
+
+def test_digits_split_is_cached_as_arrays(tmp_path, monkeypatch, digits):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = load_source(DatasetConfig(name="digits"), Path("."))
+    files = list((tmp_path / "cache" / "fl-pipeline" / "datasets").iterdir())
+    assert [f.name for f in files] == [sources._digits_cache_path(DatasetConfig(name="digits")).name]
+    assert files[0].name.startswith("digits-v1-sklearn") and files[0].name.endswith("-tf0.25-s0.npz")
+    assert _same_dataset(first, digits)
+
+    def boom(cfg):
+        raise AssertionError("scikit-learn read although the split is cached")
+
+    monkeypatch.setattr(sources, "_digits_from_sklearn", boom)
+    assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+    with pytest.raises(AssertionError, match="scikit-learn read"):  # another split is not served from the cache
+        load_source(DatasetConfig(name="digits", split_seed=1), Path("."))
+
+
+def test_digits_cache_that_is_corrupt_or_unwritable_is_rebuilt_or_skipped(tmp_path, monkeypatch, digits):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = sources._digits_cache_path(DatasetConfig(name="digits"))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"PK\x03\x04 not a zip archive")
+    assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+    assert sources._read_digits_cache(path) is not None  # rewritten
+    np.savez(path, x_train=np.zeros((3, 1, 8, 8), np.uint8), y_train=np.zeros(3, np.int64),
+             x_test=np.zeros((1, 1, 8, 8), np.uint8), y_test=np.zeros(1, np.int64), mean=[0.0], std=[1.0])
+    assert sources._read_digits_cache(path) is None  # not the 1,797 digits: not used
+    assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+
+    (tmp_path / "file").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+
+
+@pytest.mark.slow
+def test_a_second_process_reads_the_cached_digits_without_importing_sklearn(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from fl_core.config import DatasetConfig; "
+            "from fl_core.data.sources import load_source; "
+            "ds = load_source(DatasetConfig(name='digits'), Path('.')); "
+            "print(len(ds.y_train), len(ds.y_test), 'sklearn' in sys.modules)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[1])}
+    outs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert outs == ["1347 450 True\n", "1347 450 False\n"]
+
+
 # --------------------------------------------------------------------------- prepared cache
 
 
@@ -229,6 +283,20 @@ def test_get_dataset_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "load_source", lambda *a: calls.append(a) or real(*a))
     third = get_dataset(replace(cfg, split_seed=3), tmp_path / "data", tmp_path)
     assert len(calls) == 1 and not torch.equal(third.x_train, first.x_train)
+
+
+def test_single_runs_never_rewrite_a_prepared_file_of_other_source_settings(tmp_path):
+    from fl_core.config import compose
+    from fl_core.data.access import dataset_for
+
+    cfg = compose([f"data_dir={tmp_path / 'data'}"])
+    prepared = dataset_for(cfg, write_cache=True)  # the prepare stage
+    path = prepared_path(cfg.dataset, tmp_path / "data")
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    other = dataset_for(compose([f"data_dir={tmp_path / 'data'}", "dataset.test_fraction=0.5"]), write_cache=False)
+    assert len(other.y_test) in (898, 899) and len(prepared.y_test) == 450
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    assert _same_dataset(dataset_for(cfg, write_cache=False), prepared)
 
 
 def test_get_dataset_unwritable_data_dir_is_one_line(tmp_path):

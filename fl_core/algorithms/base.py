@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
+from ..lazy import lazy_import
 from ..params import ParamSpec
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 class InfeasibleSetting(ValueError):

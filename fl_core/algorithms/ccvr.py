@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-import torch
-import torch.nn.functional as F
-
+from ..lazy import lazy_import
 from ..seeding import torch_generator
 from dataclasses import dataclass
 
 from ..schema import param
 from .base import Algorithm, Wrapper
 from .registry import Rule, neuron_layers, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclass
@@ -37,18 +37,18 @@ class CCVRParams:
     batch_size: int = param(64, "classifier retraining batch size", ge=1)
 
 
-@torch.no_grad()
 def client_feature_stats(feats: torch.Tensor, y: torch.Tensor, num_classes: int) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
     """Per class c: (N_c, mean [f], covariance [f, f] with ddof 1; zeros when N_c < 2)."""
-    out = []
-    for c in range(num_classes):
-        z = feats[y == c].double()
-        n = z.shape[0]
-        mean = z.mean(0) if n else torch.zeros(feats.shape[1], dtype=torch.float64, device=feats.device)
-        cov = torch.cov(z.T) if n >= 2 else torch.zeros(feats.shape[1], feats.shape[1], dtype=torch.float64,
-                                                        device=feats.device)
-        out.append((n, mean, cov.reshape(feats.shape[1], feats.shape[1])))
-    return out
+    with torch.no_grad():
+        out = []
+        for c in range(num_classes):
+            z = feats[y == c].double()
+            n = z.shape[0]
+            mean = z.mean(0) if n else torch.zeros(feats.shape[1], dtype=torch.float64, device=feats.device)
+            cov = torch.cov(z.T) if n >= 2 else torch.zeros(feats.shape[1], feats.shape[1], dtype=torch.float64,
+                                                            device=feats.device)
+            out.append((n, mean, cov.reshape(feats.shape[1], feats.shape[1])))
+        return out
 
 
 def global_gaussians(stats: List[List[Tuple[int, torch.Tensor, torch.Tensor]]]) -> Dict[int, Tuple[int, torch.Tensor, torch.Tensor]]:
@@ -116,7 +116,7 @@ class CCVR(Wrapper):
             perm = torch.randperm(vx.shape[0], generator=g).to(vx.device)
             for s in range(0, vx.shape[0], self.batch_size):
                 b = perm[s:s + self.batch_size]
-                loss = F.cross_entropy(head(vx[b]), vy[b])
+                loss = torch.nn.functional.cross_entropy(head(vx[b]), vy[b])
                 grads = torch.autograd.grad(loss, list(head.parameters()))
                 with torch.no_grad():
                     for p, gr in zip(head.parameters(), grads):

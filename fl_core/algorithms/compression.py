@@ -59,12 +59,13 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import checked, param, when
 from ..seeding import torch_generator
 from .base import Algorithm, ClientContext, ClientUpdate, Wrapper
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclasses.dataclass

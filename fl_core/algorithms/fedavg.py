@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import List
 
-import torch
-
+from ..lazy import lazy_import
 from .base import Algorithm, ClientUpdate
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 class FedAvg(Algorithm):

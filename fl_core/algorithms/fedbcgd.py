@@ -53,13 +53,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
+from ..lazy import lazy_import
 from ..schema import ConfigError, check_choice, checked, param, when
 from ..seeding import derive_seed, torch_generator
 from .base import Algorithm
 from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 from .scaffold import MOMENTUM_WHY, add_drift_correction
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 DEALINGS = ("balanced", "round_robin")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import ConfigError, checked, param, when
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 _OFFICIAL = when("algorithm.fedexp.variant", "official")  # fedbug_code: no eps, no iterate averaging

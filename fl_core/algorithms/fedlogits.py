@@ -11,12 +11,14 @@ Both act on the training loss only, never at test time; server as FedAvg; d up, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import checked, param
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclass
@@ -62,9 +64,10 @@ class FedLC(FedAvg):
     def describe(self):
         return f"fedlc[tau={self.tau:g}]"
 
-    def calibration(self, label_counts: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-        """The subtracted term tau * n_c^(-1/4) per class [C] (EXCLUDED_LOGIT for excluded classes)."""
-        n = label_counts.to(dtype)
+    def calibration(self, label_counts: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The subtracted term tau * n_c^(-1/4) per class [C] (EXCLUDED_LOGIT for excluded classes), in ``dtype``
+        (None: float32)."""
+        n = label_counts.to(torch.float32 if dtype is None else dtype)
         if self.missing == "clamp":
             return self.tau * n.clamp_min(1.0) ** -0.25
         safe = self.tau * n.clamp_min(1.0) ** -0.25

@@ -22,11 +22,12 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import param
 from .base import Algorithm, Wrapper
 from .registry import Rule, neuron_layers, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclass

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import ConfigError, checked, fmt, param
 from .fedavg import FedAvg
 from .fedprox import proximal_term
 from .registry import Rule, refuse_local_adam, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 
 @dataclass

@@ -49,14 +49,14 @@ import copy
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-import torch
-import torch.nn.functional as F
-
+from ..lazy import lazy_import
 from ..params import flatten_params
 from ..schema import ConfigError, checked, param
 from ..seeding import derive_seed
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 GLOBAL, PREVIOUS = "global", "state:prev"  # the vectors whose forward pass the loss uses (``forward_of``)
 HEAD = "moon_head"  # the projection head's submodule name (``projection_dim`` > 0)
@@ -86,10 +86,10 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: Optional[tor
     ``z_prev`` None: no negative (the authors' round 0, empty model pool): the cross-entropy of the positive alone,
     exactly 0 with exactly zero gradient (the graph still reaches z, so every parameter gets a zero gradient).
     """
-    pos = F.cosine_similarity(z, z_glob, dim=-1) / tau
+    pos = torch.nn.functional.cosine_similarity(z, z_glob, dim=-1) / tau
     if z_prev is None:
         return torch.logsumexp(pos.unsqueeze(0), 0) - pos
-    neg = F.cosine_similarity(z, z_prev, dim=-1) / tau
+    neg = torch.nn.functional.cosine_similarity(z, z_prev, dim=-1) / tau
     return torch.logsumexp(torch.stack([pos, neg]), 0) - pos
 
 
@@ -103,7 +103,8 @@ def project(p: Dict[str, torch.Tensor], h: torch.Tensor, prefix: str = HEAD) -> 
     """g(h) = W2 relu(W1 h + b1) + b2: features h [B, f] -> [B, P] with the head parameters of ``p`` (name ->
     tensor: a model's parameters, or ``ParamSpec.views`` of a flat vector; works under ``torch.func.vmap``)."""
     w1, b1, w2, b2 = (p[n] for n in head_names(prefix))
-    return F.linear(F.relu(F.linear(h, w1, b1)), w2, b2)
+    fn = torch.nn.functional
+    return fn.linear(fn.relu(fn.linear(h, w1, b1)), w2, b2)
 
 
 def attach_projection_head(model: torch.nn.Module, out_dim: int) -> None:
@@ -137,22 +138,22 @@ def attach_projection_head(model: torch.nn.Module, out_dim: int) -> None:
         raise ConfigError(f"{key}: {err}") from None
 
 
-@torch.no_grad()
 def initial_vector(model: torch.nn.Module, seed: int) -> torch.Tensor:
     """The flat parameters [d] of ``model`` initialised as a run initialises its global model (``Simulator``:
     ``torch.manual_seed(seed)``, then ``reset_parameters()`` of every submodule that has one, in module order, then
     the model's ``init_parameters()``), on
     ``model`` itself (a scratch copy: its parameters are overwritten); the global random stream (CPU, and the
     model's CUDA device) is restored afterwards."""
-    dev = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for m in model.modules():
-            if m is not model and hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        if hasattr(model, "init_parameters"):  # as the simulator: the model's own init last
-            model.init_parameters()
-    return flatten_params(model)
+    with torch.no_grad():
+        dev = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for m in model.modules():
+                if m is not model and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+            if hasattr(model, "init_parameters"):  # as the simulator: the model's own init last
+                model.init_parameters()
+        return flatten_params(model)
 
 
 class Moon(FedAvg):

@@ -48,12 +48,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-import torch
-
+from ..lazy import lazy_import
 from ..schema import ConfigError, checked, param, when
 from .base import Algorithm, Wrapper
 from .fedavg import FedAvg
 from .registry import Rule, register
+
+torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 
 OPT_PREFIX = "opt."  # server-state keys of the optimiser, beside the rule's own
 

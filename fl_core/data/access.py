@@ -13,14 +13,15 @@ from .sources import dataset_tag, prepared_path
 def dataset_for(cfg, *, write_cache: bool) -> FLDataset:
     """The dataset of ``cfg``: the prepared cache under ``data_dir`` if present.
 
-    With ``write_cache`` (the prepare stage) a missing cache is created; without it (single runs)
-    the raw source is read and nothing is written, so ad-hoc runs never touch DVC outputs.
+    With ``write_cache`` (the prepare stage) a missing or outdated cache is (re)created; without it (single runs)
+    a cache built from other source settings (e.g. another ``dataset.test_fraction``) is not used, the raw source
+    is read and nothing is written, so ad-hoc runs never touch DVC outputs.
     With ``dataset.validation_fraction > 0`` the returned dataset's test split is the validation
     share held out of the training set (:func:`fl_core.data.holdout_validation`).
     """
     data_dir = Path(cfg.data_dir)
     if write_cache or prepared_path(cfg.dataset, data_dir).exists():
-        ds = get_dataset(cfg.dataset, data_dir, project_root=Path.cwd())
+        ds = get_dataset(cfg.dataset, data_dir, project_root=Path.cwd(), write=write_cache)
     else:
         root = Path(cfg.dataset.root)
         ds = load_source(cfg.dataset, root if root.is_absolute() else Path.cwd() / root)
