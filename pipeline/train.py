@@ -37,7 +37,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 # Only light modules at the top: ``--help``, ``--hydra-help``, ``--cfg`` and ``--info`` import no torch, MLflow or
 # matplotlib (tests/test_cli.py checks it). What a run needs (the engine, the data, the figures) is imported by the
@@ -52,6 +52,10 @@ from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking
 
 from .common import fail
 from .files import atomic_write, write_json, write_text
+
+if TYPE_CHECKING:  # annotations only: a run imports torch where it trains
+    import torch
+
 
 def usage() -> str:
     """The --help text; the choices are read from conf/ and the rule registry so it stays true to the code."""
@@ -521,6 +525,7 @@ class _Experiment:
         """A fresh model of this experiment (built as the simulator builds it, without the data a model may bind)
         holding ``state_dict``, on the CPU in eval mode: what MLflow logs."""
         from fl_core.algorithms import prepare_model
+        from fl_core.engine.factory import DTYPES
         from fl_core.models import build_model
 
         cfg, ds = self.cfg0, self.ds
