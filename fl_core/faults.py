@@ -14,7 +14,8 @@ process freezes, as a hung rank) or an errno name (``ENOSPC``, ``EROFS``, ``EACC
 then raises ``OSError(errno, strerror, <the file or folder being written>)`` as the failed write would. SIGKILL
 cannot be caught, so the process ends exactly as under ``kill -9`` or a lost machine: no
 ``finally`` block, no MLflow call and no file write runs after the point. Unset (the normal case)
-the points cost one dictionary lookup.
+the points cost one dictionary lookup. With ``FL_FAULT_STAMP=FILE`` the point writes the time it fired
+(``time.time()``) to FILE first, so a campaign can measure how long the process takes to end after the fault.
 
 Points (where they sit is part of the reliability contract, see ``docs/reliability.md``):
 """
@@ -24,9 +25,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from typing import Dict, Optional
 
 ENV = "FL_FAULT"
+STAMP_ENV = "FL_FAULT_STAMP"
 
 #: Every named point, with where it sits. A point not listed here is a programming error.
 POINTS: Dict[str, str] = {
@@ -87,6 +90,9 @@ def point(name: str, path: Optional[object] = None) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] != int(nth or 1):
         return
+    if os.environ.get(STAMP_ENV):
+        with open(os.environ[STAMP_ENV], "w") as f:
+            f.write(repr(time.time()))
     if sig.startswith("E") and isinstance(getattr(errno, sig, None), int):
         code = getattr(errno, sig)
         raise OSError(code, os.strerror(code), None if path is None else os.fspath(path))
