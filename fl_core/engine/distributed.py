@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -105,8 +106,11 @@ def init(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Tuple[in
 
 def shutdown() -> None:
     """Leave the process group (if any). After a lost rank the group is left as it is (destroying it could wait on
-    the lost rank); the process ends soon after."""
+    the lost rank), and SIGTERM is ignored from here on: the process is ending with its exit status, which the
+    SIGTERM torchrun sends every rank once one has ended must not replace."""
     global _watch
+    if _failure is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _watch is not None:
         _watch.stop()
         _watch = None
