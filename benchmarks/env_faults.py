@@ -33,7 +33,7 @@ PostgreSQL stopped, frozen or restarted under a sweep).
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/env_faults.py                  # every case (about 10 min on 2 cores)
+    .venv/bin/python benchmarks/env_faults.py                  # every case (about 8 min on 2 cores)
     .venv/bin/python benchmarks/env_faults.py --no-torchrun    # the single-process cases (about 4 min)
     .venv/bin/python benchmarks/env_faults.py --cases results_dir_file,disk_full_real --keep --out /tmp/env.md
     .venv/bin/python benchmarks/env_faults.py --list
