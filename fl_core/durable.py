@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import faults
+from . import envfail, faults
 from .lazy import lazy_import
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -52,16 +52,22 @@ def previous(path: Path) -> Path:
 
 def save(obj: Any, path: Path, *, keep_previous: bool = True) -> None:
     """Write ``obj`` with ``torch.save`` to ``path`` durably (fsync + rename), keeping the old file as
-    ``<path>.prev`` when ``keep_previous``. Fault points ``checkpoint_write`` and ``checkpoint_swap``."""
+    ``<path>.prev`` when ``keep_previous``. Fault points ``checkpoint_write`` and ``checkpoint_swap``.
+
+    Raises:
+        OSError: the write failed (a full disk, a read-only file system, ...), naming the temporary file (also when
+            torch reported it as a ``RuntimeError``); the temporary file is removed and ``path`` (and its
+            ``.prev``) are left as they were.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=TMP)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with envfail.writing(tmp), os.fdopen(fd, "wb") as f:  # a full disk: an OSError naming the file
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        faults.point("checkpoint_write")
+        faults.point("checkpoint_write", path=tmp)
         if keep_previous and path.exists():
             os.replace(path, previous(path))
             faults.point("checkpoint_swap")

@@ -348,6 +348,10 @@ class EngineConfig:
                           "(the round's clients over the ranks of a torchrun start)", choices=EXECUTORS)
     rank_executor: str = param("sequential", "engine.executor=distributed: the executor each rank trains its share "
                                "with", choices=RANK_EXECUTORS)
+    dist_timeout_s: float = param(300.0, "engine.executor=distributed: seconds a rank waits in a collective for the "
+                                  "others (the process group's timeout): a frozen or lost rank ends the run within it; "
+                                  "must exceed the longest gap between two rounds' collectives (docs/reliability.md)",
+                                  gt=0, when=when("engine.executor", "distributed"))
     max_parallel_clients: int = param(0, "vectorized: clients trained at once (0 = all sampled clients)", ge=0)
     device: str = param("cpu", "cpu | cuda | cuda:N | auto (checked in validate)")
     dtype: str = param("float32", "float32 | float64 (slow; for numerical checks)", choices=("float32", "float64"))

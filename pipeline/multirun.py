@@ -14,7 +14,8 @@ Before any job starts, every job's config is composed and validated with :func:`
 (a bad value in a swept list gives the usual one-line ``error:``, exit 2), and jobs that would write the same
 ``results/<name>/`` are refused. Hydra's own files (``multirun.yaml``, each job's ``.hydra/``) go to
 ``outputs/multirun/<date>/<time>/``; Hydra's logging configuration is left off, so the jobs print what a
-single run prints. Exit status: the worst job's (0 all ok, 1 a seed failed, 2 bad input, 130 interrupted).
+single run prints. Exit status: the worst job's (0 all ok, 1 a seed failed, 2 bad input, 3 the environment failed,
+130 interrupted).
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ def multirun(args: Sequence[str]) -> int:
 
     Returns:
         The exit status: 0 when every job succeeded, else the worst job's (1 a seed failed, 2 bad input,
-        130 interrupted).
+        3 the environment failed, 130 interrupted).
 
     Raises:
         SystemExit(2): bad input, with one ``error:`` line, before any job runs.

@@ -1,6 +1,6 @@
 """DVC stage ``prepare``: read every dataset the grid uses once and cache it as tensors.
 
-``python -m pipeline.prepare [--params params.yaml]`` writes ``data/prepared/<dataset>.pt`` (one file per
+``python -m pipeline.prepare [--params params.yaml] [--debug]`` writes ``data/prepared/<dataset>.pt`` (one file per
 variant of a generated dataset, e.g. ``mnist1d-shuffled-s42.pt``)
 (uint8 images, int64 labels, normalisation constants); later stages and single runs read the cache.
 """
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from fl_core import envfail
 from fl_core.config import ConfigError
 
 from .common import fail
@@ -43,13 +44,29 @@ def stage_configs(argv: Optional[List[str]], doc: str) -> Optional[list]:
         fail(str(err))
 
 
+def check_data_dirs(cfgs: list) -> None:
+    """The data folders the stage writes to (``data_dir`` of every experiment), checked before any data is read.
+
+    Raises:
+        fl_core.envfail.EnvironmentFailure: a folder is a file or not writable (one line, exit status 3)."""
+    for data_dir in dict.fromkeys(str(c.data_dir) for c in cfgs):
+        envfail.check_folder(data_dir, "data folder", "data_dir")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry point; returns the exit status: 0, 2 bad input (one line), 3 the environment failed (a
+    ``data_dir`` not writable, a full disk: one line; ``--debug`` or ``FL_DEBUG=1``: the traceback)."""
+    return envfail.run_cli(_main, argv)
+
+
+def _main(argv: List[str]) -> int:
     cfgs = stage_configs(argv, __doc__)
     if cfgs is None:
         return 0
     from fl_core.data import dataset_tag  # loads torch: not for --help
     from fl_core.data.access import dataset_for
 
+    check_data_dirs(cfgs)
     seen = set()
     for cfg in cfgs:
         key = (dataset_tag(cfg.dataset), cfg.data_dir)

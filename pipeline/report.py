@@ -955,7 +955,9 @@ def _parser() -> argparse.ArgumentParser:
                     "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
                     "<results>/<name>/metrics.json, experiment.json and runs.csv.",
         epilog="Exit status: 0 when at least one experiment has results, 2 when none has (or the grid or the "
-               "claims file cannot be read). Experiments without results are listed under 'Missing'.")
+               "claims file cannot be read), 3 when the report's folder is not writable or the disk is full (one "
+               "line; --debug or FL_DEBUG=1: the traceback). Experiments without results are listed under "
+               "'Missing'.")
     p.add_argument("--params", type=Path, default=Path("params.yaml"), metavar="FILE",
                    help="the experiment grid (default: params.yaml)")
     p.add_argument("--results", type=Path, default=Path("results"), metavar="DIR",
@@ -968,11 +970,23 @@ def _parser() -> argparse.ArgumentParser:
                         "metrics.json "
                         "go beside it "
                         "(default: <results>/report.md)")
+    p.add_argument("--debug", action="store_true",
+                   help="an environment failure (a folder not writable, a full disk) shows its traceback instead of "
+                        "one line (also FL_DEBUG=1)")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Command-line entry point; returns the exit status."""
+    """Command-line entry point; returns the exit status (an environment failure: one line and 3,
+    :func:`fl_core.envfail.run_cli`)."""
+    from fl_core import envfail
+
+    return envfail.run_cli(_main, argv)
+
+
+def _main(argv: List[str]) -> int:
+    from fl_core import envfail
+
     from .claims import default_claims_path, load_claims  # claims builds on this module
 
     args = _parser().parse_args(argv)
@@ -992,6 +1006,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: no results found under {args.results.as_posix().rstrip('/')}/ (run dvc repro)",
               file=sys.stderr)
         return 2
+    envfail.check_folder(out.parent, "report folder", "--out")  # before any figure is drawn
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
     plot_uplink(done, out.parent / UPLINK_FIGURE)

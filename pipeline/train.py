@@ -23,7 +23,9 @@ from its checkpoint); after a completed run it does nothing (see :func:`run_expe
 Exit status: 0 on success (and for a ``--grid`` experiment whose seeds failed: ``status`` in
 ``metrics.json`` records it, so a DVC pipeline goes on); 1 if a seed failed in a single run (e.g.
 non-finite loss; the other seeds still run); 2 for bad input or an experiment another process
-holds (one line, nothing written); 130 when interrupted (Ctrl-C, SIGTERM).
+holds (one line, nothing written); 3 when the environment failed (a folder that is a file or not writable, a
+full disk, a lost torch.distributed rank: one line, :mod:`fl_core.envfail`; ``--debug`` or ``FL_DEBUG=1`` shows
+the traceback); 130 when interrupted (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 # Only light modules at the top: ``--help``, ``--hydra-help``, ``--cfg`` and ``--info`` import no torch, MLflow or
 # matplotlib (tests/test_cli.py checks it). What a run needs (the engine, the data, the figures) is imported by the
 # functions that use it.
-from fl_core import faults
+from fl_core import envfail, faults
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.paths import project_root
@@ -76,6 +78,7 @@ def usage() -> str:
        python -m pipeline.train --hydra-help             the override grammar (key=value, group=option, +, ~)
        python -m pipeline.train --overwrite [KEY=VALUE ...]   replace results/<name>/ of another config (else refused)
        python -m pipeline.train -m [KEY=A,B ...]         Hydra multirun: one experiment per combination
+       python -m pipeline.train --debug ...              an environment failure shows its traceback (also FL_DEBUG=1)
 
 (fl-train is the same command, installed as a console script.)
 Config groups (conf/): dataset, partition, model, algorithm, train, engine, tracking; presets: +experiment=NAME.
@@ -93,6 +96,7 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   train.stragglers (fraction s in [0, 1): run U{{1..E_i-1}} epochs)  train.drop_stragglers (only with stragglers > 0)
   engine.executor={"|".join(EXECUTORS)}
     (distributed: start with torchrun --nproc_per_node K -m pipeline.train ...; docs/scaling.md)
+  engine.dist_timeout_s (distributed: seconds a rank waits for another before the run ends; docs/reliability.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
   engine.kernels=native|portable (portable: the same numbers on every x86-64 CPU with AVX2; docs/reliability.md)
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
@@ -104,7 +108,8 @@ Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlit
 browses it, docs/tracking.md).
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
-2 bad input or experiment busy, 130 interrupted.
+2 bad input or experiment busy, 3 the environment failed (a folder not writable, disk full, a lost rank:
+one line; fix it and run the same command again), 130 interrupted.
 """
 
 def derive_name(cfg) -> str:
@@ -259,6 +264,9 @@ class _Experiment:
         self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
         self.adhoc = adhoc  # a run outside the grid: its results/<name>/ carries a .gitignore of its own
         cfg0 = self.cfg0
+        # the folders this run writes to, before any data is read or lock taken (fl_core.envfail)
+        envfail.check_folder(cfg0.results_dir, "results folder", "results_dir")
+        envfail.check_folder(cfg0.engine.checkpoint_dir, "checkpoint folder", "engine.checkpoint_dir")
         self.name = cfg0.name or derive_name(cfg0)
         self.device = resolve_device(cfg0.engine.device)
         self.ds = dataset_for(cfg0, write_cache=False)
@@ -281,6 +289,7 @@ class _Experiment:
         self.tracking: Optional[Tracking] = None
         self.parent_id: Optional[str] = None
         self.records: Dict[int, Dict] = {}
+        self._live_logger = None  # the MLflow child run of the seed in progress (ended on an environment failure)
         self._inputs: Optional[List[Dict[str, str]]] = None
         commit = git_commit(project_root())
         self.tags = {"algorithm": self.algo_desc, "dataset": cfg0.dataset.name, "partition": self.pkey,
@@ -361,8 +370,31 @@ class _Experiment:
                 if self.tracking is not None and self.parent_id is not None:
                     self.tracking.end_parent(self.parent_id, "KILLED", INTERRUPTED)
                 raise Interrupted(min(self.progress.last_round + 1, cfg0.train.rounds)) from None
+            except Exception as err:
+                self._end_on_environment_failure(err)
+                raise
             finally:
                 self.progress.close()
+
+    def _end_on_environment_failure(self, err: Exception) -> None:
+        """An environment failure (:func:`fl_core.envfail.classify`; other errors pass untouched): end the seed's and
+        the experiment's MLflow runs KILLED with the reason, as Ctrl-C does, so that none is left RUNNING and the same
+        command continues them, and remove this start's staging folder. Best effort: the failure may be the disk
+        or the store these steps need."""
+        import contextlib
+        import shutil
+
+        failure = envfail.classify(err)
+        if failure is None:
+            return
+        reason = f"environment failure: {failure}"
+        with contextlib.suppress(Exception):
+            if self._live_logger is not None:
+                self._live_logger.close("KILLED", reason)
+        with contextlib.suppress(Exception):
+            if self.tracking is not None and self.parent_id is not None:
+                self.tracking.end_parent(self.parent_id, "KILLED", reason)
+        shutil.rmtree(self.store.staging, ignore_errors=True)
 
     def _run_locked(self) -> Dict:
         store = self.store
@@ -415,7 +447,7 @@ class _Experiment:
                                   + [functools.partial(cb, seed) for cb in self.seed_callbacks],
                                   cache_dir=objective_cache(cfg))
             if self.tracking is not None:
-                sim.logger = logger = self._child_logger(cfg, seed)
+                sim.logger = logger = self._live_logger = self._child_logger(cfg, seed)
             self.progress.start(seed, sim.restore())
             _end_startup()
             try:
@@ -437,6 +469,7 @@ class _Experiment:
         files = self._write_seed_files(seed, rec, staging)
         if self.tracking is not None:
             self._finish_child(cfg, seed, rec, logger, files + schedule_files)
+        self._live_logger = None
         faults.point("after_child_finished")
         return rec
 
@@ -630,6 +663,11 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
     Raises:
         ConfigError, DataSourceError, PartitionError: bad inputs (nothing written).
         ExperimentBusy: another process writes this experiment (nothing written).
+        fl_core.envfail.EnvironmentFailure: ``results_dir`` or ``engine.checkpoint_dir`` is a file or not writable
+            (nothing written, no lock taken), or a torch.distributed rank was lost.
+        OSError: a write failed (a full disk, ...: :func:`fl_core.envfail.classify` names it); as for any
+            environment failure the MLflow runs are ended KILLED with the reason, the last checkpoint stays valid,
+            no temporary file is left, and the same command resumes.
         Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
     return _Experiment(cfgs, callbacks, replace, adhoc, on_round).run()
@@ -678,6 +716,15 @@ def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failu
 
 
 def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001  (signal handler signature)
+    """SIGTERM is Ctrl-C, except on rank 0 of ``engine.executor=distributed`` when torchrun sends it because another
+    rank is gone: then the lost rank is the failure (:func:`fl_core.engine.distributed.on_sigterm`)."""
+    from fl_core.engine import distributed
+
+    failure = distributed.on_sigterm()
+    if failure is distributed.IGNORE:
+        return
+    if failure is not None:
+        raise failure
     raise KeyboardInterrupt
 
 
@@ -687,7 +734,8 @@ def train_one(overrides: List[str], seeds: Optional[List[int]] = None) -> int:
     jobs of ``fl-train -m`` (:mod:`pipeline.multirun`).
 
     Returns:
-        The exit status: 0 ok, 1 a seed failed, 2 bad input (after its one ``error:`` line), 130 interrupted.
+        The exit status: 0 ok, 1 a seed failed, 2 bad input (after its one ``error:`` line), 3 the environment
+        failed (after its one line), 130 interrupted.
     """
     from .multirun import seed_override
 
@@ -851,15 +899,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     ``argv`` None (``fl-train``, ``python -m pipeline.train``): ``sys.argv``, with the garbage collector paused for
     the start-up (:func:`_end_startup`) and, once the command is done, every object frozen so that the exit collects
-    nothing; a list (tests, the jobs of ``-m``): those arguments, the collector left as it is."""
+    nothing; a list (tests, the jobs of ``-m``): those arguments, the collector left as it is. An environment failure
+    ends with one ``error:`` line and status 3 (:func:`fl_core.envfail.run_cli`; ``--debug``: the traceback)."""
     global _gc_paused
     if argv is not None:
-        return _main(list(argv), from_command_line=False)
+        return envfail.run_cli(functools.partial(_main, from_command_line=False), argv)
     if gc.isenabled():
         gc.disable()
         _gc_paused = True
     try:
-        return _main(sys.argv[1:], from_command_line=True)
+        return envfail.run_cli(functools.partial(_main, from_command_line=True), None)
     finally:
         _end_startup()
         gc.freeze()
@@ -910,7 +959,7 @@ def _join_ranks(cfg, device) -> int:
         return 0
     from fl_core.engine import distributed
 
-    return distributed.init(distributed.rank_device(device))[0]
+    return distributed.init(distributed.rank_device(device), float(cfg.engine.dist_timeout_s))[0]
 
 
 def _release_ranks(cfg) -> None:

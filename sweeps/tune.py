@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this machine is gone (e.g. killed); default: on for a journal file, off for an RDB URL")
     p.add_argument("--threads", type=int, default=1, metavar="T", help="torch threads per worker (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-trial lines")
+    p.add_argument("--debug", action="store_true", help="an environment failure (a folder not writable, a full "
+                   "disk) shows its traceback instead of one line and exit status 3 (also FL_DEBUG=1)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="Hydra overrides of the base experiment, e.g. train.rounds=30 partition=iid")
     return p
@@ -99,7 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a sweep. Exit status: 0 done, 2 bad arguments/space/config/storage (one line, nothing run),
     130 interrupted, 1 an error stopped the sweep or a worker (the outputs of the trials done are
-    written in every case)."""
+    written in every case), 3 an environment failure outside the trials (a folder not writable, a full disk: one
+    line, :func:`fl_core.envfail.run_cli`; ``--debug`` or ``FL_DEBUG=1``: the traceback)."""
+    from fl_core import envfail
+
+    return envfail.run_cli(_exit_status, argv)
+
+
+def _exit_status(argv: List[str]) -> int:
     try:
         return _main(argv)
     except SystemExit as stop:  # argparse and pipeline.common.fail (one-line errors)

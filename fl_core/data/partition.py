@@ -57,6 +57,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from fl_core import envfail, faults
 from fl_core.schema import DIRICHLET_VARIANTS, PartitionConfig
 from fl_core.seeding import numpy_rng
 
@@ -148,7 +149,10 @@ class Partition:
         (int64 ``[N + 1]``; client i is ``indices[offsets[i]:offsets[i+1]]``), ``num_classes``
         and ``label_hist``. Each file is written to a temporary name and moved into place
         with ``os.replace``; ``partition.npz`` goes last, so its presence means the set is
-        complete.
+        complete. Fault point ``partition_write`` sits before its rename.
+
+        Raises:
+            OSError: a write failed (a full disk, ...); the temporary file is removed.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,7 @@ class Partition:
             np.concatenate(self.client_indices).astype(np.int64) if self.client_indices else np.zeros(0, np.int64)
         )
         with _atomic(directory / "partition.npz") as tmp:
-            with open(tmp, "wb") as f:
+            with envfail.writing(tmp), open(tmp, "wb") as f:
                 np.savez(
                     f,
                     indices=indices,
@@ -170,6 +174,7 @@ class Partition:
                     num_classes=np.int64(self.num_classes),
                     label_hist=self.label_hist.astype(np.int64),
                 )
+            faults.point("partition_write", path=tmp)
 
     @classmethod
     def load(cls, directory: Path) -> "Partition":

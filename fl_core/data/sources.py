@@ -67,6 +67,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fl_core import envfail, faults
 from fl_core.compat import torchvision
 
 __all__ = [
@@ -1159,8 +1160,9 @@ def _save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with envfail.writing(tmp), os.fdopen(fd, "wb") as f:  # a full disk: an OSError naming the file
             torch.save(obj, f)
+        faults.point("prepare_write", path=tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -1188,6 +1190,7 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path, write: bool = True
     Raises:
         DataSourceError: see :func:`load_source`; or the prepared file cannot be written (names
             ``data_dir`` and the file).
+        OSError: the disk is full (ENOSPC, EDQUOT), naming the temporary file (removed).
     """
     path = prepared_path(cfg, data_dir)
     signature = _signature(cfg)
@@ -1202,6 +1205,8 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path, write: bool = True
         return ds
     try:
         _save_atomic(_to_blob(ds, signature), path)
-    except OSError as err:  # data_dir is a file, read-only, full, ...
+    except OSError as err:  # data_dir is a file, read-only, ...
+        if err.errno in envfail.FULL:  # the environment, not the input: the command says so (fl_core.envfail)
+            raise
         raise DataSourceError(f"data_dir: cannot write the prepared dataset {path} ({_os_reason(err)})") from None
     return ds

@@ -1,0 +1,394 @@
+"""When the environment fails (fl_core/envfail.py, docs/reliability.md): one line, exit status 3, no run left RUNNING,
+nothing lost.
+
+Faults are real where that is cheap and portable (a file where a folder is needed) and injected at named points
+otherwise (``FL_FAULT=POINT:ENOSPC`` / ``:EROFS`` raise the OSError the failed write would; root ignores permission
+bits, so a read-only folder is a read-only mount where ``unshare`` allows one, else ``path_check:EROFS``). A run that
+fails is then run again and must end with exactly the runs and metrics of an uninterrupted run. The torchrun cases
+(a worker killed, a worker frozen) are marked slow, as in tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_core import envfail, faults
+from test_faults import GRID, SEEDS, _forked, _in_process, _mlflow_state, _project
+
+ROOT = Path(__file__).resolve().parent.parent
+SINGLE = ["train.rounds=2", "seed=1", "engine.progress=false", "partition.num_clients=4", "train.local_epochs=1"]
+
+
+def _lines(text: str) -> list:
+    return [ln for ln in text.strip().splitlines() if ln.strip()]
+
+
+def _files(tmp: Path) -> set:
+    return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its schema built once (as in tests/test_faults.py)."""
+    from fl_core.tracking import ensure_store
+
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    ensure_store(f"sqlite:///{db}")
+    return db
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fault_counts(monkeypatch):
+    """In-process runs count fault hits from zero; FL_DEBUG unset unless a test sets it."""
+    monkeypatch.setattr(faults, "_hits", {})
+    monkeypatch.delenv(envfail.DEBUG_ENV, raising=False)
+    monkeypatch.delenv(faults.ENV, raising=False)
+
+
+# --------------------------------------------------------------------------- the classifier
+
+
+def test_os_errors_map_to_one_line_naming_the_place_and_the_key(tmp_path):
+    envfail.name_place(tmp_path / "ck", "checkpoint folder", "engine.checkpoint_dir")
+    full = envfail.classify(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ck" / "e" / "s.pt.tmp")))
+    assert str(full) == (f"checkpoint folder {tmp_path / 'ck'} is out of space (no space left on device writing "
+                         "e/s.pt.tmp); free space there or choose another engine.checkpoint_dir=..., then run the same "
+                         "command again")
+    ro = envfail.classify(OSError(errno.EROFS, "Read-only file system", str(tmp_path / "ck")))
+    assert ro.cause == "is not writable (read-only file system)" and "engine.checkpoint_dir=" in ro.action
+    (tmp_path / "f").write_text("x")
+    assert envfail.classify(FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "f"))).cause == \
+        "is a file, not a folder"
+    assert envfail.classify(FileExistsError(errno.EEXIST, "File exists", str(tmp_path))) is None  # a folder: a bug
+    assert envfail.classify(OSError(errno.ENOENT, "No such file", "x")) is None  # missing input: not the machine
+
+
+def test_the_chain_is_searched_but_not_through_from_none():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # torch.save
+    except RuntimeError as err:
+        wrapped = err
+    assert envfail.classify(wrapped).cause == "is out of space (no space left on device)"
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise ValueError("bad input") from None
+    except ValueError as err:
+        assert envfail.classify(err) is None
+    assert envfail.classify(KeyboardInterrupt()) is None and envfail.classify(ValueError("x")) is None
+
+
+def test_torch_distributed_errors_and_registered_classifiers():
+    import torch.distributed as dist
+
+    got = envfail.classify(dist.DistStoreError("Timed out after 901 seconds waiting for clients. 1/2 clients joined."))
+    assert got.resource == "the torch.distributed process group" and "1/2 clients joined" in got.cause
+
+    class LockedStore(Exception):
+        pass
+
+    def locked(err):
+        return envfail.EnvironmentFailure("tracking store x.db", "is locked", "wait") if isinstance(err, LockedStore) \
+            else None
+
+    envfail.register(locked)
+    try:
+        assert str(envfail.classify(LockedStore())) == "tracking store x.db is locked; wait"
+    finally:
+        envfail._CLASSIFIERS.remove(locked)
+
+
+def test_writing_names_the_file_of_a_wrapped_os_error(tmp_path):
+    with pytest.raises(OSError) as err, envfail.writing(tmp_path / "a.tmp"):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("unexpected pos 704 vs 598")
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "a.tmp")
+    with pytest.raises(ValueError), envfail.writing(tmp_path / "a.tmp"):
+        raise ValueError("not the environment")
+
+
+# --------------------------------------------------------------------------- folders checked before anything is written
+
+
+def test_check_folder_refuses_a_file_and_a_file_in_the_path_and_creates_nothing(tmp_path):
+    (tmp_path / "f").write_text("x")
+    before = _files(tmp_path)
+    with pytest.raises(envfail.EnvironmentFailure, match=r"^results folder .*/f is a file, not a folder; choose "
+                                                         r"another results_dir=\.\.\."):
+        envfail.check_folder(tmp_path / "f", "results folder", "results_dir")
+    with pytest.raises(envfail.EnvironmentFailure, match=r"/f/sub is not a folder \(.*/f is a file\)"):
+        envfail.check_folder(tmp_path / "f" / "sub", "results folder", "results_dir")
+    envfail.check_folder(tmp_path / "new" / "deeper", "results folder", "results_dir")  # to be created: fine
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("code,cause", [("EROFS", "read-only file system"), ("EACCES", "permission denied")])
+def test_check_folder_reports_a_folder_it_cannot_write(tmp_path, monkeypatch, code, cause):
+    monkeypatch.setenv(faults.ENV, f"path_check:{code}")
+    with pytest.raises(envfail.EnvironmentFailure) as err:
+        envfail.check_folder(tmp_path / "results", "results folder", "results_dir")
+    assert str(err.value) == (f"results folder {tmp_path / 'results'} cannot be created: {tmp_path} is not writable "
+                              f"({cause}); choose another results_dir=..., then run the same command again")
+    assert _files(tmp_path) == set()
+
+
+# --------------------------------------------------------------------------- fl-train: wrong folders
+
+
+@pytest.mark.parametrize("key,label", [("results_dir", "results folder"),
+                                       ("engine.checkpoint_dir", "checkpoint folder")])
+def test_a_file_where_a_folder_is_needed_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, key, label):
+    (tmp_path / "taken").write_text("a file")
+    before = _files(tmp_path)
+    capsys.readouterr()
+    assert _in_process(tmp_path, [*SINGLE, f"{key}=taken"], monkeypatch) == envfail.EXIT_STATUS
+    err = capsys.readouterr().err
+    assert _lines(err) == [f"error: {label} taken is a file, not a folder; choose another {key}=... (or move the "
+                           "file away), then run the same command again"]
+    assert _files(tmp_path) == before  # no lock file, no results/, no checkpoints/, no MLflow store
+
+
+def test_debug_and_fl_debug_show_the_traceback(tmp_path, monkeypatch):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(envfail.EnvironmentFailure):
+        _in_process(tmp_path, [*SINGLE, "results_dir=taken", "--debug"], monkeypatch)
+    monkeypatch.setenv(envfail.DEBUG_ENV, "1")
+    with pytest.raises(envfail.EnvironmentFailure):
+        _in_process(tmp_path, [*SINGLE, "results_dir=taken"], monkeypatch)
+
+
+def test_a_read_only_results_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(faults.ENV, "path_check:EROFS")  # the first folder probed: results_dir's parent
+    capsys.readouterr()
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*SINGLE, "results_dir=out/results"]) == envfail.EXIT_STATUS
+    assert _lines(capsys.readouterr().err) == [
+        "error: results folder out/results cannot be created: " f"{tmp_path} is not writable (read-only file system); "
+        "choose another results_dir=..., then run the same command again"]
+    assert _files(tmp_path) == set()
+
+
+def _unshare_mount_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_mount_works(), reason="no private mount namespace (unshare -rm) here")
+def test_a_real_read_only_mount_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env.pop(faults.ENV, None)
+    cmd = (f"mount -t tmpfs -o ro tmpfs {ro} && exec {sys.executable} -m pipeline.train {' '.join(SINGLE)} "
+           f"results_dir={ro}/results")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == envfail.EXIT_STATUS, proc.stderr[-2000:]
+    assert _lines(proc.stderr) == [f"error: results folder {ro}/results cannot be created: {ro} is not writable "
+                                   "(read-only file system); choose another results_dir=..., then run the same "
+                                   "command again"]
+
+
+# --------------------------------------------------------------------------- a full disk during a run
+
+
+def _histories(tmp: Path) -> dict:
+    """{(seed, metric): [(step, value), ...]} of every child run (wall-clock timings left out)."""
+    client, runs = _mlflow_state(tmp)
+    out = {}
+    for r in runs:
+        if "fl.seed" not in r.data.tags or "mlflow.parentRunId" not in r.data.tags:
+            continue
+        for key in r.data.metrics:
+            if "round_time" not in key:
+                out[(r.data.tags["fl.seed"], key)] = sorted((m.step, m.value)
+                                                            for m in client.get_metric_history(r.info.run_id, key))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, empty_store):
+    """An uninterrupted run of the grid: its final models and every child run's metric history."""
+    tmp = _project(tmp_path_factory.mktemp("uninterrupted"), store=empty_store)
+    assert _forked(tmp, ["--grid", "exp"]) == 0
+    models = {s: torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt") for s in SEEDS}
+    return tmp, models, _histories(tmp)
+
+
+@pytest.mark.parametrize("fault,where", [
+    ("checkpoint_write@3:ENOSPC", "checkpoint folder checkpoints is out of space (no space left on device writing "
+                                  "exp/"),  # seed 1, round 3: seed_1.pt holds round 2
+    ("outputs_write@6:ENOSPC", "results folder results is out of space (no space left on device writing "
+                               ".exp.staging/models/"),  # seed 1's model, after its completion record
+    ("outputs_write@15:ENOSPC", "results folder results is out of space (no space left on device writing "
+                                ".exp.staging/.metrics.json"),  # both seeds done, the outputs being staged
+])
+def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch, capsys, empty_store,
+                                                            uninterrupted, fault, where):
+    tmp = _project(tmp_path / "p", store=empty_store)
+    log = tmp_path / "stderr"
+    assert _forked(tmp, ["--grid", "exp"], fault, stderr=log) == envfail.EXIT_STATUS
+    lines = _lines(log.read_text())
+    assert len(lines) == 1 and lines[0].startswith(f"error: {where}"), lines
+    assert lines[0].endswith("then run the same command again")
+    # nothing half-written, the last checkpoint valid, no MLflow run left RUNNING
+    assert [p for p in tmp.rglob("*") if p.name.endswith(".tmp") or ".staging" in p.name] == []
+    if fault.startswith("checkpoint_write"):
+        attempt = next((tmp / "checkpoints" / "exp").iterdir())
+        assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 2
+        assert torch.load(attempt / "seed_1.pt.prev", weights_only=False)["round"] == 1
+    _client, runs = _mlflow_state(tmp)
+    assert runs and "RUNNING" not in {r.info.status for r in runs}
+    assert all(r.data.tags["fl.end_reason"].startswith("environment failure: ") for r in runs
+               if r.info.status == "KILLED")
+    # the same command again: one clean run per seed, every metric of the uninterrupted run, once
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _ref_dir, ref_models, ref_hist = uninterrupted
+    for s in SEEDS:
+        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
+        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
+    assert _histories(tmp) == ref_hist
+    _client, runs = _mlflow_state(tmp)
+    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+    assert not (tmp / "checkpoints" / "exp").exists()
+
+
+def test_the_report_on_a_full_disk_is_one_line(uninterrupted, monkeypatch, capsys):
+    from pipeline.report import main as report
+
+    tmp = uninterrupted[0]
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv(faults.ENV, "outputs_write:ENOSPC")
+    capsys.readouterr()
+    assert report([]) == envfail.EXIT_STATUS
+    lines = _lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("error: report folder results is out of space (no space left on "
+                                                   "device writing .curves.png.")
+    assert [p for p in (tmp / "results").glob(".*") if p.is_file()] == []  # the temporary file is gone
+
+
+# --------------------------------------------------------------------------- the data stages
+
+
+def test_data_stages_on_a_full_disk_or_a_file_as_data_dir(tmp_path, monkeypatch, capsys):
+    from pipeline import partition, prepare
+
+    _project(tmp_path, {**GRID, "seeds": [1]})
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setenv(faults.ENV, "prepare_write:ENOSPC")
+    assert prepare.main([]) == envfail.EXIT_STATUS
+    lines = _lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("error: data folder data is out of space (no space left on device "
+                                                   "writing prepared/.digits.pt.")
+    monkeypatch.setenv(faults.ENV, "partition_write:ENOSPC")
+    assert prepare.main([]) == 0
+    assert partition.main([]) == envfail.EXIT_STATUS
+    lines = _lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "error: data folder data is out of space (no space left on device writing partitions/" \
+        in lines[0]
+    assert [p for p in (tmp_path / "data").rglob(".*") if p.is_file()] == []  # no temporary file left
+    monkeypatch.delenv(faults.ENV)
+    assert partition.main([]) == 0
+    shutil.rmtree(tmp_path / "data")
+    (tmp_path / "data").write_text("a file")
+    capsys.readouterr()
+    assert prepare.main([]) == envfail.EXIT_STATUS
+    assert _lines(capsys.readouterr().err) == ["error: data folder data is a file, not a folder; choose another "
+                                               "data_dir=... (or move the file away), then run the same command again"]
+
+
+# --------------------------------------------------------------------------- engine.dist_timeout_s
+
+
+def test_dist_timeout_is_checked_and_only_for_the_distributed_executor():
+    from fl_core.config import ConfigError, compose
+
+    assert compose(["engine.executor=distributed", "engine.dist_timeout_s=20"]).engine.dist_timeout_s == 20.0
+    for value, msg in (("0", "must be > 0, got 0"), ("-5", "must be > 0, got -5"), ("inf", "must be a finite number")):
+        with pytest.raises(ConfigError, match=f"^engine.dist_timeout_s {msg}"):
+            compose(["engine.executor=distributed", f"engine.dist_timeout_s={value}"])
+    with pytest.raises(ConfigError, match="used only with engine.executor=distributed"):
+        compose(["engine.dist_timeout_s=20"])
+
+
+# --------------------------------------------------------------------------- torchrun: a lost or frozen rank (slow)
+
+DIST = ["algorithm=fedavg", "train.rounds=6", "train.local_epochs=1", "seed=1", "name=dist", "engine.progress=false",
+        "engine.checkpoint_every=1", "engine.executor=distributed"]
+
+
+def _launch(launcher, args, cwd: Path, fault: str, timeout=300):
+    from test_distributed import _free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, envfail.DEBUG_ENV)}
+    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", "PYTHONPATH": str(ROOT)})
+    if fault:
+        env[faults.ENV] = fault
+    cmd = [*launcher, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "-m", "pipeline.train", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def _resumes_to_one_run(cwd: Path, launcher) -> None:
+    proc, _ = _launch(launcher, DIST, cwd, "")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dist seed 1: resumed from round" in proc.stderr
+    _client, runs = _mlflow_state(cwd)
+    assert sorted((r.data.tags.get("fl.role") or "child", r.info.status) for r in runs) == [
+        ("child", "FINISHED"), ("parent", "FINISHED")]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_one_line_from_rank_0(tmp_path):
+    launcher = [sys.executable, "-m", "pipeline.torchrun"]
+    proc, _ = _launch(launcher, DIST, tmp_path, "worker_task@3")
+    assert proc.returncode == envfail.EXIT_STATUS, proc.stderr[-3000:]
+    lines = _lines(proc.stderr)
+    assert len(lines) == 2 and "Traceback" not in proc.stderr, lines
+    assert lines[0].startswith("error: rank 1 of this torchrun start (pid ") and "is gone: its process ended" in lines[0]
+    assert lines[1].startswith("torchrun: rank 1 ended first (signal SIGKILL)")
+    _client, runs = _mlflow_state(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}
+    _resumes_to_one_run(tmp_path, launcher)
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_ends_the_run_within_dist_timeout(tmp_path):
+    """A worker that stops itself (SIGSTOP) in round 3: rank 0 names it within engine.dist_timeout_s, plain torchrun
+    (whose own report follows; no rank prints a traceback), then torchrun ends the frozen rank after its
+    --shutdown-timeout."""
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--shutdown-timeout", "3"]
+    proc, wall = _launch(torchrun, [*DIST, "engine.dist_timeout_s=10"], tmp_path, "worker_task@3:STOP")
+    assert proc.returncode != 0
+    errors = [ln for ln in _lines(proc.stderr) if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 of this torchrun start (pid ")
+    assert "stopped responding: its process is stopped (state T" in errors[0]
+    assert not any(ln.startswith("[rank") for ln in _lines(proc.stderr))  # no rank's traceback
+    assert wall < 120
+    _client, runs = _mlflow_state(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}
+    _resumes_to_one_run(tmp_path, torchrun)
