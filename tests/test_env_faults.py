@@ -220,7 +220,7 @@ def _histories(tmp: Path) -> dict:
         if "fl.seed" not in r.data.tags or "mlflow.parentRunId" not in r.data.tags:
             continue
         for key in r.data.metrics:
-            if "round_time" not in key:
+            if not key.endswith(("round_time_s", "round/time_s")):
                 out[(r.data.tags["fl.seed"], key)] = sorted((m.step, m.value)
                                                             for m in client.get_metric_history(r.info.run_id, key))
     return out
