@@ -1,7 +1,11 @@
 """``engine.executor=auto`` (fl_core/engine/factory.py): forced choices never probe, the probe's verdict decides
-otherwise, and the probe leaves the run untouched (model, algorithm state, RNG). No timing is asserted."""
+otherwise, the probe leaves the run untouched (model, algorithm state, RNG), and the rounds run with the heap frozen
+(fl_core/engine/gcpause.py). No timing is asserted."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ import torch
 from fl_core.algorithms import FedAvg
 from fl_core.data import make_partition
 from fl_core.data.sampling import sample_clients
+from fl_core.engine import gcpause
 from fl_core.engine.factory import ExecutorTiming, build_simulator, choose_executor, client_data, time_executors
 from fl_core.params import flatten_params
 
@@ -141,3 +146,45 @@ def test_auto_run_equals_the_run_of_the_executor_it_chose(digits):
     assert torch.equal(torch.get_rng_state(), rng_after_auto)  # the probe drew nothing from the global RNG
     assert torch.equal(flatten_params(auto.model), flatten_params(named.model))
     assert torch.equal(auto.run().final_flat, named.run().final_flat)
+
+
+# ------------------------------------------------------------------ the round loop and the garbage collector
+
+
+def test_frozen_heap_nests_and_releases():
+    assert gc.get_freeze_count() == 0
+    with gcpause.frozen_heap():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        with gcpause.frozen_heap():
+            gcpause.refreeze()
+        assert gc.get_freeze_count() >= outer  # the inner exit keeps the outer block's objects frozen
+    assert gc.get_freeze_count() == 0
+    gcpause.refreeze()  # outside a block: nothing
+    assert gc.get_freeze_count() == 0
+
+
+def test_rounds_run_with_the_heap_frozen(digits):
+    """During the rounds the objects that existed before the run (the interpreter's, torch's, the data's) are out of
+    the collector's walks; afterwards they are back."""
+    from conftest import run_sim
+
+    frozen = []
+    run_sim(digits, "train.rounds=3", callbacks=[lambda r, row: frozen.append(gc.get_freeze_count())])
+    assert len(frozen) == 3 and min(frozen) > 0
+    assert frozen[1] >= frozen[0]  # refrozen after the first round
+    assert gc.get_freeze_count() == 0
+
+
+def test_paused_collector_frees_the_block_cycles():
+    class Node:
+        pass
+
+    with gcpause.paused():
+        assert not gc.isenabled()
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        ref = weakref.ref(a)
+        del a, b
+        assert ref() is not None  # a cycle: only the collector frees it
+    assert gc.isenabled() and ref() is None
