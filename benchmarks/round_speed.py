@@ -635,9 +635,9 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         + (f"; {busy} busy-loop process(es) running throughout (--busy {busy})" if busy else ""),
         "",
         "| workload | executor | device | ms/round: median [IQR] | repeats' medians: min / median / max "
-        "| wall ms/round (median) | local steps/s | peak memory (MiB) | speed-up vs naive | time / best executor's "
-        "| auto / chosen, per repeat: median [min, max] | FLOP-floor fraction |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| slowest round / median | wall ms/round (median) | local steps/s | peak memory (MiB) | speed-up vs naive "
+        "| time / best executor's | auto / chosen, per repeat: median [min, max] | FLOP-floor fraction |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_w = {w.name: w for w in workloads}
     notes: List[str] = []
@@ -666,9 +666,10 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
                 if len(r.repeat_ms) > 1 else "-")
         paired = (f"{statistics.median(r.vs_chosen):.2f} [{min(r.vs_chosen):.2f}, {max(r.vs_chosen):.2f}]"
                   if r.vs_chosen else "n/a")
+        slowest = f"{1e3 * max(r.times) / r.ms:.1f}" if r.times and r.ms else "-"
         executor = f"auto -> {r.chosen}" if r.chosen else r.executor
-        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {reps} | {_fmt_ms(r.wall_ms)} | {steps} "
-                     f"| {peak} | {speed} | {vs_best} | {paired} | {frac} |")
+        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {reps} | {slowest} | {_fmt_ms(r.wall_ms)} "
+                     f"| {steps} | {peak} | {speed} | {vs_best} | {paired} | {frac} |")
     lines.append("")
     for w in workloads:
         if w.name not in fwd_flops:
@@ -694,8 +695,9 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         f"- Median [first quartile, third quartile] over {timed} timed rounds after {warmup} warm-up round(s)"
         + (f", pooled over {repeats} interleaved repeats of every row; the repeats' column gives the spread of the "
            "repeats' own medians" if repeats > 1 else "")
-        + ". Executors: `round_time_s` of the "
-        "history (sampling, training, aggregation). Wall: time between consecutive round ends, i.e. also "
+        + "; slowest round / median: the slowest timed round (of all repeats) over the median. Executors: "
+        "`round_time_s` of the history (sampling, training, aggregation). Wall: time between consecutive round ends, "
+        "i.e. also "
         "MLflow logging (temporary SQLite store, flushed every round) and loop overhead. Naive: "
         "`perf_counter` around the whole round" + (" with `torch.cuda.synchronize()`." if device.type == "cuda" else "."),
         f"- No evaluation in timed rounds: `train.eval_every` > rounds; the executors' extra last round "
@@ -703,7 +705,8 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         "- Speed-up: naive ms / row ms, same run. Time / best executor's: row ms / the lowest ms of the engine's "
         "executors (sequential, vectorized) on the workload, same run (auto's probe runs at build time and is "
         "not in its rounds). Auto / chosen: auto's median round over the median round of the executor it chose, "
-        "each repeat with its own (same-repeat) pair, so load that changes between repeats cancels. FLOP floor: 3 x forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out per "
+        "each repeat with its own (same-repeat) pair, so load that changes between repeats cancels. FLOP floor: 3 x "
+        "forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out per "
         "output row + self-attention 8*T*E^2 + 4*T^2*E; biases/normalisation/activations/pooling excluded) x samples "
         f"per round, at an assumed peak of {peak_tflops:g} TFLOP/s (`--peak-tflops`; H200: ~67 fp32, ~990 bf16 "
         "dense); fraction = floor time / measured time (`n/a` on CPU).",
@@ -857,7 +860,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         busy.__exit__()
         tracking.close()
     env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS",) if k in os.environ)
-    command = env + "python benchmarks/round_speed.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    args_given = argv if argv is not None else sys.argv[1:]
+    command = env + "python benchmarks/round_speed.py" + "".join(f" {a}" for a in args_given)
     table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
                    time.perf_counter() - t_start, args.repeats, peak.resettable, command=command, busy=args.busy,
                    load=(load_start, os.getloadavg()[0]))

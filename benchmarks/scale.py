@@ -169,7 +169,8 @@ def main(argv: Sequence[str] = None) -> int:
                     runs[(store, n)].append(dict(json.loads(proc.stdout.strip().splitlines()[-1]), repeat=rep))
                 print(f"  {store} N={n}: repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS", "FL_SCALE_DIR") if k in os.environ)
-    command = env + "python benchmarks/scale.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    args_given = argv if argv is not None else sys.argv[1:]
+    command = env + "python benchmarks/scale.py" + "".join(f" {a}" for a in args_given)
     print(f"`{command}`\n")
     print(f"{machine()}; {args.repeats} repeat(s) of {args.rounds} rounds per row, {time.perf_counter() - t0:.0f} s "
           f"wall; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
