@@ -6,6 +6,7 @@ calls' fastest timings decide despite stalls, it runs once per workload, and the
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 import time
@@ -138,7 +139,8 @@ def test_probe_leaves_model_algorithm_and_rng_untouched(digits):
     assert torch.equal(torch.get_rng_state(), before[2])
     assert set(t.round_s) == {"sequential", "vectorized"} and all(v > 0 for v in t.round_s.values())
     n = len(sample_clients(part.num_clients, cfg.train.participation, cfg.train.sampler, int(cfg.seed), 1))
-    assert t.sampled == n and t.clients == {"sequential": 1, "vectorized": 1}  # budget 0: one client each
+    # budget 0: one sequential client; the vectorised chunk grows towards the round's while its calls stay short
+    assert t.sampled == n and t.clients["sequential"] == 1 and 1 <= t.clients["vectorized"] <= n
 
 
 def test_auto_run_equals_the_run_of_the_executor_it_chose(digits):
@@ -230,9 +232,12 @@ def fresh_probes():
     autoprobe.clear_cache()
 
 
-def test_the_real_choice_holds_with_a_cpu_bound_neighbour(digits, fresh_probes):
-    """The probe with a busy loop in another process on the other core picks the vectorised executor on the tiny
-    clients as on an idle machine."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_real_choice_holds_with_a_cpu_bound_neighbour(digits, fresh_probes, threads):
+    """The probe with a busy loop in another process picks the vectorised executor on the tiny clients as on an idle
+    machine, with one torch thread and with two (on a 2-core machine two threads and the neighbour contend for the
+    cores: every parallel operation may wait for a thread held off its core)."""
+    torch.set_num_threads(threads)
     cfg, part = _logreg_workload(digits)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -242,7 +247,7 @@ def test_the_real_choice_holds_with_a_cpu_bound_neighbour(digits, fresh_probes):
         busy.kill()
         busy.wait()
     assert sim.executor.name == "vectorized", sim.executor.reason
-    assert "fastest of 5 alternating calls each" in sim.executor.reason
+    assert re.search(r"fastest of [345] alternating calls each", sim.executor.reason)
 
 
 def test_the_probe_runs_once_per_workload(digits, fresh_probes, monkeypatch):

@@ -1,11 +1,13 @@
 """The timing probe of ``engine.executor=auto``: how long the sequential and the vectorised executor take for one local
 step of some of round 1's clients, measured robustly and once per workload (docs/architecture.md, docs/benchmarks.md).
 
-Robust to a busy machine: after a warm-up, the two executors' timed calls alternate (sequential, vectorised,
-sequential, ...; :data:`PROBE_REPEATS` each), Python's garbage collector is off during them, and each executor counts
-its fastest call (:func:`call_time`): another process on the cores, or a pause of the interpreter, only ever adds
-time to a call, so the fastest of several alternating calls is the one least disturbed, for both executors alike.
-A one-shot timing instead charges a whole stall to whichever executor it hit.
+Robust to a busy machine: how many clients each call trains is sized on one torch thread (with more threads than
+free cores, every parallel operation may wait for a thread held off its core, and a one-client call then costs what a
+hundred clients' do); after a warm-up, the two executors' timed calls alternate (sequential, vectorised, sequential,
+...; :data:`PROBE_MIN_REPEATS` to :data:`PROBE_REPEATS` each), Python's garbage collector is off during them, and
+each executor counts its fastest call (:func:`call_time`): another process on the cores, or a pause of the
+interpreter, only ever adds time to a call, so the fastest of several alternating calls is the one least disturbed,
+for both executors alike. A one-shot timing instead charges a whole stall to whichever executor it hit.
 
 Amortised: :func:`cached_timing` keeps the result per workload (:func:`workload_key`: device, threads, data shape,
 client sizes, model, rule stack, the local-step settings, clients per round; not the seed, the learning rate or the
@@ -35,6 +37,9 @@ from .state import ClientStateStore
 
 PROBE_BUDGET_S = 0.05  # seconds of sequential training per timed call (sets how many clients it trains)
 PROBE_REPEATS = 5  # timed calls per executor, interleaved; the fastest counts
+PROBE_MIN_REPEATS = 3  # ... but 3 suffice when one predicted round is PROBE_CLEAR times the other
+PROBE_CLEAR = 1.5
+PROBE_CAP_S = 0.5  # the vectorised chunk grows by doublings while its next call would take at most this long
 EXECUTOR_NAMES = ("sequential", "vectorized")
 
 
@@ -109,13 +114,22 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
 
     Each executor trains the first m of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``;
     the clients with data first) for one local step each (``local_steps=1``), on deep copies of ``model`` and
-    ``algo`` (hooks and state included) and a fresh client-state store. After one warm-up call each, m is what
-    the executor trains in about ``budget_s`` seconds, at least 1 and at most the sampled clients and
-    ``engine.max_parallel_clients``: the sequential executor's from the faster of two one-client calls (its cost
-    is linear in the clients), the vectorised one's grown from there while a step of m clients takes under
-    ``budget_s / 2`` (its cost per client falls with m). Then ``repeats`` timed calls each, alternating
+    ``algo`` (hooks and state included) and a fresh client-state store.
+
+    Sizing, on one torch thread (where a process on another core holds off one of several threads, every
+    parallel operation waits for it, and one client's call can cost what a hundred clients' do; one thread only
+    shares its core): after a warm-up call each, m is what the executor trains in about ``budget_s`` seconds, at
+    least 1 and at most the sampled clients and ``engine.max_parallel_clients``. The sequential executor's from
+    the fastest of up to five one-client calls (as many as fit in twice the budget; its cost is linear in the
+    clients); the vectorised one's grown from there towards the round's chunk, whose cost per client it predicts
+    best (it falls with m for small clients, and rises for convolutions, which ``vmap`` groups): towards the
+    budget in one jump while a step of m clients takes under ``budget_s / 2``, then by doublings while the next
+    call would take at most :data:`PROBE_CAP_S` (extrapolated linearly).
+
+    Timing, at the run's thread count (after a warm-up call each): ``repeats`` calls per executor, alternating
     (sequential, vectorised, sequential, ...), with Python's garbage collector off (:func:`.gcpause.paused`);
-    the prediction (:func:`predict_round`) takes each executor's fastest call (:func:`call_time`).
+    after :data:`PROBE_MIN_REPEATS` of them it stops once one prediction is :data:`PROBE_CLEAR` times the other.
+    The prediction (:func:`predict_round`) takes each executor's fastest call (:func:`call_time`).
 
     The run is not changed: the global torch RNG (and the device's CUDA RNG) is restored afterwards, the
     model, the algorithm and their states are copies, and the batch and augmentation draws are keyed by
@@ -127,7 +141,7 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
         data: the clients' training data.
         kwargs: the executors' keyword arguments (batch size, epochs, ... as the factory passes them).
         budget_s: seconds of sequential training per timed call (sets m).
-        repeats: timed calls per executor (>= 1).
+        repeats: timed calls per executor at most (>= 1).
 
     Returns:
         an :class:`ExecutorTiming` (seconds) with every timed call in ``samples``.
@@ -165,22 +179,39 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
             _sync(device)
             return time.perf_counter() - start
 
-        timed("sequential", order[:1])  # warm-up: first calls initialise kernels (and vmap's imports)
-        timed("vectorized", order[:1])
-        t1 = min(timed("sequential", order[:1]), timed("sequential", order[:1]))
-        limit = min(len(order), chunk)
-        m = {"sequential": max(1, min(limit, int(budget_s / max(t1, 1e-9))))}
-        m["vectorized"] = m["sequential"]
-        tv = timed("vectorized", order[:m["vectorized"]])
-        for _ in range(4):  # grow the vectorised chunk towards the budget (at most 4 more calls)
-            if m["vectorized"] >= limit or tv >= budget_s / 2:
-                break
-            m["vectorized"] = min(limit, max(2 * m["vectorized"], int(m["vectorized"] * budget_s / max(tv, 1e-9))))
-            tv = timed("vectorized", order[:m["vectorized"]])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # sizing on one thread: no waits for a thread another process holds off its core
+        try:
+            timed("sequential", order[:1])  # warm-up: first calls initialise kernels (and vmap's imports)
+            timed("vectorized", order[:1])
+            ones = [timed("sequential", order[:1])]
+            while len(ones) < 5 and sum(ones) < 2 * budget_s:  # a light model: up to 5 one-client calls
+                ones.append(timed("sequential", order[:1]))
+            limit = min(len(order), chunk)
+            m = {"sequential": max(1, min(limit, int(budget_s / max(min(ones), 1e-9))))}
+            mv, tv = m["sequential"], timed("vectorized", order[:m["sequential"]])
+            for _ in range(12):  # grow the vectorised chunk towards the round's (12 doublings reach 4,096 clients)
+                if mv >= limit:
+                    break
+                quick = tv < budget_s / 2  # towards the budget in one jump
+                nxt = min(limit, max(2 * mv, int(mv * budget_s / max(tv, 1e-9))) if quick else 2 * mv)
+                if not quick and tv * nxt / mv > PROBE_CAP_S:  # the next call would take longer than the cap
+                    break
+                mv, tv = nxt, timed("vectorized", order[:nxt])
+            m["vectorized"] = mv
+        finally:
+            torch.set_num_threads(threads)
+        if threads != 1:  # warm-up at the run's thread count
+            timed("sequential", order[:1])
+            timed("vectorized", order[:1])
         samples: Dict[str, List[float]] = {name: [] for name in EXECUTOR_NAMES}
-        for _ in range(max(1, repeats)):  # interleaved: a disturbance hits one call of one executor, not a whole side
+        for i in range(max(1, repeats)):  # interleaved: a disturbance hits one call of one executor, not a whole side
             for name in EXECUTOR_NAMES:
                 samples[name].append(timed(name, order[:m[name]]))
+            if i + 1 >= PROBE_MIN_REPEATS:
+                pred = predict_round({n: call_time(v) for n, v in samples.items()}, m, steps, chunk)
+                if max(pred.values()) > PROBE_CLEAR * min(pred.values()):
+                    break  # a clear winner: more calls would not change it
         executors.clear()  # the vectorised executor refers to itself: unreachable now, its cycle is freed at exit
     return ExecutorTiming.from_samples(samples, m, steps, chunk, time.perf_counter() - t0)
 
