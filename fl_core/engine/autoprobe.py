@@ -38,7 +38,7 @@ from .state import ClientStateStore
 PROBE_BUDGET_S = 0.05  # seconds of sequential training per timed call (sets how many clients it trains)
 PROBE_REPEATS = 5  # timed calls per executor, interleaved; the fastest counts
 PROBE_MIN_REPEATS = 3  # ... but 3 suffice when one predicted round is PROBE_CLEAR times the other
-PROBE_CLEAR = 1.5
+PROBE_CLEAR = 3.0
 PROBE_CAP_S = 0.5  # the vectorised chunk grows by doublings while its next call would take at most this long
 EXECUTOR_NAMES = ("sequential", "vectorized")
 
