@@ -20,6 +20,7 @@ Workloads (FedAvg, IID equal-size partition, fixed sampler):
 
 - ``W0`` (cross-device): 10,000 clients x 5 samples, 1,000 per round, E = 1, B = 5, logistic
   regression (``model=logreg``) on digits-shaped data (1 x 8 x 8, 10 classes).
+- ``W0-200``: W0 with 200 clients per round.
 - ``W1``: 100 clients x 100 samples, 10 per round, E = 1, B = 50, standard CNN on CIFAR-shaped data.
 - ``W2``: 100 clients x 500 samples, 10 per round, E = 5, B = 50, standard CNN on CIFAR-shaped data.
 - ``V0``: 20 clients x 32 samples, 4 per round, E = 1, B = 16, ``model=vit_tiny`` (12 layers of width 64) on
@@ -33,7 +34,11 @@ its peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (tensors), reset at
 process's peak resident set (``VmHWM``, reset at the row's start through ``/proc/self/clear_refs``; data, model,
 libraries and the interpreter included), where the kernel allows the reset, else the process's peak so far.
 
-Timing: median over the timed rounds after the warm-up rounds. Executors: the history's
+Timing: median [IQR] over the timed rounds after the warm-up rounds (pooled over ``--repeats``, which also gives the
+spread of the repeats' own medians, and, for ``auto``, its median round over the chosen executor's, repeat by
+repeat). ``--busy N`` runs N busy-loop processes throughout (another CPU-bound job); ``--probes K`` builds the ``auto``
+simulator K more times per workload with the probe's cache cleared and counts its choices. The table names the
+command, the machine and its load average. Executors: the history's
 ``round_time_s`` (sampling, local training, aggregation); evaluation is switched off
 (``train.eval_every`` > rounds) and the last round, which the simulator always evaluates, is run
 but not timed. The "wall" column adds what ``round_time_s`` leaves out (MLflow logging, loop
@@ -44,6 +49,8 @@ Examples::
 
     python benchmarks/round_speed.py --quick
     python benchmarks/round_speed.py --workloads W0,W1
+    python benchmarks/round_speed.py --workloads W0-200,W0 --executors sequential,vectorized,auto --repeats 5 \
+        --probes 10 --busy 1
     python benchmarks/round_speed.py --device cuda --workloads W0,W1,W2 --out results/round_speed.md
 """
 
@@ -143,6 +150,7 @@ class Workload:
 
 WORKLOADS: Dict[str, Workload] = {
     "W0": Workload("W0", 10_000, 5, 1_000, 1, 5, dataset="digits", model="logreg"),
+    "W0-200": Workload("W0-200", 10_000, 5, 200, 1, 5, dataset="digits", model="logreg"),
     "W1": Workload("W1", 100, 100, 10, 1, 50),
     "W2": Workload("W2", 100, 500, 10, 5, 50),
     "V0": Workload("V0", 20, 32, 4, 1, 16, model="vit_tiny"),
@@ -168,25 +176,40 @@ class Row:
     peak_mib: Optional[float] = None  # peak memory of the row (PeakMemory), MiB
     times: List[float] = field(default_factory=list)  # seconds of the timed rounds
     walls: List[float] = field(default_factory=list)  # seconds between timed round ends
+    repeat_ms: List[float] = field(default_factory=list)  # each repeat's median ms per round, in repeat order
+    vs_chosen: List[float] = field(default_factory=list)  # auto: its repeat i's median / the chosen row's repeat i's
+    probes: List[Tuple[str, float]] = field(default_factory=list)  # auto, --probes: (choice, probe s) per fresh probe
 
 
 def merge(rows: List[Row]) -> Row:
-    """One row from the repeats of a (workload, executor) row: medians over all their timed rounds; auto's
-    choices counted when they differ (each repeat builds the simulator again, so auto probes again), the reason
-    of the first repeat."""
+    """One row from the repeats of a (workload, executor) row: medians over all their timed rounds, each repeat's
+    median kept (``repeat_ms``); auto's choices counted when they differ (the first repeat probes, the others reuse
+    its result, :func:`fl_core.engine.autoprobe.cached_timing`), the reason of the first repeat."""
     first = rows[0]
-    if len(rows) == 1 or first.note:
+    if first.note:
         return first
     times = [t for r in rows for t in r.times]
     walls = [t for r in rows for t in r.walls]
     picks = [r.chosen for r in rows if r.chosen]
     chosen = ", ".join(f"{n} {picks.count(n)}/{len(picks)}" for n in sorted(set(picks))) if len(set(picks)) > 1 \
         else (picks[0] if picks else "")
-    reason = first.reason + (f" (repeat 1 of {len(rows)}; every repeat probes again)" if first.reason else "")
+    reason = first.reason + (f" (repeat 1 of {len(rows)}; the later repeats reuse its probe)"
+                             if first.reason and len(rows) > 1 else "")
     peaks = [r.peak_mib for r in rows if r.peak_mib is not None]
     return Row(first.workload, first.executor, first.device, _median_ms(times), _median_ms(walls),
                spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls,
-               peak_mib=max(peaks) if peaks else None)
+               peak_mib=max(peaks) if peaks else None, repeat_ms=[r.ms for r in rows if r.ms is not None])
+
+
+def pair_auto(merged: List[Row], reps: Dict[str, List[Row]]) -> None:
+    """Set each merged auto row's ``vs_chosen``: repeat by repeat, auto's median round / the median round of the
+    executor it chose in the same repeat (rows of one repeat run minutes apart at most, so a change in the
+    machine's load between repeats cancels out)."""
+    for row in merged:
+        if row.executor != "auto" or row.note or row.chosen not in reps:
+            continue
+        pairs = zip(reps["auto"], reps[row.chosen])
+        row.vs_chosen = [a.ms / c.ms for a, c in pairs if a.ms and c.ms and a.chosen == row.chosen]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -350,6 +373,38 @@ def _median_ms(xs: Sequence[float]) -> Optional[float]:
     return 1e3 * statistics.median(xs) if xs else None
 
 
+def _iqr_ms(xs: Sequence[float]) -> Tuple[float, float]:
+    """The first and third quartile of ``xs`` (seconds) in ms (``statistics.quantiles``, inclusive method)."""
+    if len(xs) < 2:
+        return 1e3 * xs[0], 1e3 * xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return 1e3 * q[0], 1e3 * q[2]
+
+
+class BusyNeighbours:
+    """``--busy N``: N processes that each keep one core busy (a Python busy loop) while the benchmark runs, the
+    load of another CPU-bound job on the machine; stopped (killed, by their process ids) on exit."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.procs: List = []
+
+    def __enter__(self) -> "BusyNeighbours":
+        import subprocess
+
+        for _ in range(self.count):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        if self.procs:
+            time.sleep(0.5)  # running before the first row starts
+            log(f"--busy {self.count}: busy-loop process(es) {', '.join(str(p.pid) for p in self.procs)}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 # --------------------------------------------------------------------------- rows
 
 
@@ -469,6 +524,25 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
                walls=walls)
 
 
+def run_probes(w: Workload, ds: FLDataset, part: Partition, data: ClientData, device: torch.device, seed: int,
+               count: int, extra: Sequence[str]) -> List[Tuple[str, float]]:
+    """``--probes K``: build the ``auto`` simulator K times with the probe's cache cleared before each (so each build
+    probes afresh, as a new process would) and no round run; returns (chosen executor, probe seconds) per build."""
+    from fl_core.engine import autoprobe
+
+    cfg = compose(overrides(w, "auto", device, 1, seed, ["tracking.enabled=false", *extra]))
+    out = []
+    for i in range(count):
+        autoprobe.clear_cache()
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        sim = build_simulator(cfg, ds, part, device=device, data=data)
+        out.append((sim.executor.name, time.perf_counter() - t0))
+        log(f"  {w.name} auto probe {i + 1}/{count}: {sim.executor.reason}")
+        del sim
+    return out
+
+
 def run_distributed(w: Workload, device: torch.device, warmup: int, timed: int, seed: int,
                     threads: Optional[int]) -> Row:
     """The ``distributed`` row: ``engine.executor=distributed`` over :data:`DISTRIBUTED_RANKS` processes started
@@ -537,21 +611,33 @@ def _fmt_ms(x: Optional[float]) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def machine(device: torch.device) -> str:
+    """The machine in words: processor (or GPU), cores, RAM, torch and its thread count."""
+    cores = os.cpu_count() or 0
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 if hasattr(os, "sysconf") else 0.0
+    return (f"{device_name(device)} ({device.type}), {cores} cores, {ram:.1f} GiB RAM, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
 def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd_flops: Dict[str, int],
            peak_tflops: float, warmup: int, timed: int, elapsed_s: float, repeats: int = 1,
-           peak_resettable: bool = True) -> str:
+           peak_resettable: bool = True, command: str = "", busy: int = 0,
+           load: Optional[Tuple[float, float]] = None) -> str:
     """The markdown table and its notes; ``fwd_flops``: workload name -> forward FLOP of one sample (workloads without
     an entry were skipped on this device); ``peak_resettable``: whether the CPU peak could be reset per row
-    (:class:`PeakMemory`)."""
-    threads = torch.get_num_threads()
+    (:class:`PeakMemory`); ``command``: the command line (written above the table); ``busy``: ``--busy``;
+    ``load``: the 1-minute load average at the start and at the end."""
     date = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    lines = [
-        f"Round speed: torch {torch.__version__}, {device_name(device)} ({device.type}), "
-        f"{threads} threads, {date}",
+    lines = [f"`{command}`", ""] if command else []
+    lines += [
+        f"Round speed: {machine(device)}, {date}"
+        + (f"; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end" if load else "")
+        + (f"; {busy} busy-loop process(es) running throughout (--busy {busy})" if busy else ""),
         "",
-        "| workload | executor | device | ms/round (median) | wall ms/round (median) | local steps/s "
-        "| peak memory (MiB) | speed-up vs naive | time / best executor's | FLOP-floor fraction |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | executor | device | ms/round: median [IQR] | repeats' medians: min / median / max "
+        "| slowest round / median | wall ms/round (median) | local steps/s | peak memory (MiB) | speed-up vs naive "
+        "| time / best executor's | auto / chosen, per repeat: median [min, max] | FLOP-floor fraction |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_w = {w.name: w for w in workloads}
     notes: List[str] = []
@@ -570,12 +656,20 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
             floor_ms = 1e3 * 3 * fwd_flops[r.workload] * by_w[r.workload].samples_per_round / (peak_tflops * 1e12)
             frac = f"{floor_ms / r.ms:.3f}"
         ms = _fmt_ms(r.ms)
+        if r.times:
+            lo, hi = _iqr_ms(r.times)
+            ms += f" [{_fmt_ms(lo)}, {_fmt_ms(hi)}]"
         if r.note:
             notes.append(r.note)
             ms = f"{r.note.split(':')[0]} [{len(notes)}]"
+        reps = (" / ".join(_fmt_ms(x) for x in (min(r.repeat_ms), statistics.median(r.repeat_ms), max(r.repeat_ms)))
+                if len(r.repeat_ms) > 1 else "-")
+        paired = (f"{statistics.median(r.vs_chosen):.2f} [{min(r.vs_chosen):.2f}, {max(r.vs_chosen):.2f}]"
+                  if r.vs_chosen else "n/a")
+        slowest = f"{1e3 * max(r.times) / r.ms:.1f}" if r.times and r.ms else "-"
         executor = f"auto -> {r.chosen}" if r.chosen else r.executor
-        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {_fmt_ms(r.wall_ms)} | {steps} | {peak} "
-                     f"| {speed} | {vs_best} | {frac} |")
+        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {reps} | {slowest} | {_fmt_ms(r.wall_ms)} "
+                     f"| {steps} | {peak} | {speed} | {vs_best} | {paired} | {frac} |")
     lines.append("")
     for w in workloads:
         if w.name not in fwd_flops:
@@ -590,18 +684,29 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
     for r in rows:
         if r.reason:
             lines.append(f"- {r.workload} auto chose {r.chosen}: \"{r.reason}\"")
+        if r.probes:
+            picks = [n for n, _ in r.probes]
+            secs = [t for _, t in r.probes]
+            lines.append(f"- {r.workload} auto's choice over {len(picks)} fresh probes (--probes; cache cleared before "
+                         "each build): " + ", ".join(f"{n} {picks.count(n)}/{len(picks)}" for n in sorted(set(picks)))
+                         + f"; build with probe {min(secs):.2f} / {statistics.median(secs):.2f} / {max(secs):.2f} s "
+                         "(min / median / max).")
     lines += [
-        f"- Median over {timed} timed rounds after {warmup} warm-up round(s)"
-        + (f", pooled over {repeats} interleaved repeats of every row" if repeats > 1 else "")
-        + ". Executors: `round_time_s` of the "
-        "history (sampling, training, aggregation). Wall: time between consecutive round ends, i.e. also "
+        f"- Median [first quartile, third quartile] over {timed} timed rounds after {warmup} warm-up round(s)"
+        + (f", pooled over {repeats} interleaved repeats of every row; the repeats' column gives the spread of the "
+           "repeats' own medians" if repeats > 1 else "")
+        + "; slowest round / median: the slowest timed round (of all repeats) over the median. Executors: "
+        "`round_time_s` of the history (sampling, training, aggregation). Wall: time between consecutive round ends, "
+        "i.e. also "
         "MLflow logging (temporary SQLite store, flushed every round) and loop overhead. Naive: "
         "`perf_counter` around the whole round" + (" with `torch.cuda.synchronize()`." if device.type == "cuda" else "."),
         f"- No evaluation in timed rounds: `train.eval_every` > rounds; the executors' extra last round "
         f"(always evaluated, on a {TEST_SAMPLES}-sample test set) is not timed. The naive loop does no evaluation.",
         "- Speed-up: naive ms / row ms, same run. Time / best executor's: row ms / the lowest ms of the engine's "
         "executors (sequential, vectorized) on the workload, same run (auto's probe runs at build time and is "
-        "not in its rounds). FLOP floor: 3 x forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out per "
+        "not in its rounds). Auto / chosen: auto's median round over the median round of the executor it chose, "
+        "each repeat with its own (same-repeat) pair, so load that changes between repeats cancels. FLOP floor: 3 x "
+        "forward FLOP (conv 2*k*k*Cin*Cout*Hout*Wout + linear 2*in*out per "
         "output row + self-attention 8*T*E^2 + 4*T^2*E; biases/normalisation/activations/pooling excluded) x samples "
         f"per round, at an assumed peak of {peak_tflops:g} TFLOP/s (`--peak-tflops`; H200: ~67 fp32, ~990 bf16 "
         "dense); fraction = floor time / measured time (`n/a` on CPU).",
@@ -644,8 +749,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="W0,W1 only (unless --workloads), 5 timed rounds after 1 warm-up (a few minutes on 2 CPU cores)")
     p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"), help="where to train (default: auto = cuda if available)")
-    p.add_argument("--workloads", default=None, help="comma-separated subset of W0,W1,W2,V0,V1 (default: all; --quick: "
-                                                     "W0,W1; V1 runs on CUDA only)")
+    p.add_argument("--workloads", default=None, help="comma-separated subset of W0,W0-200,W1,W2,V0,V1 (default: all; "
+                                                     "--quick: W0,W1; V1 runs on CUDA only)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
     p.add_argument("--repeats", type=int, default=1,
@@ -656,6 +761,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "distributed; distributed starts 2 processes with torchrun)")
     p.add_argument("--max-parallel-clients", type=int, default=None,
                    help="engine.max_parallel_clients for the vectorized and auto rows (default: the config's)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="start this many CPU-bound busy-loop processes for the whole benchmark (another job's load on "
+                        "the machine; default 0)")
+    p.add_argument("--probes", type=int, default=0,
+                   help="after a workload's rows, build the auto simulator this many more times, each with the "
+                        "probe's cache cleared, and count its choices (default 0)")
     p.add_argument("--peak-tflops", type=float, default=60.0, help="assumed device peak in TFLOP/s for the FLOP-floor column (default: 60)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="data, partition, model and sampling seed (default: 0)")
@@ -667,6 +778,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if args.rounds < 1 or args.warmup < 0 or args.repeats < 1:
         p.error("--rounds and --repeats must be >= 1 and --warmup >= 0")
+    if args.busy < 0 or args.probes < 0:
+        p.error("--busy and --probes must be >= 0")
     names = [s.strip() for s in args.workloads.split(",") if s.strip()]
     bad = [n for n in names if n not in WORKLOADS]
     if bad or not names:
@@ -690,10 +803,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(f"device {device} ({device_name(device)}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
         "forward MFLOP/sample: " + ", ".join(f"{k} {v / 1e6:.4g}" for k, v in fwd.items()))
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
     tracking = _Tracking()
     rows: List[Row] = []
     peak = PeakMemory(device)
+    busy = BusyNeighbours(args.busy)
     try:
+        busy.__enter__()
         for w in args.workload_list:
             if w not in runs:
                 rows.append(Row(w.name, "-", device.type, note=f"skipped on {device.type}: {w.cuda_only}"))
@@ -719,6 +835,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                            tracking, extra)
                     if name != "distributed" and not row.note:
                         row.peak_mib = peak.peak_mib()
+                    row.repeat_ms = [row.ms] if row.ms is not None else []
                     if row.note:
                         log(f"  {w.name} {name}: {row.note}")
                     else:
@@ -729,13 +846,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-            rows.extend(merge(reps[name]) for name in args.executor_list)
+            merged = [merge(reps[name]) for name in args.executor_list]
+            pair_auto(merged, reps)
+            auto = next((r for r in merged if r.executor == "auto" and not r.note), None)
+            if args.probes and auto is not None:
+                extra = ([f"engine.max_parallel_clients={args.max_parallel_clients}"]
+                         if args.max_parallel_clients is not None else [])
+                auto.probes = run_probes(w, ds, part, data, device, args.seed, args.probes, extra)
+            rows.extend(merged)
             del ds, part, data
             gc.collect()
     finally:
+        busy.__exit__()
         tracking.close()
+    env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS",) if k in os.environ)
+    args_given = argv if argv is not None else sys.argv[1:]
+    command = env + "python benchmarks/round_speed.py" + "".join(f" {a}" for a in args_given)
     table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
-                   time.perf_counter() - t_start, args.repeats, peak.resettable)
+                   time.perf_counter() - t_start, args.repeats, peak.resettable, command=command, busy=args.busy,
+                   load=(load_start, os.getloadavg()[0]))
     print(table, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

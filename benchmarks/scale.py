@@ -14,8 +14,15 @@ checkpoint every 2 rounds, on the CPU. Columns:
 
 ``memory`` rows whose states would not fit in this machine's RAM are skipped with the size they would need.
 
+``--repeats R`` runs every row R times, interleaved (all rows once, then all rows again, ...), each in a fresh process:
+``ms/round`` and ``checkpoint s`` are then the median [min, max] over the repeats, and the per-round time of each N
+relative to the smallest N of the same store is taken repeat by repeat (the rows of one repeat run minutes apart, so
+a change in the machine's load between repeats cancels) and given as median [min, max]. The output names the command,
+the machine (processor, cores, RAM, torch and its threads) and the load average at the start and the end.
+
     python benchmarks/scale.py                      # N = 100, 1000, 10000; memory and disk stores
     python benchmarks/scale.py --clients 100,1000 --rounds 4
+    python benchmarks/scale.py --repeats 3
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List, Sequence
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
@@ -101,48 +111,87 @@ def _one(store: str, n: int, rounds: int, fill: float, folder: Path) -> dict:
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
-def main() -> int:
+def spread(xs: Sequence[float], fmt: str = "{:.0f}") -> str:
+    """``median [min, max]`` of ``xs`` (just the value for one)."""
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}, {fmt.format(max(xs))}]"
+
+
+def machine() -> str:
+    """Processor, cores, RAM, torch version and threads of this machine (the rows' processes inherit the threads)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return (f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def main(argv: Sequence[str] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="100,1000,10000", help="N values, comma-separated")
     p.add_argument("--stores", default="memory,disk", help="engine.client_state values, comma-separated")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--fill", type=float, default=1.0, help="share of the N clients that hold a state at the start")
+    p.add_argument("--repeats", type=int, default=1, help="run every row this many times, interleaved (default 1)")
     p.add_argument("--one", nargs=2, metavar=("STORE", "N"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory(dir=os.environ.get("FL_SCALE_DIR")) as tmp:
             print(json.dumps(_one(args.one[0], int(args.one[1]), args.rounds, args.fill, Path(tmp))))
         return 0
+    if args.repeats < 1 or args.rounds < 2:
+        p.error("--repeats must be >= 1 and --rounds >= 2 (the first round is not timed)")
+    clients = [int(v) for v in args.clients.split(",")]
+    stores = args.stores.split(",")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    rows = []
-    for n in [int(v) for v in args.clients.split(",")]:
-        for store in args.stores.split(","):
-            need = n * args.fill * D_STD_CNN * 4
-            if store == "memory" and need > 0.8 * ram:
-                rows.append({"store": store, "clients": n, "skipped": f"states need {need / 2 ** 30:.1f} GiB, "
-                                                                      f"RAM {ram / 2 ** 30:.1f} GiB"})
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
+    runs = {(s, n): [] for n in clients for s in stores}  # (store, N) -> one result per repeat
+    skipped = {}
+    for rep in range(args.repeats):
+        for n in clients:
+            for store in stores:
+                need = n * args.fill * D_STD_CNN * 4
+                if store == "memory" and need > 0.8 * ram:
+                    skipped[(store, n)] = f"states need {need / 2 ** 30:.1f} GiB, RAM {ram / 2 ** 30:.1f} GiB"
+                    continue
+                proc = subprocess.run([sys.executable, __file__, "--one", store, str(n), "--rounds", str(args.rounds),
+                                       "--fill", str(args.fill)], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    skipped[(store, n)] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                else:
+                    runs[(store, n)].append(dict(json.loads(proc.stdout.strip().splitlines()[-1]), repeat=rep))
+                print(f"  {store} N={n}: repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    env = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS", "FL_SCALE_DIR") if k in os.environ)
+    args_given = argv if argv is not None else sys.argv[1:]
+    command = env + "python benchmarks/scale.py" + "".join(f" {a}" for a in args_given)
+    print(f"`{command}`\n")
+    print(f"{machine()}; {args.repeats} repeat(s) of {args.rounds} rounds per row, {time.perf_counter() - t0:.0f} s "
+          f"wall; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
+    many = args.repeats > 1
+    head = "median [min, max] over the repeats" if many else "one run"
+    print(f"| store | N | ms/round ({head}) | checkpoint s ({head}) | checkpoint MB | states GB (disk) | peak RSS GB | "
+          f"ms/round / smallest N's, per repeat ({head}) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for n in clients:
+        for store in stores:
+            rs: List[dict] = runs[(store, n)]
+            if (store, n) in skipped and not rs:
+                print(f"| {store} | {n:,} | skipped: {skipped[(store, n)]} | | | | | |")
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--one", store, str(n), "--rounds", str(args.rounds),
-                                   "--fill", str(args.fill)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                rows.append({"store": store, "clients": n, "skipped": proc.stderr.strip().splitlines()[-1]})
-            else:
-                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"  {store} N={n}: done", file=sys.stderr, flush=True)
-    print("| store | N | ms/round | checkpoint s | checkpoint MB | states GB (disk) | peak RSS GB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "skipped" in r:
-            print(f"| {r['store']} | {r['clients']} | skipped: {r['skipped']} | | | | |")
-            continue
-        print(f"| {r['store']} | {r['clients']} | {r['ms_round']:.0f} | {r['checkpoint_s']:.2f} | "
-              f"{r['checkpoint_mb']:.1f} | {r['states_gb']:.2f} | {r['peak_rss_gb']:.2f} |")
-    base = {r["store"]: r["ms_round"] for r in rows if "skipped" not in r and r["clients"] == min(
-        int(v) for v in args.clients.split(","))}
-    for r in rows:
-        if "skipped" not in r and r["store"] in base:
-            print(f"{r['store']} N={r['clients']}: {r['ms_round'] / base[r['store']]:.2f}x the per-round time of "
-                  f"the smallest N")
+            base = {b["repeat"]: b["ms_round"] for b in runs[(store, clients[0])]}
+            ratios = [r["ms_round"] / base[r["repeat"]] for r in rs if r["repeat"] in base]
+            last = rs[-1]
+            print(f"| {store} | {n:,} | {spread([r['ms_round'] for r in rs])} | "
+                  f"{spread([r['checkpoint_s'] for r in rs], '{:.2f}')} | {last['checkpoint_mb']:,.1f} | "
+                  f"{last['states_gb']:.2f} | {max(r['peak_rss_gb'] for r in rs):.2f} | "
+                  f"{spread(ratios, '{:.2f}') if ratios else 'n/a'} |")
     return 0
 
 

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import copy
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from ..algorithms import build_algorithm, prepare_model
-from ..algorithms.base import RoundContext
 from ..data.sampling import sample_clients
 from ..models import build_model
 from ..schema import ConfigError
-from . import diskstate, kernels, memory
-from .executors import EXECUTORS, ClientData, SequentialExecutor, VectorizedExecutor, client_steps
+from . import autoprobe, diskstate, kernels, memory
+from .autoprobe import ExecutorTiming, time_executors
+from .executors import EXECUTORS, ClientData
 from .localwork import LocalWork
 from .simulator import RunLogger, Simulator, config_fingerprint
-from .state import ClientStateStore
-from ..params import ParamSpec, flatten_params
+from ..params import ParamSpec
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -45,122 +41,7 @@ def client_data(ds, partition, device: torch.device, dtype: torch.dtype = torch.
                       ds.num_classes)
 
 
-PROBE_BUDGET_S = 0.25  # seconds of sequential training per timed repetition of the auto probe (sets its clients)
-PROBE_REPEATS = 2  # timed repetitions per executor, interleaved; the fastest counts
 PROBE_TIE = 0.05  # predictions within 5 % of each other: keep the device's default executor
-
-
-@dataclass(frozen=True)
-class ExecutorTiming:
-    """What the ``auto`` probe measured (:func:`time_executors`).
-
-    Attributes:
-        round_s: executor name -> predicted seconds of local training in round 1 (all its sampled clients).
-        clients: executor name -> how many of round 1's sampled clients it trained per timed repetition.
-        sampled: the number of round 1's sampled clients.
-        probe_s: wall seconds the whole probe took (warm-up included).
-    """
-
-    round_s: Dict[str, float]
-    clients: Dict[str, int]
-    sampled: int
-    probe_s: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: Dict,
-                   budget_s: float = PROBE_BUDGET_S, repeats: int = PROBE_REPEATS) -> ExecutorTiming:
-    """Time one local step of the sequential and the vectorised executor on round 1's clients; predict the round.
-
-    Each executor trains the first m of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``;
-    the clients with data first) for one local step each (``local_steps=1``), on deep copies of ``model`` and
-    ``algo`` (hooks and state included) and a fresh client-state store. After one warm-up call each, m is what
-    the executor trains in about ``budget_s`` seconds, at least 1 and at most the sampled clients and
-    ``engine.max_parallel_clients``: the sequential executor's from one client's time (its cost is linear in
-    the clients), the vectorised one's grown from there while a step of m clients takes under ``budget_s / 2``
-    (its cost per client falls with m; that last call is its first repetition). Then ``repeats`` interleaved
-    timed repetitions each; the fastest counts.
-    The prediction for the round with its real step counts K_i: sequential = (seconds per client step) x sum
-    K_i; vectorised = per chunk of ``engine.max_parallel_clients`` clients, (seconds per step of m clients) x
-    chunk size / m x its largest K_i.
-
-    The run is not changed: the global torch RNG (and the device's CUDA RNG) is restored afterwards, the
-    model, the algorithm and their states are copies, and the batch and augmentation draws are keyed by
-    (seed, round, client), so the run draws them again the same.
-
-    Args:
-        cfg: the composed config (``train``, ``engine.max_parallel_clients``, ``seed``).
-        model, algo: the run's model (on its device) and algorithm stack; not modified.
-        data: the clients' training data.
-        kwargs: the executors' keyword arguments (batch size, epochs, ... as :func:`build_simulator` passes them).
-        budget_s: seconds of sequential training per timed repetition (sets m).
-        repeats: timed repetitions per executor (>= 1).
-
-    Returns:
-        an :class:`ExecutorTiming` (seconds).
-
-    Raises:
-        whatever an executor raises on these clients (e.g. ``InfeasibleSetting`` for a rule that cannot run one
-        local step, ``torch.OutOfMemoryError``); :func:`choose_executor` then keeps the device's default.
-    """
-    t0 = time.perf_counter()
-    device = next(model.parameters()).device
-    t = cfg.train
-    num_clients = len(data.indices)
-    sampled = sample_clients(num_clients, t.participation, t.sampler, int(cfg.seed), 1).tolist()
-    sizes = [data.size(c) for c in sampled]
-    steps = [client_steps(n, kwargs["batch_size"], kwargs["local_epochs"], kwargs.get("local_steps", 0))
-             for n in sizes]
-    chunk = int(cfg.engine.max_parallel_clients) or len(sampled)
-    order = [c for c, n in zip(sampled, sizes) if n > 0] + [c for c, n in zip(sampled, sizes) if n == 0]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        m_copy, a_copy = copy.deepcopy((model, algo))
-        one = dict(kwargs, local_steps=1)
-        executors = {"sequential": SequentialExecutor(m_copy, a_copy, data, **one),
-                     "vectorized": VectorizedExecutor(m_copy, a_copy, data, **one)}
-        g = flatten_params(m_copy)
-        rctx = RoundContext(round=1, lr=float(t.lr), lr0=float(t.lr), global_flat=g,
-                            spec=ParamSpec.from_model(m_copy), num_clients=num_clients,
-                            mean_client_size=sum(map(data.size, range(num_clients))) / num_clients,
-                            sampled=tuple(sampled), seed=int(cfg.seed),
-                            extra=a_copy.broadcast(a_copy.init_server_state(g)))
-
-        def timed(name: str, ids: List[int]) -> float:
-            _sync(device)
-            start = time.perf_counter()
-            executors[name].run_round(rctx, ids, ClientStateStore("cpu"))
-            _sync(device)
-            return time.perf_counter() - start
-
-        t1 = timed("sequential", order[:1])  # warm-up: first calls initialise kernels (and vmap's imports)
-        timed("vectorized", order[:1])
-        if t1 < budget_s:
-            t1 = timed("sequential", order[:1])
-        limit = min(len(order), chunk)
-        m = {"sequential": max(1, min(limit, int(budget_s / max(t1, 1e-9))))}
-        m["vectorized"] = m["sequential"]
-        tv = timed("vectorized", order[:m["vectorized"]])
-        for _ in range(4):  # grow the vectorised chunk towards the budget (at most 4 more calls)
-            if m["vectorized"] >= limit or tv >= budget_s / 2:
-                break
-            m["vectorized"] = min(limit, max(2 * m["vectorized"], int(m["vectorized"] * budget_s / max(tv, 1e-9))))
-            tv = timed("vectorized", order[:m["vectorized"]])
-        best = {"sequential": float("inf"), "vectorized": tv}  # the last vectorised call is its first repetition
-        for i in range(max(1, repeats)):
-            best["sequential"] = min(best["sequential"], timed("sequential", order[:m["sequential"]]))
-            if i + 1 < repeats:
-                best["vectorized"] = min(best["vectorized"], timed("vectorized", order[:m["vectorized"]]))
-    per_step = best["sequential"] / m["sequential"]
-    vec = 0.0
-    for s in range(0, len(sampled), chunk):
-        part = steps[s:s + chunk]
-        vec += best["vectorized"] * len(part) / m["vectorized"] * max(part)
-    return ExecutorTiming({"sequential": per_step * sum(steps), "vectorized": vec}, m, len(sampled),
-                          time.perf_counter() - t0)
 
 
 def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_bytes: int,
@@ -204,9 +85,10 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     ``auto`` takes the sequential executor when the vectorised one cannot run (a hook of the algorithm stack only
     runs sequentially, or the model has buffers) or cannot fit (``fit``: its memory estimate above
     :data:`.memory.FIT_FRACTION` of the available memory; the reason gives both and the
-    ``engine.max_parallel_clients`` that would fit); otherwise it calls ``probe`` (:func:`time_executors`: one
-    local step of some of round 1's clients with each executor, on copies) and takes the executor with the lower
-    predicted round time; within ``PROBE_TIE`` (5 %) of each other, or without a probe, or when the probe fails,
+    ``engine.max_parallel_clients`` that would fit); otherwise it calls ``probe`` (:func:`.autoprobe.time_executors`
+    through :func:`.autoprobe.cached_timing`: one local step of some of round 1's clients with each executor, on
+    copies, timed in alternating calls of which each executor's fastest counts; once per workload and process) and
+    takes the executor with the lower predicted round time; within ``PROBE_TIE`` (5 %) of each other, or without a probe, or when the probe fails,
     the device's default: vectorised on CUDA, sequential on the CPU. The probe runs only in that last case, never
     when the choice is forced. Both executors train the same model up to float rounding, so the choice changes
     speed, not results.
@@ -259,9 +141,12 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     else:
         name, why = ("vectorized", "faster") if vec < seq else ("sequential", "faster")
     n = timing.clients
+    calls = len(timing.samples.get("sequential", ()))
+    how = f"fastest of {calls} alternating calls each, " if calls else ""
+    again = ", measured once for this workload in this process" if timing.cached else ""
     return name, (f"auto: {name} ({why}): predicted round 1 on {where}: vectorized {1e3 * vec:.1f} ms, "
                   f"sequential {1e3 * seq:.1f} ms, from one local step of {n['vectorized']} and "
-                  f"{n['sequential']} of its {timing.sampled} clients (probe {timing.probe_s:.2f} s)")
+                  f"{n['sequential']} of its {timing.sampled} clients ({how}probe {timing.probe_s:.2f} s{again})")
 
 
 def job_key(cfg) -> Tuple[str, int]:
@@ -342,7 +227,9 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     # the in-memory store keeps every client's state on the host (Simulator._open_store): RAM the run will take
     held = partition.num_clients * state_bytes if store == "memory" and device.type == "cpu" and rank == 0 else 0
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
-                                   device, probe=lambda: time_executors(cfg, model, algo, data, kwargs),
+                                   device, probe=lambda: autoprobe.cached_timing(
+                                       autoprobe.workload_key(cfg, model, data, kwargs),
+                                       lambda: time_executors(cfg, model, algo, data, kwargs)),
                                    fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks, held))
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients

@@ -26,7 +26,7 @@ from .. import durable, faults
 from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
-from . import diskstate
+from . import diskstate, gcpause
 from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
 from .localwork import LocalWork, plan_round
@@ -316,9 +316,16 @@ class Simulator:
     def run(self) -> RunResult:
         """Run (or resume) the rounds.
 
+        The objects alive when the run starts are kept out of Python's garbage collections until it ends
+        (:func:`.gcpause.frozen_heap`; again after the first round), so no round pays for a collection over the whole process's heap.
+
         Raises:
             RunFailed: non-finite loss; the logger's run is closed as FAILED with the reason.
         """
+        with gcpause.frozen_heap():
+            return self._run()
+
+    def _run(self) -> RunResult:
         resumed_from = self.restore()
         st, self._restored = self._restored, None
         store = self._open_store(st)
@@ -378,6 +385,8 @@ class Simulator:
                     self._save(st, store)
                 for cb in self.callbacks:
                     cb(r, row)
+                if r == resumed_from + 1:  # the first round imported what it uses: freeze it too
+                    gcpause.refreeze()
         except NonFiniteLossError as err:
             getattr(store, "close", lambda: None)()
             self.logger.flush()
