@@ -36,16 +36,6 @@ def _files(tmp: Path) -> set:
     return {str(p.relative_to(tmp)) for p in tmp.rglob("*")}
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store with its schema built once (as in tests/test_faults.py)."""
-    from fl_core.tracking import ensure_store
-
-    db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    ensure_store(f"sqlite:///{db}")
-    return db
-
-
 @pytest.fixture(autouse=True)
 def _fresh_fault_counts(monkeypatch):
     """In-process runs count fault hits from zero; FL_DEBUG unset unless a test sets it."""

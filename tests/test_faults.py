@@ -38,16 +38,6 @@ GRID = {
 }
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store with its schema built once (MLflow's migrations take seconds per store)."""
-    from fl_core.tracking import ensure_store
-
-    db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    ensure_store(f"sqlite:///{db}")
-    return db
-
-
 def _project(tmp: Path, grid=GRID, store: Path | None = None) -> Path:
     """A project folder with ``params.yaml`` and, from ``store``, a copy of an empty MLflow store."""
     tmp.mkdir(parents=True, exist_ok=True)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from pathlib import Path
 
 import pytest
 
 from fl_core.algorithms import registry
 from fl_core.config import AlgorithmConfig, to_container
-from fl_core.tracking import (EXPERIMENT_KIND, METRIC_NAMES, METRIC_SECTIONS, TAG_EXPERIMENT_KIND, Tracking, ensure_store,
-                              flatten, is_detail, mlflow_metric_name, rule_sections, run_params)
+from fl_core.tracking import (EXPERIMENT_KIND, METRIC_NAMES, METRIC_SECTIONS, TAG_EXPERIMENT_KIND, Tracking, flatten,
+                              is_detail, mlflow_metric_name, rule_sections, run_params)
 
 from conftest import run_sim, tiny_cfg
 
@@ -156,14 +155,6 @@ def test_the_named_keys_are_those_the_round_loop_and_the_evaluation_write(digits
 
 
 # ------------------------------------------------------------------------------------------ end to end
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store with its schema built once (MLflow's migrations take seconds per store)."""
-    db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    ensure_store(f"sqlite:///{db}")
-    return db
 
 
 @pytest.fixture

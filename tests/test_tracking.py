@@ -13,22 +13,13 @@ import pytest
 import torch
 
 from fl_core import mlflow_artifacts
-from fl_core.tracking import (MODEL_NAME, TAG_BEST_CHILD, TAG_BEST_MODEL_URI, TAG_BEST_SEED, TAG_MODEL_FORMAT, Tracking,
-                              ensure_store)
+from fl_core.tracking import MODEL_NAME, TAG_BEST_CHILD, TAG_BEST_MODEL_URI, TAG_BEST_SEED, TAG_MODEL_FORMAT, Tracking
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["partition.num_clients=4", "train.rounds=3", "train.participation=1.0", "train.local_epochs=1",
         "train.batch_size=64", "engine.progress=false", "engine.checkpoint_every=0"]
 CURVES = {"test_acc": "test/acc", "test_loss": "test/loss", "train_loss": "train/loss",
           "comm_up_floats": "comm/up_floats"}
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store with its schema built once (MLflow's migrations take seconds per store)."""
-    db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    ensure_store(f"sqlite:///{db}")
-    return db
 
 
 @pytest.fixture
