@@ -34,8 +34,9 @@ its peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (tensors), reset at
 process's peak resident set (``VmHWM``, reset at the row's start through ``/proc/self/clear_refs``; data, model,
 libraries and the interpreter included), where the kernel allows the reset, else the process's peak so far.
 
-Timing: median [IQR] over the timed rounds after the warm-up rounds (pooled over ``--repeats``, which also gives the
-spread of the repeats' own medians, and, for ``auto``, its median round over the chosen executor's, repeat by
+Timing: median [IQR] over the timed rounds after the warm-up rounds (pooled over ``--repeats``: every row once per
+repeat, in the given order and, every other repeat, the reverse one, so a drift in the machine's load or state reaches
+all rows alike; the table also gives the spread of the repeats' own medians and, for ``auto``, its median round over the chosen executor's, repeat by
 repeat). ``--busy N`` runs N busy-loop processes throughout (another CPU-bound job); ``--probes K`` builds the ``auto``
 simulator K more times per workload with the probe's cache cleared and counts its choices. The table names the
 command, the machine and its load average. Executors: the history's
@@ -693,8 +694,8 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
                          "(min / median / max).")
     lines += [
         f"- Median [first quartile, third quartile] over {timed} timed rounds after {warmup} warm-up round(s)"
-        + (f", pooled over {repeats} interleaved repeats of every row; the repeats' column gives the spread of the "
-           "repeats' own medians" if repeats > 1 else "")
+        + (f", pooled over {repeats} interleaved repeats of every row (every other repeat in reverse order); the "
+           "repeats' column gives the spread of the repeats' own medians" if repeats > 1 else "")
         + "; slowest round / median: the slowest timed round (of all repeats) over the median. Executors: "
         "`round_time_s` of the history (sampling, training, aggregation). Wall: time between consecutive round ends, "
         "i.e. also "
@@ -754,8 +755,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every row this many times, interleaved (naive, sequential, ..., naive, ...); the "
-                        "table gives medians over all their timed rounds (default 1)")
+                   help="run every row this many times, interleaved (naive, sequential, ..., then the reverse order, "
+                        "...); the table gives medians over all their timed rounds and the spread of the repeats' "
+                        "medians (default 1)")
     p.add_argument("--executors", default=",".join(EXECUTOR_ROWS),
                    help="comma-separated rows: naive and engine.executor values (default: naive,sequential,vectorized,auto,"
                         "distributed; distributed starts 2 processes with torchrun)")
@@ -820,8 +822,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             part = make_partition(w, ds, args.seed)
             data = make_client_data(ds, part, device)  # shared by every row of the workload
             reps: Dict[str, List[Row]] = {name: [] for name in args.executor_list}
-            for rep in range(args.repeats):  # interleaved: every row once per repeat
-                for name in args.executor_list:
+            for rep in range(args.repeats):  # interleaved: every row once per repeat, every other repeat reversed
+                for name in (args.executor_list if rep % 2 == 0 else args.executor_list[::-1]):
                     peak.start()
                     if name == "naive":
                         row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
