@@ -34,11 +34,13 @@ its peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (tensors), reset at
 process's peak resident set (``VmHWM``, reset at the row's start through ``/proc/self/clear_refs``; data, model,
 libraries and the interpreter included), where the kernel allows the reset, else the process's peak so far.
 
-Timing: median [IQR] over the timed rounds after the warm-up rounds (pooled over ``--repeats``, which also gives the
-spread of the repeats' own medians, and, for ``auto``, its median round over the chosen executor's, repeat by
-repeat). ``--busy N`` runs N busy-loop processes throughout (another CPU-bound job); ``--probes K`` builds the ``auto``
-simulator K more times per workload with the probe's cache cleared and counts its choices. The table names the
-command, the machine and its load average. Executors: the history's
+Timing: median [IQR] over the timed rounds after the warm-up rounds (pooled over ``--repeats``: every row once per
+repeat, in the given order and, every other repeat, the reverse one, so a drift in the machine's load or state reaches
+all rows alike; the table also gives the spread of the repeats' own medians and, for ``auto``, its median round over
+the chosen executor's, repeat by repeat), the slowest round over the median and Python's full garbage collections
+in the timed part (how many, the longest pause). ``--busy N`` runs N busy-loop processes throughout (another
+CPU-bound job); ``--probes K`` builds the ``auto`` simulator K more times per workload with the probe's cache cleared
+and counts its choices. The table names the command, the machine and its load average. Executors: the history's
 ``round_time_s`` (sampling, local training, aggregation); evaluation is switched off
 (``train.eval_every`` > rounds) and the last round, which the simulator always evaluates, is run
 but not timed. The "wall" column adds what ``round_time_s`` leaves out (MLflow logging, loop
@@ -179,6 +181,7 @@ class Row:
     repeat_ms: List[float] = field(default_factory=list)  # each repeat's median ms per round, in repeat order
     vs_chosen: List[float] = field(default_factory=list)  # auto: its repeat i's median / the chosen row's repeat i's
     probes: List[Tuple[str, float]] = field(default_factory=list)  # auto, --probes: (choice, probe s) per fresh probe
+    gc_pauses: Optional[List[float]] = None  # seconds of each full garbage collection in the timed rounds (FullGC)
 
 
 def merge(rows: List[Row]) -> Row:
@@ -198,7 +201,8 @@ def merge(rows: List[Row]) -> Row:
     peaks = [r.peak_mib for r in rows if r.peak_mib is not None]
     return Row(first.workload, first.executor, first.device, _median_ms(times), _median_ms(walls),
                spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls,
-               peak_mib=max(peaks) if peaks else None, repeat_ms=[r.ms for r in rows if r.ms is not None])
+               peak_mib=max(peaks) if peaks else None, repeat_ms=[r.ms for r in rows if r.ms is not None],
+               gc_pauses=None if first.gc_pauses is None else [p for r in rows for p in (r.gc_pauses or [])])
 
 
 def pair_auto(merged: List[Row], reps: Dict[str, List[Row]]) -> None:
@@ -381,6 +385,36 @@ def _iqr_ms(xs: Sequence[float]) -> Tuple[float, float]:
     return 1e3 * q[0], 1e3 * q[2]
 
 
+class FullGC:
+    """Python's full garbage collections (generation 2) while :attr:`active`: the pause of each (``gc.callbacks``).
+    A row sets it active from the end of its last warm-up round to the end of its last timed round, so the rounds
+    and what the loop does between them (MLflow logging) count."""
+
+    def __init__(self):
+        self.active = False
+        self.pauses: List[float] = []
+        self._start: Optional[float] = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: Dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            if self.active:
+                self.pauses.append(time.perf_counter() - self._start)
+            self._start = None
+
+    def take(self) -> List[float]:
+        """The pauses recorded since the last call; stops recording."""
+        out, self.pauses, self.active = self.pauses, [], False
+        return out
+
+
+FULL_GC = FullGC()
+
+
 class BusyNeighbours:
     """``--busy N``: N processes that each keep one core busy (a Python busy loop) while the benchmark runs, the
     load of another CPU-bound job on the machine; stopped (killed, by their process ids) on exit."""
@@ -414,7 +448,9 @@ def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, 
     global_sd = {k: v.detach().clone() for k, v in build_model(w).to(device).state_dict().items()}
     times: List[float] = []
     loss = float("nan")
+    FULL_GC.take()
     for r in range(1, warmup + timed + 1):
+        FULL_GC.active = r > warmup
         sync(device)
         t0 = time.perf_counter()
         clients = sample_clients(w.num_clients, w.participation, "fixed", seed, r)
@@ -453,7 +489,8 @@ def run_naive(w: Workload, data: ClientData, device: torch.device, warmup: int, 
         log(f"  {w.name} naive round {r}: {1e3 * dt:.1f} ms{' (warm-up)' if r <= warmup else ''}, "
             f"train_loss {loss:.4f}")
     ms = _median_ms(times)
-    return Row(w.name, "naive", device.type, ms, ms, spread=_spread(times), times=times, walls=times)
+    return Row(w.name, "naive", device.type, ms, ms, spread=_spread(times), times=times, walls=times,
+               gc_pauses=FULL_GC.take())
 
 
 class _Tracking:
@@ -492,6 +529,7 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
 
     def on_round(r: int, row: Dict[str, float]) -> None:
         stamps[r] = time.perf_counter()
+        FULL_GC.active = warmup <= r < warmup + timed  # round r + 1 is timed
         kind = "warm-up" if r <= warmup else "timed" if r <= warmup + timed else "untimed, evaluates"
         log(f"  {w.name} {name} round {r}: {1e3 * row['round_time_s']:.1f} ms ({kind}), "
             f"train_loss {row['train_loss']:.4f}")
@@ -507,6 +545,8 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
                                          {"workload": w.name, "executor": name, "device": device.type},
                                          log_every=1)
     sim.logger = logger
+    FULL_GC.take()
+    FULL_GC.active = warmup == 0
     try:
         result = sim.run()
     except BaseException:
@@ -521,7 +561,7 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
     del sim, result
     return Row(w.name, name, device.type, _median_ms(times), _median_ms(walls), spread=_spread(times),
                chosen=chosen if name == "auto" else "", reason=reason if name == "auto" else "", times=times,
-               walls=walls)
+               walls=walls, gc_pauses=FULL_GC.take())
 
 
 def run_probes(w: Workload, ds: FLDataset, part: Partition, data: ClientData, device: torch.device, seed: int,
@@ -635,9 +675,10 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         + (f"; {busy} busy-loop process(es) running throughout (--busy {busy})" if busy else ""),
         "",
         "| workload | executor | device | ms/round: median [IQR] | repeats' medians: min / median / max "
-        "| slowest round / median | wall ms/round (median) | local steps/s | peak memory (MiB) | speed-up vs naive "
+        "| slowest round / median | full GCs in timed rounds: count, longest ms | wall ms/round (median) "
+        "| local steps/s | peak memory (MiB) | speed-up vs naive "
         "| time / best executor's | auto / chosen, per repeat: median [min, max] | FLOP-floor fraction |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_w = {w.name: w for w in workloads}
     notes: List[str] = []
@@ -667,8 +708,11 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         paired = (f"{statistics.median(r.vs_chosen):.2f} [{min(r.vs_chosen):.2f}, {max(r.vs_chosen):.2f}]"
                   if r.vs_chosen else "n/a")
         slowest = f"{1e3 * max(r.times) / r.ms:.1f}" if r.times and r.ms else "-"
+        gcs = "-" if r.gc_pauses is None else (f"{len(r.gc_pauses)}, {1e3 * max(r.gc_pauses):,.0f}" if r.gc_pauses
+                                                 else "0")
         executor = f"auto -> {r.chosen}" if r.chosen else r.executor
-        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {reps} | {slowest} | {_fmt_ms(r.wall_ms)} "
+        lines.append(f"| {r.workload} | {executor} | {r.device} | {ms} | {reps} | {slowest} | {gcs} "
+                     f"| {_fmt_ms(r.wall_ms)} "
                      f"| {steps} | {peak} | {speed} | {vs_best} | {paired} | {frac} |")
     lines.append("")
     for w in workloads:
@@ -693,9 +737,11 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
                          "(min / median / max).")
     lines += [
         f"- Median [first quartile, third quartile] over {timed} timed rounds after {warmup} warm-up round(s)"
-        + (f", pooled over {repeats} interleaved repeats of every row; the repeats' column gives the spread of the "
-           "repeats' own medians" if repeats > 1 else "")
-        + "; slowest round / median: the slowest timed round (of all repeats) over the median. Executors: "
+        + (f", pooled over {repeats} interleaved repeats of every row (every other repeat in reverse order); the "
+           "repeats' column gives the spread of the repeats' own medians" if repeats > 1 else "")
+        + "; slowest round / median: the slowest timed round (of all repeats) over the median; full GCs: Python's "
+        "collections of its oldest generation from the end of the warm-up to the end of the last timed round "
+        "(rounds and logging), how many and the longest pause. Executors: "
         "`round_time_s` of the history (sampling, training, aggregation). Wall: time between consecutive round ends, "
         "i.e. also "
         "MLflow logging (temporary SQLite store, flushed every round) and loop overhead. Naive: "
@@ -754,8 +800,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per row (default 10; --quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds per row (default 2; --quick: 1)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every row this many times, interleaved (naive, sequential, ..., naive, ...); the "
-                        "table gives medians over all their timed rounds (default 1)")
+                   help="run every row this many times, interleaved (naive, sequential, ..., then the reverse order, "
+                        "...); the table gives medians over all their timed rounds and the spread of the repeats' "
+                        "medians (default 1)")
     p.add_argument("--executors", default=",".join(EXECUTOR_ROWS),
                    help="comma-separated rows: naive and engine.executor values (default: naive,sequential,vectorized,auto,"
                         "distributed; distributed starts 2 processes with torchrun)")
@@ -820,8 +867,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             part = make_partition(w, ds, args.seed)
             data = make_client_data(ds, part, device)  # shared by every row of the workload
             reps: Dict[str, List[Row]] = {name: [] for name in args.executor_list}
-            for rep in range(args.repeats):  # interleaved: every row once per repeat
-                for name in args.executor_list:
+            for rep in range(args.repeats):  # interleaved: every row once per repeat, every other repeat reversed
+                for name in (args.executor_list if rep % 2 == 0 else args.executor_list[::-1]):
                     peak.start()
                     if name == "naive":
                         row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
