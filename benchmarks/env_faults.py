@@ -227,7 +227,7 @@ def histories(project: Path, name: str) -> Dict:
         if tags.get("fl.experiment") != name or "mlflow.parentRunId" not in tags:
             continue
         for key in r.data.metrics:
-            if "round_time" not in key:
+            if key not in ("round/time_s", "round_time_s"):  # wall-clock round times differ on every run
                 out[(tags.get("fl.seed"), key)] = sorted((m.step, m.value)
                                                          for m in client.get_metric_history(r.info.run_id, key))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -220,7 +221,7 @@ def _histories(tmp: Path) -> dict:
         if "fl.seed" not in r.data.tags or "mlflow.parentRunId" not in r.data.tags:
             continue
         for key in r.data.metrics:
-            if "round_time" not in key:
+            if key not in ("round/time_s", "round_time_s"):  # wall-clock round times differ on every run
                 out[(r.data.tags["fl.seed"], key)] = sorted((m.step, m.value)
                                                             for m in client.get_metric_history(r.info.run_id, key))
     return out
@@ -258,9 +259,10 @@ def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch
         assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 2
         assert torch.load(attempt / "seed_1.pt.prev", weights_only=False)["round"] == 1
     _client, runs = _mlflow_state(tmp)
-    assert runs and "RUNNING" not in {r.info.status for r in runs}
-    assert all(r.data.tags["fl.end_reason"].startswith("environment failure: ") for r in runs
-               if r.info.status == "KILLED")
+    assert runs and {r.info.status for r in runs} <= {"FINISHED", "FAILED"}  # none RUNNING; KILLED is for signals
+    failed = [r for r in runs if r.info.status == "FAILED"]
+    assert any(r.data.tags.get("fl.role") == "parent" for r in failed)
+    assert all(r.data.tags["fl.end_reason"] == f"environment failure: {lines[0][len('error: '):]}" for r in failed)
     # the same command again: one clean run per seed, every metric of the uninterrupted run, once
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
@@ -317,6 +319,199 @@ def test_data_stages_on_a_full_disk_or_a_file_as_data_dir(tmp_path, monkeypatch,
     assert prepare.main([]) == envfail.EXIT_STATUS
     assert _lines(capsys.readouterr().err) == ["error: data folder data is a file, not a folder; choose another "
                                                "data_dir=... (or move the file away), then run the same command again"]
+
+
+# --------------------------------------------------------------------------- the tracking store and the databases
+
+
+def _hold_sqlite_lock(db: Path) -> subprocess.Popen:
+    """A second process holding an exclusive lock on the SQLite file ``db`` (``BEGIN EXCLUSIVE``: no other process
+    reads or writes it) until it is killed; returns once the lock is held."""
+    code = ("import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)\n"
+            "c.execute('BEGIN EXCLUSIVE')\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(db)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held", "the lock holder did not report"
+    return holder
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.kill()
+    holder.wait(timeout=30)
+    holder.stdout.close()
+
+
+def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
+    """``pipeline.train``'s main(args) in a forked copy of this process with ``env`` added (the project's store
+    unless ``env`` names another); its pid (see :func:`_wait`)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(tmp)
+            os.environ.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
+                               **env})
+            if faults.ENV not in env:
+                os.environ.pop(faults.ENV, None)
+            torch.set_num_threads(1)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            from pipeline.train import main
+
+            code = main(args)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_nothing(
+        tmp_path, monkeypatch, capsys, empty_store, uninterrupted):
+    """The SQLite store locked by a second process in the middle of seed 1 (the run stops itself at its 3rd
+    checkpoint write, the lock is taken, the run continues): its next write waits FL_SQLITE_BUSY_TIMEOUT_S, then
+    one line and exit 3; the runs, which only the locked store could end, are left to the rerun, which ends them as
+    orphans, continues them and loses nothing."""
+    from fl_core import storewait
+
+    tmp = _project(tmp_path / "p", store=empty_store)
+    log, stamp = tmp_path / "stderr", tmp_path / "stamp"
+    pid = _fork_train(tmp, ["--grid", "exp"], {faults.ENV: "checkpoint_write@3:STOP", faults.STAMP_ENV: str(stamp),
+                                               storewait.SQLITE_BUSY_ENV: "2"}, log)
+    try:
+        deadline = time.monotonic() + 240
+        while not (stamp.exists() and _stopped(pid)):
+            assert time.monotonic() < deadline, "the run did not reach its 3rd checkpoint write"
+            time.sleep(0.05)
+        holder = _hold_sqlite_lock(tmp / "mlflow.db")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert _wait(pid) == envfail.EXIT_STATUS
+    finally:
+        _release(holder)
+    assert _lines(log.read_text()) == [
+        f"error: tracking store sqlite:///{tmp / 'mlflow.db'} is locked by another process for 2 s; retry, or set "
+        "MLFLOW_TRACKING_URI to a tracking server, then run the same command again"]
+    attempt = next((tmp / "checkpoints" / "exp").iterdir())
+    assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 3  # the last checkpoint is valid
+    _client, runs = _mlflow_state(tmp)
+    assert sorted(r.info.status for r in runs) == ["RUNNING", "RUNNING"]  # parent, seed 1: only the store can end them
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    assert "exp: ended 2 MLflow run(s) left RUNNING by a process that is gone" in capsys.readouterr().err
+    _ref_dir, ref_models, ref_hist = uninterrupted
+    for s in SEEDS:
+        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
+        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
+    assert _histories(tmp) == ref_hist
+    _client, runs = _mlflow_state(tmp)
+    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+
+
+def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI at a dead port: MLflow's own retries (here 1, backoff factor 1), then one line and exit
+    3; the project's defaults (5 retries, factor 1, 15 s per request) apply only where the variables are unset."""
+    from fl_core import storewait
+    from test_distributed import _free_port
+
+    for key in storewait.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    assert storewait.http_defaults() == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                                         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+    assert storewait.http_retry_window_s() == (1, 0.0, 15.0)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
+    assert storewait.http_retry_window_s() == (5, 30.0, 15.0)  # pauses 0, 2, 4, 8, 16 s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    (tmp_path / "p").mkdir()
+    uri = f"http://user:secret@127.0.0.1:{_free_port()}"
+    log = tmp_path / "stderr"
+    assert _wait(_fork_train(tmp_path / "p", SINGLE, {"MLFLOW_TRACKING_URI": uri}, log)) == envfail.EXIT_STATUS
+    shown = uri.replace(":secret@", ":***@")
+    assert _lines(log.read_text()) == [
+        f"error: tracking server {shown} does not answer (connection refused; MLflow retried 1 time over about 0 s, "
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES / MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); start it or set MLFLOW_TRACKING_URI to "
+        "one that answers, then run the same command again"]
+
+
+def test_a_sqlite_store_in_a_missing_folder_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/typo/mlflow.db")
+    capsys.readouterr()
+    assert main(SINGLE) == envfail.EXIT_STATUS
+    assert _lines(capsys.readouterr().err) == [
+        f"error: tracking store sqlite:///{tmp_path}/typo/mlflow.db is in a folder that does not exist "
+        f"({tmp_path}/typo); create the folder or set MLFLOW_TRACKING_URI to a store in an existing one, then run the "
+        "same command again"]
+    assert _files(tmp_path) == set()  # no folder, no lock file, no results
+
+
+def test_database_errors_name_the_database_with_the_password_masked():
+    """Real driver errors through SQLAlchemy: a PostgreSQL port nothing listens on (psycopg's "connection refused"),
+    a SQLite file locked by another process; the role given with storefail.name_store names them."""
+    import sqlalchemy
+
+    from fl_core import storefail, storewait
+    from test_distributed import _free_port
+
+    url = f"postgresql+psycopg://fl:s3cret@127.0.0.1:{_free_port()}/optuna"
+    engine = sqlalchemy.create_engine(url, **storewait.engine_kwargs(url))
+    with pytest.raises(sqlalchemy.exc.OperationalError) as err:
+        engine.connect()
+    got = envfail.classify(err.value)
+    shown = url.replace(":s3cret@", ":***@")
+    assert str(got) == (f"database {shown} refused the connection (connection refused: is the server running?); "
+                        "check that the PostgreSQL server runs and answers, then run the same command again")
+    assert got.store == shown and "s3cret" not in str(got)
+    storefail.name_store(url.replace("+psycopg", ""), "Optuna storage")  # another spelling of the same database
+    assert str(envfail.classify(err.value)).startswith(f"Optuna storage {shown} refused the connection")
+    assert storewait.pg_connect_args(url)["connect_timeout"] == 10
+    assert "connect_timeout" not in storewait.pg_connect_args(url + "?connect_timeout=3")  # the URL's own
+
+
+def test_sqlite_busy_timeout_replaces_mlflows_and_bounds_a_lock(tmp_path, monkeypatch):
+    import sqlalchemy
+
+    from fl_core import storewait
+
+    storewait.install()
+    monkeypatch.setenv(storewait.SQLITE_BUSY_ENV, "0.5")
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+        conn.commit()
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 500
+        conn.exec_driver_sql("PRAGMA busy_timeout = 20000;")  # what MLflow's sessions run
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 500
+    holder = _hold_sqlite_lock(tmp_path / "x.db")
+    try:
+        with pytest.raises(sqlalchemy.exc.OperationalError) as err, engine.connect() as conn:
+            conn.exec_driver_sql("SELECT * FROM t").all()
+    finally:
+        _release(holder)
+    assert str(envfail.classify(err.value)).startswith(
+        f"database sqlite:///{tmp_path / 'x.db'} is locked by another process for 0.5 s; retry, or raise "
+        "FL_SQLITE_BUSY_TIMEOUT_S")
 
 
 # --------------------------------------------------------------------------- engine.dist_timeout_s
