@@ -153,6 +153,7 @@ _UNWATCHED = threading.local()
 _HOOKS: List[Callable[[BaseException], None]] = []
 _BUSY_PRAGMA = re.compile(r"^\s*PRAGMA\s+busy_timeout\s*=\s*\d+\s*;?\s*$", re.IGNORECASE)
 _WATCHER: Optional[threading.Thread] = None
+_PREFIX = [""]  # before the line of a stalled server (a sweep's worker: "worker 2: ")
 
 
 def install() -> None:
@@ -216,6 +217,11 @@ def on_stall(hook: Callable[[BaseException], None]) -> Callable[[], None]:
     server, e.g. to end the MLflow runs it has open; returns a function that removes the hook."""
     _HOOKS.append(hook)
     return lambda: _HOOKS.remove(hook) if hook in _HOOKS else None
+
+
+def set_line_prefix(prefix: str) -> None:
+    """Put ``prefix`` after ``error: `` in the line this process prints when it ends on a stalled server."""
+    _PREFIX[0] = prefix
 
 
 def _start_watcher() -> None:
@@ -319,7 +325,7 @@ def _stalled(engine, waited_s: float, why: str) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
-    os.write(2, f"error: {failure}\n".encode())
+    os.write(2, f"error: {_PREFIX[0]}{failure}\n".encode())
     os._exit(envfail.EXIT_STATUS)
 
 
