@@ -159,12 +159,13 @@ def _pg_failure(url: Optional[str], orig: BaseException) -> envfail.EnvironmentF
 
 
 def stalled(url: str, waited_s: float, why: str) -> envfail.EnvironmentFailure:
-    """The failure of a PostgreSQL server that stopped answering: a statement waited ``waited_s`` seconds and a new
-    connection got no answer (``why``); :func:`fl_core.storewait.install`'s watcher ends the process with it."""
+    """The failure of a PostgreSQL server that stopped answering: a statement (or a commit) waited ``waited_s``
+    seconds and a new connection got no answer (``why``); :func:`fl_core.storewait.install`'s watcher ends the process
+    with it."""
     label, action = _role(url)
     return envfail.EnvironmentFailure(
         f"{label} {mask(url)}",
-        f"does not answer (a statement waited {waited_s:.0f} s, {storewait.STALL_ENV}; a new connection: {why})",
+        f"does not answer (no answer for {waited_s:.0f} s, {storewait.STALL_ENV}; a new connection: {why})",
         f"{action or 'check the PostgreSQL server (a frozen or overloaded process, the network)'}, {AGAIN}",
         store=mask(url))
 

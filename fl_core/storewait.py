@@ -19,11 +19,11 @@ Every wait is a setting of the library that waits, given a project default only 
   ``options``), each only where neither the URL nor libpq's environment (``PGCONNECT_TIMEOUT``, ``PGOPTIONS``) sets
   it.
 - **A PostgreSQL server that stops answering** (a frozen process: the kernel still acknowledges its packets, so no
-  timeout of the connection fires): :func:`install` watches the statements in flight on PostgreSQL engines; when one
-  has waited ``FL_DB_STALL_S`` (default 15 s) and a new connection to that server gets no answer within its
-  ``connect_timeout``, the process runs its :func:`on_stall` hooks (at most 10 s) and ends with one line and exit
-  status 3. A server that answers a new connection is only slow: the statement keeps waiting (its
-  ``statement_timeout`` bounds it).
+  timeout of the connection fires): :func:`install` watches what waits on PostgreSQL engines (statements, COMMIT
+  and ROLLBACK, the pool's reset of a returned connection); when one has waited ``FL_DB_STALL_S`` (default 15 s) and
+  a new connection to that server gets no answer within its ``connect_timeout``, the process runs its
+  :func:`on_stall` hooks (at most 10 s) and ends with one line and exit status 3. A server that answers a new
+  connection is only slow: the statement keeps waiting (its ``statement_timeout`` bounds it).
 - **A database that went away** (:func:`wait_until_back`): a sweep waits ``FL_DB_RETRY_S`` (default 30 s) for its
   storage to answer again before it gives up; a PostgreSQL restart takes a few seconds.
 
@@ -167,11 +167,16 @@ def install() -> None:
         _INSTALLED = True
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
+    from sqlalchemy.pool import Pool
 
     event.listen(Engine, "connect", _on_connect)
     event.listen(Engine, "before_cursor_execute", _before_execute, retval=True)
-    event.listen(Engine, "after_cursor_execute", _after_execute)
-    event.listen(Engine, "handle_error", _on_error)
+    event.listen(Engine, "after_cursor_execute", _clear)
+    event.listen(Engine, "handle_error", _clear)
+    event.listen(Engine, "commit", _on_end_of_transaction)
+    event.listen(Engine, "rollback", _on_end_of_transaction)
+    event.listen(Pool, "reset", _on_reset)
+    event.listen(Pool, "checkin", _clear)
 
 
 def _busy_ms() -> int:
@@ -183,21 +188,40 @@ def _on_connect(dbapi_connection, _record) -> None:
         dbapi_connection.execute(f"PRAGMA busy_timeout = {_busy_ms()}")
 
 
+_LAST: Dict[int, object] = {}  # thread id -> the PostgreSQL engine it last used (for the pool's reset)
+
+
+def _mark(engine) -> None:
+    """This thread waits on ``engine``'s server from now (a statement, a commit or rollback, the pool's reset)."""
+    if engine.dialect.name != "postgresql" or getattr(_UNWATCHED, "on", False):
+        return
+    thread = threading.get_ident()
+    _LAST[thread] = engine
+    _INFLIGHT[thread] = (engine, time.monotonic())
+    _start_watcher()
+
+
 def _before_execute(conn, _cursor, statement, parameters, _context, _executemany):
-    dialect = conn.engine.dialect.name
-    if dialect == "sqlite" and _BUSY_PRAGMA.match(statement):
+    if conn.engine.dialect.name == "sqlite" and _BUSY_PRAGMA.match(statement):
         statement = f"PRAGMA busy_timeout = {_busy_ms()};"
-    elif dialect == "postgresql" and not getattr(_UNWATCHED, "on", False):
-        _INFLIGHT[threading.get_ident()] = (conn.engine, time.monotonic())
-        _start_watcher()
+    _mark(conn.engine)
     return statement, parameters
 
 
-def _after_execute(*_args) -> None:
-    _INFLIGHT.pop(threading.get_ident(), None)
+def _on_end_of_transaction(conn) -> None:
+    """Before the driver's COMMIT or ROLLBACK (no event follows it: the pool's check-in, the next statement, or a
+    connection left idle, whose server the watcher then only probes, ends the mark)."""
+    _mark(conn.engine)
 
 
-def _on_error(_context) -> None:
+def _on_reset(_dbapi_connection, _record, _reset_state=None) -> None:
+    """Before the pool rolls back a connection it takes back (it waits on the server too)."""
+    engine = _LAST.get(threading.get_ident())
+    if engine is not None:
+        _mark(engine)
+
+
+def _clear(*_args) -> None:
     _INFLIGHT.pop(threading.get_ident(), None)
 
 
