@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before starting, mark FAIL (reason 'stale: ...') the RUNNING trials whose process on "
                         "this machine is gone (e.g. killed); default: on for a journal file, off for an RDB URL")
     p.add_argument("--threads", type=int, default=1, metavar="T", help="torch threads per worker (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or per-trial lines")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr: no bar, no per-trial lines, "
+                   "no study and outputs lines (notes, warnings and errors remain; the summary goes to stdout)")
     p.add_argument("--debug", action="store_true", help="an environment failure (a folder not writable, a full "
                    "disk, the storage or MLflow's store locked or gone) shows its traceback instead of one line and "
                    "exit status 3 (also FL_DEBUG=1)")
@@ -131,8 +132,9 @@ def _main(argv: Optional[List[str]]) -> int:
     kwargs, cache = _sampler_and_data(settings, space, base_cfg)
     study, tracking = _set_up(args, settings, space, kwargs)
     out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
-    print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in {shown_storage(settings.storage)}; "
-          f"space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
+    if not args.quiet:
+        print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
+              f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
     previous_threads = set_threads(settings.threads)
     forget = storewait.on_stall(lambda failure: _end_parent_on(failure, settings, tracking))
     try:
