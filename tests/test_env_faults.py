@@ -587,3 +587,171 @@ def test_a_frozen_worker_ends_the_run_within_dist_timeout(tmp_path):
     _client, runs = _mlflow_state(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}
     _resumes_to_one_run(tmp_path, torchrun)
+
+
+# --------------------------------------------------------------------------- PostgreSQL under a sweep
+
+SWEEP_SPACE = """\
+description: the learning rate on a small digits run (tests)
+base: [model=mlp, partition=iid, partition.num_clients=3, train.rounds=30, train.local_steps=2, train.batch_size=16,
+       train.participation=1.0]
+params:
+  train.lr: {type: float, low: 1.0e-3, high: 0.5, log: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL server (tests/pg.py), as in tests/test_postgres.py (skipped without the binaries)."""
+    from test_postgres import postgres as server_fixture
+
+    yield from server_fixture.__wrapped__()
+
+
+def _trial_states(url: str) -> dict:
+    """{state: count} of the Optuna trials in ``url`` (read with psycopg: no Optuna, no heartbeat)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
+        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
+
+
+def _sweep(tmp: Path, url: str, n: int, *options: str, env=None, log: str = "sweep.err") -> subprocess.Popen:
+    """``python -m sweeps.tune`` of this tree on ``url`` (MLflow in the folder's SQLite store), stderr to ``log``."""
+    (tmp / "space.yaml").write_text(SWEEP_SPACE)
+    cmd = [sys.executable, "-m", "sweeps.tune", "--space", str(tmp / "space.yaml"), "--storage", url, "--study-name",
+           "s", "--n-trials", str(n), "--no-test", "--quiet", "--out", str(tmp / "out"), *options]
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", **(env or {})}
+    full.pop(envfail.DEBUG_ENV, None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=subprocess.DEVNULL, stderr=open(tmp / log, "w"))
+
+
+def _once_trials_run(url: str, proc: subprocess.Popen, ended: int = 1) -> None:
+    """Poll until ``ended`` trials have ended and one is RUNNING (the moment of the fault)."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, "the sweep ended before the fault"
+        assert time.monotonic() < deadline, "no trial ran within 240 s"
+        try:
+            states = _trial_states(url)
+        except Exception:  # Optuna's tables do not exist yet
+            states = {}
+        if sum(n for s, n in states.items() if s != "RUNNING") >= ended and states.get("RUNNING"):
+            return
+        time.sleep(0.05)
+
+
+def _sweep_runs(tmp: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("fl-pipeline-sweeps")
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_a_trial_whose_heartbeat_stopped_is_marked_fail_by_any_process(postgres):
+    """Optuna's heartbeat of the RDB storage: a trial whose last beat is older than the grace period (here aged a
+    minute in the database, as if its worker had died then) is marked FAIL with a reason; a beating one is not."""
+    import optuna
+    import psycopg
+
+    from sweeps import runner
+
+    url = postgres.create_database("beats")
+    runner.quiet_optuna()  # (Optuna warns that heartbeats are meant for Study.optimize: the sweep beats them itself)
+    study = optuna.create_study(study_name="b", storage=runner.open_storage(url))
+    lost, alive = study.ask(), study.ask()
+    for trial in (lost, alive):
+        study._storage.record_heartbeat(trial._trial_id)
+    with psycopg.connect(host="127.0.0.1", port=postgres.port, user="postgres", dbname="beats", autocommit=True) as c:
+        c.execute("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '60 seconds' WHERE trial_id = %s",
+                  (lost._trial_id,))
+    assert runner.fail_silent_trials(study) == [lost.number]
+    states = {t.number: (t.state.name, t.user_attrs.get("reason")) for t in study.get_trials()}
+    assert states == {lost.number: ("FAIL", runner.HEARTBEAT_REASON), alive.number: ("RUNNING", None)}
+
+
+@pytest.mark.slow
+def test_a_postgres_restart_during_a_sweep_costs_the_running_trial_and_the_sweep_goes_on(postgres, tmp_path):
+    url = postgres.create_database("restarted")
+    proc = _sweep(tmp_path, url, 8)
+    try:
+        _once_trials_run(url, proc)
+        postgres.halt()
+        postgres.resume()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    err = (tmp_path / "sweep.err").read_text()
+    assert "Traceback" not in err
+    states = _trial_states(url)
+    notes = [ln for ln in _lines(err) if ln.startswith("note:")]
+    assert sum(states.values()) == 8 and "RUNNING" not in states and states.get("FAIL", 0) == len(notes) <= 1
+    for note in notes:
+        assert "ended FAIL: the Optuna storage lost its connection (" in note and "the sweep goes on" in note
+    runs = _sweep_runs(tmp_path)
+    assert {r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"} == {"FINISHED"}
+    assert "RUNNING" not in {r.info.status for r in runs}
+
+
+@pytest.mark.slow
+def test_a_stopped_postgres_ends_each_worker_in_one_line_and_the_rerun_leaves_nothing_running(postgres, tmp_path):
+    url = postgres.create_database("stopped")
+    proc = _sweep(tmp_path, url, 12, "--workers", "2", env={"FL_DB_RETRY_S": "3"})
+    try:
+        _once_trials_run(url, proc, ended=2)
+        postgres.halt()
+        assert proc.wait(timeout=300) == envfail.EXIT_STATUS
+    finally:
+        proc.kill()
+        postgres.resume()
+    lines = _lines((tmp_path / "sweep.err").read_text())
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(lines) <= 3 and sorted(ln[:len("error: worker 1: ")] for ln in errors) == [
+        "error: worker 1: ", "error: worker 2: "]
+    for line in errors:
+        assert f"Optuna storage {url} lost its connection (" in line
+        assert line.endswith("and it did not answer again within 3 s (FL_DB_RETRY_S); check that the database server "
+                             "runs and answers, then run the same command again")
+    parent = [r for r in _sweep_runs(tmp_path) if r.data.tags.get("sweep_role") == "study"]
+    assert [r.info.status for r in parent] == ["FAILED"]
+    assert parent[0].data.tags["fl.end_reason"].startswith("environment failure: ")
+    rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")  # the same machine: its dead trials now
+    assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
+    assert "RUNNING" not in _trial_states(url)
+    runs = _sweep_runs(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}
+    assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FINISHED"]
+
+
+@pytest.mark.slow
+def test_a_frozen_postgres_ends_the_sweep_in_one_line_within_the_stall_bound(postgres, tmp_path):
+    """SIGSTOP to every server process: the kernel still accepts and acknowledges, so only the stall watch ends the
+    wait (FL_DB_STALL_S=3, libpq's PGCONNECT_TIMEOUT=2 for the probe); the trial's and the study's MLflow runs end
+    FAILED first."""
+    url = postgres.create_database("frozen")
+    proc = _sweep(tmp_path, url, 8, env={"FL_DB_STALL_S": "3", "PGCONNECT_TIMEOUT": "2"})
+    frozen = []
+    try:
+        _once_trials_run(url, proc)
+        frozen = postgres.freeze()
+        t0 = time.monotonic()
+        assert proc.wait(timeout=120) == envfail.EXIT_STATUS
+        assert time.monotonic() - t0 < 60
+    finally:
+        proc.kill()
+        postgres.thaw(frozen)
+    errors = [ln for ln in _lines((tmp_path / "sweep.err").read_text()) if not ln.startswith("study ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: Optuna storage {url} does not answer (no answer for ")
+    assert "FL_DB_STALL_S; a new connection: connection timeout expired" in errors[0]
+    runs = _sweep_runs(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}  # ended FAILED before the process ended
+    assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FAILED"]
+    assert _trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
+    rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")
+    assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
+    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in {r.info.status for r in _sweep_runs(tmp_path)}
