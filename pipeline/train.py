@@ -106,11 +106,14 @@ Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) give
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db; make ui
-browses it, docs/tracking.md).
+browses it, docs/tracking.md). Waits on it are bounded: a tracking server about 30 s (MLflow's
+MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1 where unset), a locked SQLite store
+FL_SQLITE_BUSY_TIMEOUT_S (30 s); docs/reliability.md.
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
-2 bad input or experiment busy, 3 the environment failed (a folder not writable, disk full, a lost rank:
-one line; fix it and run the same command again), 130 interrupted.
+2 bad input or experiment busy, 3 the environment failed (a folder not writable, disk full, a lost rank, the
+tracking store locked, unreachable or in a missing folder: one line; fix it and run the same command again),
+130 interrupted.
 """
 
 def derive_name(cfg) -> str:
