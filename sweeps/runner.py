@@ -11,7 +11,12 @@ compares trials at the same seed and round. How a trial ends (:class:`TrialRunne
   (``ConfigError`` / ``ValueError`` naming a key), or a rule rejects it while running
   (:class:`fl_core.algorithms.InfeasibleSetting`, e.g. FedBug's code schedule with P*K_i < M);
 - FAIL, reason "error: <exception>": any other exception while training (the study continues);
-- FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`).
+- FAIL, reason "storage lost: ...": the storage went away during the trial and came back (:func:`optimize`);
+- FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`: its process on this
+  machine is gone; :func:`fail_silent_trials`: no Optuna heartbeat for :data:`GRACE_S` s, any machine).
+
+An environment failure (:mod:`fl_core.envfail`: the storage gone for good or not answering, MLflow's store, the disk)
+is not a property of the trial: the sweep stops with one line (:func:`optimize`, :func:`run_workers`).
 
 Processes killed hard: spawned workers die with the process that started them
 (:func:`die_with_parent`); every MLflow run of a sweep records its process (:func:`owner_tags`) and

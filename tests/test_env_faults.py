@@ -6,6 +6,10 @@ otherwise (``FL_FAULT=POINT:ENOSPC`` / ``:EROFS`` raise the OSError the failed w
 bits, so a read-only folder is a read-only mount where ``unshare`` allows one, else ``path_check:EROFS``). A run that
 fails is then run again and must end with exactly the runs and metrics of an uninterrupted run. The torchrun cases
 (a worker killed, a worker frozen) are marked slow, as in tests/test_distributed.py.
+
+The tracking store and the databases (fl_core/storefail.py, fl_core/storewait.py) fail for real: a second process
+holds the SQLite lock, a port nothing listens on, a folder that does not exist; a throwaway PostgreSQL server
+(tests/pg.py) stopped, frozen with SIGSTOP or restarted under a sweep (those marked slow).
 """
 
 from __future__ import annotations
