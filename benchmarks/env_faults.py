@@ -14,7 +14,13 @@ Every case works on throwaway resources it makes itself:
   exists (real, with mounts), and ``ENOSPC`` injected at the named write points (``checkpoint_write``,
   ``outputs_write``, ``prepare_write``, ``partition_write``: :data:`fl_core.faults.WRITE_POINTS`);
 - ``engine.executor=distributed`` under ``torchrun`` (2 ranks): rank 1 SIGKILLed, and rank 1 frozen (SIGSTOP), once
-  rank 0's second checkpoint exists, with plain ``torchrun`` and with ``python -m pipeline.torchrun``.
+  rank 0's second checkpoint exists, with plain ``torchrun`` and with ``python -m pipeline.torchrun``;
+- the tracking store: the SQLite store locked by a second process (``BEGIN EXCLUSIVE``) from the first checkpoint
+  until the command ends, ``MLFLOW_TRACKING_URI`` at a port nothing listens on, a ``sqlite:///`` store in a folder
+  that does not exist, an ``mlflow server`` SIGKILLed after the first checkpoint and started again at once;
+- PostgreSQL under a 2-worker ``sweeps/tune.py`` sweep (a throwaway server, ``tests/pg.py``; MLflow in the project's
+  SQLite store): stopped (``pg_ctl stop -m fast``), frozen (SIGSTOP to every server process) or stopped and started
+  again, once 2 trials have ended and one runs; the stopped and frozen servers answer again before the rerun.
 
 Measured per case: the exit status; the seconds from the fault to the command's exit (a fault present at the start:
 the command's whole wall time; an injected one: from the moment the point fired, ``FL_FAULT_STAMP``; torchrun: also
@@ -27,14 +33,19 @@ Targets (the exit status is 0 when every case meets them): exit status 3; at mos
 (a frozen rank: rank 0 within ``engine.dist_timeout_s`` + 30 s); at most 3 stderr lines (plain torchrun: the ranks')
 and no traceback; no run left RUNNING; the rerun exits 0 with one clean run per seed, no metric lost, no leftover.
 
-Cases are registered with :func:`case` (name, kind, what they need); the next part registers the tracking-store
-cases the same way (an SQLite store locked by another process, a tracking server's port that does not answer,
-PostgreSQL stopped, frozen or restarted under a sweep).
+A case whose fault is the tracking store itself may leave runs RUNNING (only that store could end them): the next
+start ends them as orphans and continues them, so for those the target is no run RUNNING after the rerun. The sweep
+cases also count the Optuna trials RUNNING after the failing command and after the rerun (target 0), and judge the
+rerun by one MLflow parent of the study, FINISHED, at most one MLflow run per trial; a restarted server must let the
+sweep finish (exit 0).
+
+Cases are registered with :func:`case` (name, kind, what they need: ``torchrun``, ``postgres``, ``mounts``).
 
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/env_faults.py                  # every case (about 8 min on 2 cores)
-    .venv/bin/python benchmarks/env_faults.py --no-torchrun    # the single-process cases (about 4 min)
+    .venv/bin/python benchmarks/env_faults.py --no-torchrun    # the single-process cases
+    .venv/bin/python benchmarks/env_faults.py --cases tracking,sweep --no-mounts   # the stores' cases (about 8 min)
     .venv/bin/python benchmarks/env_faults.py --cases results_dir_file,disk_full_real --keep --out /tmp/env.md
     .venv/bin/python benchmarks/env_faults.py --list
 """
@@ -112,21 +123,26 @@ class Outcome:
     expect_status: int = envfail.EXIT_STATUS
     launcher_status: Optional[int] = None  # plain torchrun's own exit status (status: rank 0's, from its report)
     notes: List[str] = field(default_factory=list)
+    store_failed: bool = False  # the tracking store itself failed: only the next start can end the runs it holds
+    running_after: Optional[int] = None  # MLflow runs RUNNING after the rerun
+    trials_left: Optional[int] = None  # Optuna trials RUNNING after the failing command (a sweep)
+    trials_after: Optional[int] = None  # ... and after the rerun
 
     def ok(self) -> bool:
         timely = self.to_exit_s is not None and (self.rank0_exit_s if self.rank0_exit_s is not None
                                                  else self.to_exit_s) <= self.limit_s
+        left_ok = not self.left_running or self.store_failed
         return (self.status == self.expect_status and timely and self.lines <= 3 and self.tracebacks == 0
-                and not self.left_running and self.rerun_status == 0 and self.runs_ok and not self.metrics_lost
-                and not self.leftovers)
+                and left_ok and not self.running_after and not self.trials_after and self.rerun_status == 0
+                and self.runs_ok and not self.metrics_lost and not self.leftovers)
 
 
 @dataclass
 class Case:
     name: str
-    kind: str  # path | disk | data | dist (the next part: tracking)
+    kind: str  # path | disk | data | dist | tracking | sweep
     run: Callable[["Context"], Outcome]
-    needs: Tuple[str, ...] = ()  # "torchrun"; "mounts" cases fall back to injected faults without them
+    needs: Tuple[str, ...] = ()  # "torchrun", "postgres"; "mounts" cases fall back to injected faults without them
     doc: str = ""
 
 
@@ -227,7 +243,7 @@ def histories(project: Path, name: str) -> Dict:
         if tags.get("fl.experiment") != name or "mlflow.parentRunId" not in tags:
             continue
         for key in r.data.metrics:
-            if "round_time" not in key:
+            if key not in ("round/time_s", "round_time_s"):  # wall-clock round times differ on every run
                 out[(tags.get("fl.seed"), key)] = sorted((m.step, m.value)
                                                          for m in client.get_metric_history(r.info.run_id, key))
     return out
@@ -261,16 +277,16 @@ def temporaries(project: Path) -> List[str]:
 def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fault: Optional[str] = None,
                     rerun: Optional[List[str]] = None, reference: Optional[str] = None, name: str = NAME,
                     prepare: Optional[Callable[[Path], None]] = None, fault_desc: str = "",
-                    nothing_created: bool = False) -> Outcome:
-    """The common shape of a case: ``prepare(project)``, the command with ``fault`` (its first run), measures, then
-    ``rerun`` (default: the same command) without it, and the end state. ``nothing_created``: the failing command
-    must not create any file (a folder check: no lock file, no MLflow store, no results folder)."""
+                    nothing_created: bool = False, env: Optional[Dict[str, str]] = None) -> Outcome:
+    """The common shape of a case: ``prepare(project)``, the command with ``fault`` and ``env`` (its first run),
+    measures, then ``rerun`` (default: the same command) without them, and the end state. ``nothing_created``: the
+    failing command must not create any file (a folder check: no lock file, no MLflow store, no results folder)."""
     chain = kill.Chain(ctx.base, label, params)
     if prepare is not None:
         prepare(chain.project)
     before = {str(p.relative_to(chain.project)) for p in chain.project.rglob("*")}
     out = Outcome(label, fault_desc or (f"FL_FAULT={fault}" if fault else "real"))
-    first = Run(chain, argv, fault)
+    first = Run(chain, argv, fault, extra_env=env)
     out.status, err, ended = first.wait()
     stamp = first.fault_time()
     out.to_exit_s = ended - (stamp if stamp is not None else first.t0)
@@ -286,6 +302,7 @@ def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fau
         out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
     if name:
         judge_runs(out, chain.project, name, ctx.references.get(reference) if reference else None)
+        out.running_after = running(chain.project)
     out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
     return out
 
@@ -376,6 +393,7 @@ def _disk_full_real(ctx: Context) -> Outcome:
     if out.rerun_status != 0:
         out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
     judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
+    out.running_after = running(chain.project)
     out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project) if not p.startswith("ck/")]
     if list((chain.project / "ck" / NAME).glob("*")):
         out.leftovers.append("after the rerun: ck/exp/")
@@ -502,6 +520,7 @@ def _dist_case(launcher: str, action: str):
         if out.rerun_status != 0:
             out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
         judge_runs(out, chain.project, "dist", ctx.references.get("dist"))
+        out.running_after = running(chain.project)
         out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
         if (chain.project / "checkpoints" / "dist").exists():
             out.leftovers.append("after the rerun: checkpoints/dist/")
@@ -535,6 +554,303 @@ case("rank_killed", "dist", ("torchrun",))(_dist_case("torchrun", "kill"))
 case("rank_killed_wrapper", "dist", ("torchrun",))(_dist_case("pipeline.torchrun", "kill"))
 case("rank_frozen", "dist", ("torchrun",))(_dist_case("torchrun", "stop"))
 case("rank_frozen_wrapper", "dist", ("torchrun",))(_dist_case("pipeline.torchrun", "stop"))
+
+
+# --------------------------------------------------------------------------- cases: the tracking store
+
+
+def hold_sqlite_lock(db: Path) -> subprocess.Popen:
+    """A second process holding an exclusive lock on the SQLite file ``db`` until it is killed (returns once held)."""
+    code = ("import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=120)\n"
+            "c.execute('BEGIN EXCLUSIVE')\n"
+            "print('held', flush=True)\n"
+            "time.sleep(3600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(db)], stdout=subprocess.PIPE, text=True)
+    if holder.stdout.readline().strip() != "held":
+        holder.kill()
+        raise RuntimeError(f"could not lock {db}")
+    return holder
+
+
+def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
+    """Poll until the run's first checkpoint of seed 1 exists in ``folder`` (False if the run ended first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        if list(folder.glob("*/seed_1.pt")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str]) -> None:
+    second = Run(chain, argv)
+    out.rerun_status, err2, _ = second.wait()
+    if out.rerun_status != 0:
+        out.notes.append(f"{out.case}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
+    judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
+    out.running_after = running(chain.project)
+    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+
+
+@case("store_locked", "tracking")
+def _store_locked(ctx: Context) -> Outcome:
+    """The SQLite store locked by a second process from the 1st checkpoint until the command ends (real lock)."""
+    label = "tracking store locked by another process (SQLite)"
+    chain = kill.Chain(ctx.base, label, grid(ctx.rounds))
+    out = Outcome(label, "real: BEGIN EXCLUSIVE in a second process after the 1st checkpoint, held to the end",
+                  store_failed=True)
+    argv = py("pipeline.train", "--grid", NAME)
+    run = Run(chain, argv)
+    holder, fault_at = None, None
+    if _wait_for_checkpoint(run, chain.project / "checkpoints" / NAME):
+        holder = hold_sqlite_lock(chain.project / "mlflow.db")
+        fault_at = time.time()
+    try:
+        out.status, err, ended = run.wait()
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    if fault_at is None:
+        out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
+    else:
+        out.to_exit_s = ended - fault_at
+    out.lines, out.tracebacks = count(err)
+    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
+    out.left_running = running(chain.project)
+    out.leftovers = temporaries(chain.project)
+    _rerun_and_judge(ctx, out, chain, argv)
+    return out
+
+
+@case("store_missing_folder", "tracking")
+def _store_missing_folder(ctx: Context) -> Outcome:
+    """MLFLOW_TRACKING_URI=sqlite:/// in a folder that does not exist: refused, nothing created."""
+    def uri(project: Path) -> Dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": f"sqlite:///{project / 'typo' / 'mlflow.db'}"}
+
+    chain_env: Dict[str, str] = {}
+
+    def prep(project: Path) -> None:
+        chain_env.update(uri(project))
+
+    out = fail_then_rerun(ctx, "sqlite:/// store in a missing folder", grid(ctx.rounds),
+                          py("pipeline.train", "--grid", NAME), reference="grid", prepare=prep,
+                          fault_desc="real: MLFLOW_TRACKING_URI=sqlite:///.../typo/mlflow.db", nothing_created=True,
+                          env=chain_env)
+    return out
+
+
+@case("tracking_port_dead", "tracking")
+def _tracking_port_dead(ctx: Context) -> Outcome:
+    """MLFLOW_TRACKING_URI at a port nothing listens on, with the default retry settings (real)."""
+    out = fail_then_rerun(ctx, "tracking server port dead", grid(ctx.rounds), py("pipeline.train", "--grid", NAME),
+                          reference="grid", fault_desc="real: MLFLOW_TRACKING_URI=http://127.0.0.1:<free port>",
+                          env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{_free_port()}"})
+    out.store_failed = True
+    return out
+
+
+SERVER_READY_S = 120.0  # mlflow server's start on 2 loaded cores: 5-15 s
+
+
+def _mlflow_server(project: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` on the project's store (so the campaign reads its runs from mlflow.db), its own group."""
+    return subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{project / 'mlflow.db'}", "--artifacts-destination",
+                             str(project / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=open(project.parent / "logs" / "server.log", "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+
+
+def _server_ready(port: int, deadline: float) -> bool:
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as res:
+                if res.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@case("tracking_server_restarted", "tracking")
+def _tracking_server_restarted(ctx: Context) -> Outcome:
+    """mlflow server SIGKILLed after the 1st checkpoint and started again at once; MLflow's retries carry the run."""
+    from fl_core.tracking import ensure_store
+
+    label = "tracking server killed and restarted"
+    chain = kill.Chain(ctx.base, label, grid(ctx.rounds))
+    ensure_store(f"sqlite:///{chain.project / 'mlflow.db'}")  # the server's schema, built once beforehand
+    port = _free_port()
+    server = _mlflow_server(chain.project, port)
+    out = Outcome(label, "real: SIGKILL to mlflow server after the 1st checkpoint, started again at once",
+                  expect_status=0)
+    try:
+        if not _server_ready(port, time.monotonic() + SERVER_READY_S):
+            out.notes.append(f"{label}: the server did not start")
+            return out
+        argv = py("pipeline.train", "--grid", NAME)
+        env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+        run = Run(chain, argv, extra_env=env)
+        fault_at = None
+        if _wait_for_checkpoint(run, chain.project / "checkpoints" / NAME):
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            fault_at = time.time()
+            server = _mlflow_server(chain.project, port)
+            if _server_ready(port, time.monotonic() + SERVER_READY_S):
+                out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after the kill")
+        out.status, err, ended = run.wait()
+        if fault_at is None:
+            out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
+        else:
+            out.to_exit_s = ended - fault_at
+        out.lines, out.tracebacks = count(err)
+        out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
+        out.left_running = running(chain.project)
+        out.leftovers = temporaries(chain.project)
+        second = Run(chain, argv, extra_env=env)
+        out.rerun_status, err2, _ = second.wait()
+        if out.rerun_status != 0:
+            out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
+        judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
+        out.running_after = running(chain.project)
+        out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+    return out
+
+
+# --------------------------------------------------------------------------- cases: PostgreSQL under a sweep
+
+SWEEP_SPACE = """\
+description: the learning rate on a small digits run (benchmarks/env_faults.py)
+base: [model=mlp, partition=iid, partition.num_clients=3, train.rounds=30, train.local_steps=2, train.batch_size=16,
+       train.participation=1.0]
+params:
+  train.lr: {type: float, low: 1.0e-3, high: 0.5, log: true}
+"""
+SWEEP_TRIALS, SWEEP_WORKERS = 12, 2
+
+
+def postgres_available() -> bool:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pg import find_bin_dir
+
+    return find_bin_dir() is not None
+
+
+def _trial_states(url: str) -> Dict[str, int]:
+    """{state: count} of the Optuna trials in the database ``url`` (psycopg directly: no Optuna, no heartbeat)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
+        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
+
+
+def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
+    """After the rerun: one MLflow parent of the study, FINISHED; at most one MLflow run per trial; no run and no
+    trial RUNNING."""
+    states = _trial_states(url)
+    out.trials_after = states.get("RUNNING", 0)
+    _client, runs = kill.mlflow_runs(project)
+    parents = [r for r in runs if r.data.tags.get("sweep_role") == "study"]
+    trial_runs = [r.data.tags.get("optuna_trial") for r in runs if r.data.tags.get("sweep_role") == "trial"]
+    twice = len(trial_runs) - len(set(trial_runs))
+    out.runs_after = (f"{sum(states.values())} trials ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))}); "
+                      f"{len(parents)} parent {'/'.join(sorted({r.info.status for r in parents}))}, "
+                      f"{len(trial_runs)} trial runs" + (f", {twice} twice" if twice else ""))
+    out.runs_ok = len(parents) == 1 and parents[0].info.status == "FINISHED" and not twice
+    out.running_after = sum(r.info.status == "RUNNING" for r in runs)
+
+
+def _sweep_case(action: str):
+    def run(ctx: Context) -> Outcome:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from pg import PostgresServer, find_bin_dir
+
+        label = {"stop": "PostgreSQL stopped during a sweep", "freeze": "PostgreSQL frozen (SIGSTOP) during a sweep",
+                 "restart": "PostgreSQL restarted during a sweep"}[action]
+        fault = {"stop": "real: pg_ctl stop -m fast once 2 trials ended", "freeze": "real: SIGSTOP to every server "
+                 "process once 2 trials ended", "restart": "real: pg_ctl stop -m fast, then start, once 2 trials "
+                 "ended"}[action]
+        out = Outcome(label, fault, expect_status=0 if action == "restart" else envfail.EXIT_STATUS)
+        chain = kill.Chain(ctx.base, label, {})
+        (chain.project / "space.yaml").write_text(SWEEP_SPACE)
+        server = PostgresServer(find_bin_dir())
+        frozen: List[int] = []
+        try:
+            server.start()
+            url = server.create_database("optuna")
+
+            def command(n: int) -> List[str]:
+                return py("sweeps.tune", "--space", "space.yaml", "--storage", url, "--study-name", "s", "--n-trials",
+                          str(n), "--workers", str(SWEEP_WORKERS), "--no-test", "--quiet", "--out", "out")
+
+            first = Run(chain, command(SWEEP_TRIALS))
+            fault_at, deadline = None, time.monotonic() + RUN_TIMEOUT
+            while first.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    states = _trial_states(url)
+                except Exception:  # the tables do not exist yet
+                    states = {}
+                if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
+                    if action == "freeze":
+                        frozen = server.freeze()
+                    else:
+                        server.halt()
+                    fault_at = time.time()
+                    if action == "restart":
+                        server.resume()
+                        out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after "
+                                         "the stop")
+                    break
+                time.sleep(0.1)
+            out.status, err, ended = first.wait()
+            if fault_at is None:
+                out.notes.append(f"{label}: the sweep ended before 2 trials had ended and one was running")
+            else:
+                out.to_exit_s = ended - fault_at
+            out.lines, out.tracebacks = count(err)
+            out.first_line = next((ln for ln in err.splitlines() if ln.startswith(("error:", "note:"))), "")
+            out.left_running = running(chain.project)
+            if frozen:
+                server.thaw(frozen)
+                frozen = []
+            elif action == "stop":
+                server.resume()
+            out.trials_left = _trial_states(url).get("RUNNING", 0)
+            second = Run(chain, command(2))
+            out.rerun_status, err2, _ = second.wait()
+            if out.rerun_status != 0:
+                out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
+            _judge_sweep(out, chain.project, url)
+        finally:
+            if frozen:
+                server.thaw(frozen)
+            server.stop()
+        return out
+    run.__doc__ = {"stop": "PostgreSQL (the Optuna storage) stopped during a 2-worker sweep and started after it "
+                           "ended (real).",
+                   "freeze": "PostgreSQL frozen with SIGSTOP during a 2-worker sweep, thawed after it ended (real).",
+                   "restart": "PostgreSQL stopped and started again at once during a 2-worker sweep (real)."}[action]
+    return run
+
+
+case("pg_stopped", "sweep", ("postgres",))(_sweep_case("stop"))
+case("pg_frozen", "sweep", ("postgres",))(_sweep_case("freeze"))
+case("pg_restarted", "sweep", ("postgres",))(_sweep_case("restart"))
 
 
 # --------------------------------------------------------------------------- mounts
@@ -585,13 +901,14 @@ def enter_namespace(argv: List[str]) -> None:
 # --------------------------------------------------------------------------- references and the table
 
 
-def references(ctx: Context, dist: bool) -> None:
+def references(ctx: Context, dist: bool, grid_run: bool = True) -> None:
     """Uninterrupted runs whose every (seed, metric, step) a rerun must reproduce."""
-    chain = kill.Chain(ctx.base, "reference-grid", grid(ctx.rounds))
-    rc, err, _ = Run(chain, py("pipeline.train", "--grid", NAME)).wait()
-    if rc != 0:
-        raise SystemExit(f"error: the reference run failed (exit {rc}): {kill.last_line(err)}")
-    ctx.references["grid"] = histories(chain.project, NAME)
+    if grid_run:
+        chain = kill.Chain(ctx.base, "reference-grid", grid(ctx.rounds))
+        rc, err, _ = Run(chain, py("pipeline.train", "--grid", NAME)).wait()
+        if rc != 0:
+            raise SystemExit(f"error: the reference run failed (exit {rc}): {kill.last_line(err)}")
+        ctx.references["grid"] = histories(chain.project, NAME)
     if dist:
         chain = kill.Chain(ctx.base, "reference-dist", {})
         rc, err, _ = Run(chain, py("pipeline.train", *dist_args(ctx.rounds, 0, "sequential"))).wait()
@@ -602,9 +919,10 @@ def references(ctx: Context, dist: bool) -> None:
 
 HEADER = ["case", "fault", "exit status", "s to exit after the fault", "stderr lines", "tracebacks",
           "runs left RUNNING", "rerun: exit, runs", "metrics lost", "leftover files", "result"]
+SWEEP_COLUMN = "Optuna trials RUNNING: left, after the rerun"  # after "runs left RUNNING" when a sweep case ran
 
 
-def cells(o: Outcome) -> List[str]:
+def cells(o: Outcome, sweep: bool = False) -> List[str]:
     def num(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
 
@@ -616,14 +934,22 @@ def cells(o: Outcome) -> List[str]:
         exit_s = f"rank 0 {o.rank0_exit_s:.1f}, command {exit_s}"
     lines = str(o.lines) + (f" + torchrun's {o.launcher_lines}" if o.launcher_lines else "")
     tbs = str(o.tracebacks) + (f" + torchrun's {o.launcher_tracebacks}" if o.launcher_lines else "")
-    return [o.case, o.fault, status, exit_s, lines, tbs, num(o.left_running, "{}"),
-            f"{num(o.rerun_status, '{}')}, {o.runs_after}", num(o.metrics_lost, "{}"), str(len(o.leftovers)),
-            "pass" if o.ok() else "FAIL"]
+    left = num(o.left_running, "{}") + (" (the failed store's)" if o.left_running and o.store_failed else "")
+    rerun = f"{num(o.rerun_status, '{}')}, {o.runs_after}"
+    if o.running_after is not None:
+        rerun += f", {o.running_after} RUNNING"
+    row = [o.case, o.fault, status, exit_s, lines, tbs, left, rerun, num(o.metrics_lost, "{}"), str(len(o.leftovers)),
+           "pass" if o.ok() else "FAIL"]
+    if sweep:
+        row.insert(7, "-" if o.trials_left is None else f"{o.trials_left}, {num(o.trials_after, '{}')}")
+    return row
 
 
 def table(outcomes: List[Outcome]) -> str:
-    rows = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * 2 + "---:|" * (len(HEADER) - 4) + "---|---|"]
-    rows += ["| " + " | ".join(c.replace("|", "/") for c in cells(o)) + " |" for o in outcomes]
+    sweep = any(o.trials_left is not None for o in outcomes)
+    header = HEADER[:7] + [SWEEP_COLUMN] + HEADER[7:] if sweep else HEADER
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 4) + "---|---|"]
+    rows += ["| " + " | ".join(c.replace("|", "/") for c in cells(o, sweep)) + " |" for o in outcomes]
     return "\n".join(rows)
 
 
@@ -641,6 +967,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cases", default="", help="comma-separated case names or kinds (default: all; see --list)")
     p.add_argument("--no-torchrun", action="store_true", help="leave out the torchrun cases")
     p.add_argument("--no-mounts", action="store_true", help="no private mount namespace: injected faults instead")
+    p.add_argument("--no-postgres", action="store_true", help="leave out the PostgreSQL cases (a throwaway server "
+                   "under a sweep)")
     p.add_argument("--rounds", type=int, default=8, help="rounds of the runs (default 8)")
     p.add_argument("--dist-timeout", type=float, default=20.0, help="engine.dist_timeout_s of the torchrun cases "
                    "(default 20)")
@@ -650,13 +978,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.list:
         for c in CASES.values():
-            print(f"{c.name:30s} {c.kind:5s} {c.doc}")
+            print(f"{c.name:30s} {c.kind:8s} {c.doc}")
         return 0
     if not args.no_mounts:
         enter_namespace(argv)
     wanted = [w for w in args.cases.split(",") if w]
     chosen = [c for c in CASES.values() if (not wanted or c.name in wanted or c.kind in wanted)
               and not (args.no_torchrun and "torchrun" in c.needs)]
+    if any("postgres" in c.needs for c in chosen) and (args.no_postgres or not postgres_available()):
+        if not args.no_postgres:
+            print("note: no PostgreSQL server binaries (/usr/lib/postgresql/*/bin): the sweep cases are left out",
+                  file=sys.stderr)
+        chosen = [c for c in chosen if "postgres" not in c.needs]
     unknown = [w for w in wanted if w not in CASES and w not in {c.kind for c in CASES.values()}]
     if unknown:
         p.error(f"unknown case {unknown[0]!r} (see --list)")
@@ -667,7 +1000,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     outcomes: List[Outcome] = []
     try:
         print(f"[{0:7.1f} s] references", file=sys.stderr, flush=True)
-        references(ctx, any(c.kind == "dist" for c in chosen))
+        references(ctx, any(c.kind == "dist" for c in chosen), any(c.kind != "sweep" for c in chosen))
         for c in chosen:
             print(f"[{time.perf_counter() - t0:7.1f} s] {c.name}", file=sys.stderr, flush=True)
             outcomes.append(c.run(ctx))

@@ -9,9 +9,9 @@ froze. This module is the one place that maps such errors to an end:
   file system); choose another results_dir=..., then run the same command again``.
 - :func:`classify` turns an exception (or one in its ``__cause__`` / ``__context__`` chain) into an
   :class:`EnvironmentFailure`, or None when it is not one (a bug keeps its traceback). Built in: ``OSError`` by
-  errno (:data:`OS_CAUSES`) and torch.distributed's own error types; :func:`register` adds classifiers (the
-  extension point for tracking and database errors: a locked SQLite store, an MLflow server or PostgreSQL that
-  does not answer).
+  errno (:data:`OS_CAUSES`) and torch.distributed's own error types; :func:`register` adds classifiers
+  (:mod:`fl_core.storefail` registers those of the tracking store and the databases: a locked SQLite store, an
+  MLflow server or PostgreSQL that does not answer).
 - :func:`check_folder` checks a folder a command will write to before anything is written (nothing is created,
   no lock or temporary file is left behind) and names it for the messages of later errors under it.
 - :func:`run_cli` wraps a command's ``main``: an environment failure ends with ``error: <line>`` on stderr and exit
@@ -44,11 +44,15 @@ class EnvironmentFailure(Exception):
 
     ``quiet``: a worker rank of ``engine.executor=distributed`` whose collective failed because another rank is gone;
     rank 0 says what happened, so the worker exits with :data:`EXIT_STATUS` and prints nothing.
+
+    ``store``: the URL (password masked) of the tracking store or database that failed (:mod:`fl_core.storefail`),
+    None for other failures: a command does not try to write there again before it ends (that would only wait
+    once more), so runs it holds there are ended by the next start instead.
     """
 
-    def __init__(self, resource: str, cause: str, action: str, *, quiet: bool = False):
+    def __init__(self, resource: str, cause: str, action: str, *, quiet: bool = False, store: Optional[str] = None):
         super().__init__(f"{resource} {cause}; {action}")
-        self.resource, self.cause, self.action, self.quiet = resource, cause, action, quiet
+        self.resource, self.cause, self.action, self.quiet, self.store = resource, cause, action, quiet, store
 
 
 # --------------------------------------------------------------------------- places (folders with a config key)

@@ -13,7 +13,13 @@ up by tags (:meth:`Tracking.parent_run`, :meth:`Tracking.child_run`), so a comma
 a kill at any point continues in the same runs, and a reopened run skips every (metric, step) it
 already holds: each metric keeps exactly one value per round. Every run also records the process
 that runs it (:func:`fl_core.procs.identity`), so a later start can end the runs of a process that
-is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``).
+is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``). A run ended FAILED because the
+environment failed under it (``fl.end_reason`` ``environment failure: ...``) is continued by the next start as a
+KILLED one is (:func:`resumable`).
+
+Waiting on the store is bounded (:func:`bounded_uri`, :mod:`fl_core.storewait`: MLflow's HTTP retries, SQLite's
+busy timeout, PostgreSQL's timeouts) and a store that fails is named in one line (:mod:`fl_core.storefail`: locked,
+unreachable, a ``sqlite:///`` URI in a folder that does not exist).
 
 What the UI shows: a run's params are :func:`run_params` (the config without the sections of the rules
 that are not in its stack); per-round metrics get MLflow names ``<section>/<name>`` (:func:`mlflow_metric_name`:
@@ -42,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 
-from . import mlflow_artifacts, procs
+from . import envfail, mlflow_artifacts, procs, storefail, storewait
 from .paths import store_root
 
 log = logging.getLogger(__name__)
@@ -52,9 +58,15 @@ _MAX_METRICS_PER_BATCH = 1000
 
 TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_ROLE, TAG_SEED = "fl.experiment", "fl.fingerprint", "fl.role", "fl.seed"
 TAG_END_REASON = "fl.end_reason"
-#: statuses of a run that an interrupted command left behind (a new attempt continues in it)
+#: statuses of a run that an interrupted command left behind (a new attempt continues in it); a FAILED run whose
+#: ``fl.end_reason`` starts with :data:`ENV_FAILURE` is one too (:func:`resumable`)
 RESUMABLE = ("RUNNING", "KILLED", "SCHEDULED")
 ORPHAN_REASON = "orphaned: the process that ran it is gone"
+#: how the ``fl.end_reason`` of a run ended FAILED by an environment failure begins (:mod:`fl_core.envfail`): the
+#: environment failed, not the run, so the same command continues it
+ENV_FAILURE = "environment failure: "
+#: what to do when the SQLite tracking store is locked (:func:`fl_core.storefail.name_store`)
+SQLITE_LOCKED_ACTION = "retry, or set MLFLOW_TRACKING_URI to a tracking server"
 
 #: MLflow's experiment tag for the kind of work an experiment holds; ``custom_model_development`` is a
 #: model-training experiment (the UI's "Machine learning" / "Model training" kind, vs ``genai_development``)
@@ -92,6 +104,15 @@ METRIC_SECTIONS = ("comm", "detail", "diag", "post", "round", "test", "train", "
 #: the sections of the names before these (a run begun with them keeps them when it resumes)
 LEGACY_SECTIONS = ("1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
 _PER_LAYER = re.compile(r"_l\d+$")
+
+
+def resumable(run) -> bool:
+    """Whether a command continues ``run`` (an ``mlflow.entities.Run``): it is :data:`RESUMABLE`, or FAILED because the
+    environment failed under it (``fl.end_reason`` starts with :data:`ENV_FAILURE`). A run FAILED by its own
+    numbers (a diverged seed) and a FINISHED one are complete."""
+    status = run.info.status
+    return status in RESUMABLE or (status == "FAILED" and
+                                   run.data.tags.get(TAG_END_REASON, "").startswith(ENV_FAILURE))
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
@@ -203,8 +224,14 @@ def git_commit(root: Path) -> str:
 
 
 def _quiet_mlflow() -> None:
+    """MLflow's and SQLAlchemy's loggers at WARNING; the ones that log a traceback for an error that is raised anyway
+    (MLflow's database errors and engine retries, SQLAlchemy's pool resetting a dead connection) are silent unless
+    ``--debug`` / ``FL_DEBUG=1``: the error ends the command with one line (:mod:`fl_core.storefail`)."""
     for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    if os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+        for name in ("mlflow.store.db.utils", "sqlalchemy.pool"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _filter(tags: Dict[str, str], status: Optional[str] = None) -> str:
@@ -244,6 +271,21 @@ def end_orphaned_runs(client, experiment_id: str, tags: Optional[Dict[str, str]]
     return ended
 
 
+def check_store(uri: Optional[str] = None) -> None:
+    """Check, before anything is written, that the tracking store ``uri`` (default :func:`tracking_uri`) can be
+    opened where this can be known without opening it: a ``sqlite:///`` store's folder exists.
+
+    Raises:
+        fl_core.envfail.EnvironmentFailure: ``tracking store sqlite:///.../mlflow.db is in a folder that does not
+            exist (...); create the folder or set MLFLOW_TRACKING_URI to a store in an existing one, then run the
+            same command again`` (nothing is created).
+    """
+    missing = storefail.missing_folder(uri or tracking_uri(), "tracking store",
+                                       "set MLFLOW_TRACKING_URI to a store in an existing one")
+    if missing is not None:
+        raise missing
+
+
 def ensure_store(uri: str) -> None:
     """Create a missing SQLite store whole: MLflow builds its schema in a temporary file beside the
     target, which is renamed into place only when complete (under a lock, so that concurrent first
@@ -251,11 +293,17 @@ def ensure_store(uri: str) -> None:
     that no later start can open. MLflow's own ``Default`` experiment gets the artifact location
     ``mlflow-artifacts:/0`` (as every experiment of the project, :func:`artifact_root`), so the new store
     holds no absolute folder. Other stores (a server, PostgreSQL) are left to MLflow.
-    Fault point ``store_init``."""
+    Fault point ``store_init``.
+
+    Raises:
+        fl_core.envfail.EnvironmentFailure: the store's folder does not exist (nothing is created: MLflow would
+            create every missing folder of a mistyped path).
+    """
     prefix = "sqlite:///"
     if not uri.startswith(prefix):
         return
-    db = Path(uri[len(prefix):])
+    check_store(uri)
+    db = Path(uri[len(prefix):].split("?", 1)[0])
     if not db.is_absolute():
         db = Path.cwd() / db
     if db.exists():
@@ -265,7 +313,6 @@ def ensure_store(uri: str) -> None:
 
     from . import durable, faults
 
-    db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(db.with_name(f".{db.name}.lock"))):
         if db.exists():
             return
@@ -278,15 +325,36 @@ def ensure_store(uri: str) -> None:
         durable.fsync_dir(db.parent)
 
 
+def bounded_uri(uri: str) -> str:
+    """The tracking URI ``uri`` with bounded waits (:mod:`fl_core.storewait`): for a server, MLflow's HTTP retry
+    settings where unset (:func:`fl_core.storewait.http_defaults`); for PostgreSQL, libpq's connect timeout,
+    keepalives and statement timeout in the URI where it does not set them; SQLite's busy timeout and the stall
+    watch for every database (:func:`fl_core.storewait.install`). Returns the URI to open."""
+    storewait.install()
+    if uri.startswith(("http://", "https://")):
+        storewait.http_defaults()
+    return storewait.with_pg_params(uri)
+
+
 class Tracking:
-    """A thin wrapper over :class:`mlflow.tracking.MlflowClient` for one MLflow experiment."""
+    """A thin wrapper over :class:`mlflow.tracking.MlflowClient` for one MLflow experiment.
+
+    Raises (on construction, as every method may while it works):
+        fl_core.envfail.EnvironmentFailure: a ``sqlite:///`` store in a folder that does not exist.
+        mlflow.exceptions.MlflowException: the store failed; :func:`fl_core.envfail.classify` names a locked or
+            unreachable store (:mod:`fl_core.storefail`).
+    """
 
     def __init__(self, experiment: str, root: Optional[Path] = None):
-        _quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
+        _quiet_mlflow()  # after MLflow's import, which sets its loggers' levels
+
         self.root = root or store_root()
-        self.uri = tracking_uri(self.root)
+        self.uri = bounded_uri(tracking_uri(self.root))
+        server = self.uri.startswith(("http://", "https://"))
+        storefail.name_store(self.uri, "tracking server" if server else "tracking store",
+                             SQLITE_LOCKED_ACTION if self.uri.startswith("sqlite:") else "")
         mlflow_artifacts.register()  # mlflow-artifacts:/ beside a SQLite store (also an entry point once installed)
         ensure_store(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -306,9 +374,12 @@ class Tracking:
                                        order_by=["attributes.start_time DESC"], max_results=1000)
 
     def reopen(self, run_id: str) -> None:
-        """Mark a run RUNNING again, recorded as this process's (an earlier ``fl.end_reason`` dropped)."""
-        if TAG_END_REASON in self.client.get_run(run_id).data.tags:
-            self.client.delete_tag(run_id, TAG_END_REASON)
+        """Mark a run RUNNING again, recorded as this process's (an earlier ``fl.end_reason`` and ``failure_reason``
+        dropped)."""
+        tags = self.client.get_run(run_id).data.tags
+        for tag in (TAG_END_REASON, "failure_reason"):
+            if tag in tags:
+                self.client.delete_tag(run_id, tag)
         self.client.update_run(run_id, status="RUNNING")
         for k, v in procs.identity().items():
             self.client.set_tag(run_id, k, v)
@@ -318,9 +389,9 @@ class Tracking:
 
         With ``continuing`` (an unfinished attempt exists on disk) the newest parent is reused whatever
         its status (a kill may have come after it ended); otherwise only one an interrupted command left
-        (:data:`RESUMABLE`): FINISHED and FAILED parents are complete attempts."""
+        (:func:`resumable`): FINISHED parents and those FAILED by their seeds are complete attempts."""
         for run in self.find_runs({TAG_ROLE: "parent", TAG_EXPERIMENT: name, TAG_FINGERPRINT: fingerprint}):
-            if continuing or run.info.status in RESUMABLE:
+            if continuing or resumable(run):
                 self.reopen(run.info.run_id)
                 return run.info.run_id
         return self.start_parent(name, {**tags, TAG_ROLE: "parent", TAG_EXPERIMENT: name,

@@ -50,7 +50,8 @@ from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.paths import project_root
 from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
                               split_summary)
-from fl_core.tracking import TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, git_commit, run_params
+from fl_core.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, check_store, git_commit,
+                              resumable, run_params)
 
 from .common import fail
 from .files import atomic_write, write_json, write_text
@@ -105,11 +106,14 @@ Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) give
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db; make ui
-browses it, docs/tracking.md).
+browses it, docs/tracking.md). Waits on it are bounded: a tracking server about 30 s (MLflow's
+MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1 where unset), a locked SQLite store
+FL_SQLITE_BUSY_TIMEOUT_S (30 s); docs/reliability.md.
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,
-2 bad input or experiment busy, 3 the environment failed (a folder not writable, disk full, a lost rank:
-one line; fix it and run the same command again), 130 interrupted.
+2 bad input or experiment busy, 3 the environment failed (a folder not writable, disk full, a lost rank, the
+tracking store locked, unreachable or in a missing folder: one line; fix it and run the same command again),
+130 interrupted.
 """
 
 def derive_name(cfg) -> str:
@@ -267,6 +271,8 @@ class _Experiment:
         # the folders this run writes to, before any data is read or lock taken (fl_core.envfail)
         envfail.check_folder(cfg0.results_dir, "results folder", "results_dir")
         envfail.check_folder(cfg0.engine.checkpoint_dir, "checkpoint folder", "engine.checkpoint_dir")
+        if cfg0.tracking.enabled:
+            check_store()  # a sqlite:/// store in a folder that does not exist
         self.name = cfg0.name or derive_name(cfg0)
         self.device = resolve_device(cfg0.engine.device)
         self.ds = dataset_for(cfg0, write_cache=False)
@@ -378,22 +384,30 @@ class _Experiment:
 
     def _end_on_environment_failure(self, err: Exception) -> None:
         """An environment failure (:func:`fl_core.envfail.classify`; other errors pass untouched): end the seed's and
-        the experiment's MLflow runs KILLED with the reason, as Ctrl-C does, so that none is left RUNNING and the same
-        command continues them, and remove this start's staging folder. Best effort: the failure may be the disk
-        or the store these steps need."""
+        the experiment's MLflow runs FAILED with ``fl.end_reason`` ``environment failure: <the line>`` (Ctrl-C ends
+        them KILLED), so that none is left RUNNING, and remove this start's staging folder; the same command
+        continues the runs (:func:`fl_core.tracking.resumable`). When the failure is the tracking store itself
+        (locked, unreachable) the runs are not touched, as that would only wait once more: the next start ends or
+        continues them. Best effort: the failure may be the disk or the store these steps need."""
         import contextlib
         import shutil
+
+        from fl_core import storefail
+        from fl_core.tracking import ENV_FAILURE
 
         failure = envfail.classify(err)
         if failure is None:
             return
-        reason = f"environment failure: {failure}"
-        with contextlib.suppress(Exception):
-            if self._live_logger is not None:
-                self._live_logger.close("KILLED", reason)
-        with contextlib.suppress(Exception):
-            if self.tracking is not None and self.parent_id is not None:
-                self.tracking.end_parent(self.parent_id, "KILLED", reason)
+        reason = f"{ENV_FAILURE}{failure}"
+        store_down = (self.tracking is not None and failure.store is not None
+                      and storefail.identity(failure.store) == storefail.identity(self.tracking.uri))
+        if not store_down:
+            with contextlib.suppress(Exception):
+                if self._live_logger is not None:
+                    self._live_logger.close("FAILED", reason)
+            with contextlib.suppress(Exception):
+                if self.tracking is not None and self.parent_id is not None:
+                    self.tracking.end_parent(self.parent_id, "FAILED", reason)
         shutil.rmtree(self.store.staging, ignore_errors=True)
 
     def _run_locked(self) -> Dict:
@@ -534,7 +548,7 @@ class _Experiment:
         ended is left as it is."""
         if logger is None:  # read back from its record: find the child, or create it if it never was
             found = self.tracking.child_run(self.parent_id, seed)
-            if found is not None and found.info.status in ("FINISHED", "FAILED"):
+            if found is not None and not resumable(found):  # FINISHED, or FAILED by its own numbers
                 return
             logger = self._child_logger(cfg, seed)
             logger.open(None)
@@ -666,8 +680,10 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
         fl_core.envfail.EnvironmentFailure: ``results_dir`` or ``engine.checkpoint_dir`` is a file or not writable
             (nothing written, no lock taken), or a torch.distributed rank was lost.
         OSError: a write failed (a full disk, ...: :func:`fl_core.envfail.classify` names it); as for any
-            environment failure the MLflow runs are ended KILLED with the reason, the last checkpoint stays valid,
-            no temporary file is left, and the same command resumes.
+            environment failure the MLflow runs are ended FAILED with the reason (``fl.end_reason``), the last
+            checkpoint stays valid, no temporary file is left, and the same command resumes.
+        mlflow.exceptions.MlflowException: the tracking store failed (:mod:`fl_core.storefail` names a locked or
+            unreachable one); its runs are left to the next start, which ends or continues them.
         Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
     return _Experiment(cfgs, callbacks, replace, adhoc, on_round).run()

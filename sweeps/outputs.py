@@ -405,7 +405,8 @@ def finish_study(study, settings: Settings, space: Space, out: Path, t_start: fl
     plots, notes = _write_outputs(study, settings, out, summary, best, test)
     for n in notes:
         print(f"note: plot {n}", file=sys.stderr)
-    print(f"outputs: {display_path(out)}/", file=sys.stderr)
+    if not settings.quiet:
+        print(f"outputs: {display_path(out)}/", file=sys.stderr)
     if tracking is not None and settings.parent_run_id:
         status = _end_parent_run(tracking, settings, study, summary, best, test, out, plots, status)
     return summary, status

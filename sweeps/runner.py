@@ -11,7 +11,12 @@ compares trials at the same seed and round. How a trial ends (:class:`TrialRunne
   (``ConfigError`` / ``ValueError`` naming a key), or a rule rejects it while running
   (:class:`fl_core.algorithms.InfeasibleSetting`, e.g. FedBug's code schedule with P*K_i < M);
 - FAIL, reason "error: <exception>": any other exception while training (the study continues);
-- FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`).
+- FAIL, reason "storage lost: ...": the storage went away during the trial and came back (:func:`optimize`);
+- FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`: its process on this
+  machine is gone; :func:`fail_silent_trials`: no Optuna heartbeat for :data:`GRACE_S` s, any machine).
+
+An environment failure (:mod:`fl_core.envfail`: the storage gone for good or not answering, MLflow's store, the disk)
+is not a property of the trial: the sweep stops with one line (:func:`optimize`, :func:`run_workers`).
 
 Processes killed hard: spawned workers die with the process that started them
 (:func:`die_with_parent`); every MLflow run of a sweep records its process (:func:`owner_tags`) and
@@ -21,9 +26,9 @@ the next invocation ends the runs whose process is gone (:func:`end_orphaned_run
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -37,7 +42,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from fl_core import procs
+from fl_core import envfail, procs, storefail, storewait
 from fl_core.config import ConfigError
 from fl_core.schema import format_value
 from fl_core.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
@@ -101,6 +106,12 @@ DRIVERS = {
 }
 SETUP_LOCK_TIMEOUT_S = 600.0  # the longest a process waits for another one's study setup (setup_lock)
 SETUP_LOCK_NAME = "fl-pipeline sweeps: study setup"  # hashed into PostgreSQL's advisory lock key
+#: Optuna's heartbeat of a RUNNING trial in an RDB storage: written every HEARTBEAT_S seconds by the process that runs
+#: it; a trial without one for GRACE_S seconds is stale (its process or machine is gone) and any process of the
+#: study marks it FAIL (:func:`fail_stale_trials`). 3 missed beats: a loaded machine delays a beat by seconds, not 20.
+HEARTBEAT_S, GRACE_S = 10, 30
+HEARTBEAT_REASON = f"stale: no heartbeat for over {GRACE_S} s (its process or machine is gone)"
+STORAGE_ACTION = "check that the database server runs and answers"
 
 
 def is_url(spec: str) -> bool:
@@ -117,7 +128,7 @@ def default_storage(study_name: str) -> str:
 
 def shown_storage(spec: str) -> str:
     """``spec`` with the password of an RDB URL replaced by ``***`` (for messages, tags and summaries)."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", spec)
+    return storefail.mask(spec)
 
 
 def _first_line(err: BaseException) -> str:
@@ -137,10 +148,22 @@ def storage_error(spec: str, err: BaseException) -> StorageError:
                         f"({type(err).__name__}: {_first_line(err)})")
 
 
+def bounded_storage(spec: str) -> None:
+    """Name the RDB storage ``spec`` ``Optuna storage`` in the messages of its failures (:mod:`fl_core.storefail`) and
+    bound the waits on it (:func:`fl_core.storewait.install`: SQLite's busy timeout, the stall watch)."""
+    storewait.install()
+    storefail.name_store(spec, "Optuna storage", STORAGE_ACTION)
+
+
 def open_storage(spec: str):
     """An Optuna storage: an RDB URL (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///``) through
     SQLAlchemy (the URL's driver must be installed; psycopg 3 for PostgreSQL is a dependency), else a journal
     file (parent folders created), safe for several processes on one machine.
+
+    An RDB storage waits a bounded time (:mod:`fl_core.storewait`: PostgreSQL's connect and statement timeouts and
+    keepalives as ``connect_args``, where the URL does not set them; SQLite's busy timeout) and keeps Optuna's
+    heartbeat of running trials (every :data:`HEARTBEAT_S` s, stale after :data:`GRACE_S` s: :func:`heartbeat`,
+    :func:`fail_stale_trials`).
 
     A new database gets Optuna's tables on first open; processes that may open a new database at the same
     time (several machines starting) hold :func:`setup_lock` around it.
@@ -153,9 +176,11 @@ def open_storage(spec: str):
 
     try:
         if is_url(spec):
+            bounded_storage(spec)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return optuna.storages.RDBStorage(spec)
+                return optuna.storages.RDBStorage(spec, engine_kwargs=storewait.engine_kwargs(spec),
+                                                  heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
         path = Path(spec)
         path.parent.mkdir(parents=True, exist_ok=True)
         from optuna.storages.journal import JournalFileBackend
@@ -258,7 +283,7 @@ def _advisory_lock(spec: str, timeout_s: float, poll_s: float,
     try_lock = sqlalchemy.text("SELECT pg_try_advisory_lock(:key)")
     engine = conn = None
     try:
-        engine = sqlalchemy.create_engine(spec, poolclass=sqlalchemy.pool.NullPool)
+        engine = sqlalchemy.create_engine(spec, poolclass=sqlalchemy.pool.NullPool, **storewait.engine_kwargs(spec))
         conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         deadline = time.monotonic() + timeout_s
         held = bool(conn.execute(try_lock, {"key": key}).scalar())
@@ -367,11 +392,28 @@ def make_pruner(spec: str, rounds: int, num_seeds: int, multi: bool):
     return optuna.pruners.ThresholdPruner(lower=x, n_warmup_steps=warmup)
 
 
+def _not_sqlalchemy_fallback(record) -> bool:
+    """A logging filter: False for Optuna's warning that it retries a query of all trials another way after a
+    SQLAlchemy error (the query repeats the IN list), which on a lost database precedes the error itself and on a
+    large study only announces a slower query."""
+    return not str(record.msg).startswith("Caught an error from sqlalchemy")
+
+
 def quiet_optuna() -> None:
+    """Optuna's log at WARNING, without its experimental warnings, the heartbeat warning of explicit ask and tell,
+    and (unless ``--debug`` / ``FL_DEBUG=1``) the multi-line warning of its all-trials query's fallback."""
+    import logging
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+        rdb = logging.getLogger("optuna.storages._rdb.storage")
+        if _not_sqlalchemy_fallback not in rdb.filters:
+            rdb.addFilter(_not_sqlalchemy_fallback)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # the sweep asks and tells its trials and beats their heartbeat itself (heartbeat)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 def sampler_and_pruner(settings: Settings, space: Space, worker: int = 0) -> Dict[str, Any]:
@@ -499,6 +541,67 @@ def fail_stale_trials(study) -> List[int]:
         study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         stale.append(t.number)
     return stale
+
+
+def fail_silent_trials(study) -> List[int]:
+    """Mark FAIL, with reason :data:`HEARTBEAT_REASON`, the RUNNING trials whose Optuna heartbeat is older than
+    :data:`GRACE_S` seconds (Optuna's own test of a stale trial, on any machine); nothing for a storage without
+    heartbeats (a journal file). A trial marked FAIL this way while its process still runs (a database outage
+    longer than the grace period) keeps FAIL: that process drops its result (:func:`optimize`).
+
+    Returns:
+        The numbers of the trials marked FAIL.
+    """
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    if getattr(storage, "get_heartbeat_interval", lambda: None)() is None:
+        return []
+    stale = set(storage._get_stale_trial_ids(study._study_id))  # Optuna's query (BaseHeartbeat)
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t._trial_id not in stale:
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, "reason", HEARTBEAT_REASON)
+            study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        except Exception as err:  # another process finished or failed it meanwhile
+            if "UpdateFinishedTrialError" not in {c.__name__ for c in type(err).__mro__}:
+                raise
+            continue
+        failed.append(t.number)
+    return failed
+
+
+@contextmanager
+def heartbeat(study, trial) -> Iterator[None]:
+    """Record Optuna's heartbeat of ``trial`` every :data:`HEARTBEAT_S` seconds (at once, then every second while
+    the database fails) from a daemon thread while the block runs; nothing for a storage without heartbeats.
+    ``study.optimize`` does this itself; the sweep asks and tells its trials explicitly. Errors are not raised here:
+    the trial's own next use of the storage meets them."""
+    storage = study._storage
+    interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
+    if interval is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.record_heartbeat(trial._trial_id)
+                pause = interval
+            except Exception:  # the database is away: try again soon
+                pause = 1.0
+            if stop.wait(pause):
+                return
+
+    thread = threading.Thread(target=beat, name=f"optuna-heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 owner_tags = procs.identity  # MLflow tags naming the process that creates a run (fl.host, fl.pid, fl.proc_start)
@@ -650,6 +753,26 @@ class TrialRunner:
         self.tracking = tracking
         self.worker = worker
         self.cache = cache or DataCache()
+        self._live = None  # the MLflow run of the trial in progress (ended FAILED if the process must end)
+        storewait.on_stall(self._on_stall)
+
+    def _on_stall(self, failure: BaseException) -> None:
+        """A database stopped answering and the process ends (:func:`fl_core.storewait.on_stall`): the trial's MLflow
+        run ends FAILED, unless it is MLflow's store that does not answer."""
+        self._end_run(self._live, failure)
+
+    def _end_run(self, logger, failure) -> None:
+        """End the trial's MLflow run FAILED with ``fl.end_reason`` ``environment failure: <line>`` (best effort; not
+        when MLflow's own store is the one that failed)."""
+        from fl_core.tracking import ENV_FAILURE
+
+        if logger is None or logger.run_id is None or _is_store_of(failure, self.tracking.uri):
+            return
+        try:
+            self.tracking.client.set_tag(logger.run_id, "optuna_state", "FAIL")
+            logger.close("FAILED", f"{ENV_FAILURE}{failure}")
+        except Exception:  # noqa: BLE001  (the run is then ended as an orphan by the next invocation)
+            pass
 
     def experiment_overrides(self, trial) -> List[str]:
         """Sample ``trial`` and return its experiment overrides (validation split on, no seed)."""
@@ -678,7 +801,7 @@ class TrialRunner:
 
         t0 = time.perf_counter()
         overrides = self._trial_overrides(trial)
-        logger = self._logger(trial, overrides)
+        logger = self._live = self._logger(trial, overrides)
         on_config, on_round = self._callbacks(trial, logger)
         try:
             res = train_seeds(overrides, self.settings.seeds, self.cache, on_round=on_round, on_config=on_config)
@@ -692,6 +815,10 @@ class TrialRunner:
             self._finish(trial, logger, t0, Outcome("FAIL", reason="interrupted (Ctrl-C)"), "KILLED")
             raise
         except Exception as err:  # not a property of the configuration: FAIL, and the study goes on
+            failure = envfail.classify(err)
+            if failure is not None:  # the environment (the storage, MLflow, the disk): optimize decides
+                self._end_run(logger, failure)
+                raise
             reason, where = error_reason(err)
             print(f"{'w%d ' % self.worker if self.worker else ''}trial {trial.number}: {reason} (at {where})",
                   file=sys.stderr, flush=True)
@@ -754,10 +881,17 @@ class TrialRunner:
     def _finish(self, trial, logger, t0: float, outcome: Outcome, status: str, detail: str = "") -> Outcome:
         """Record how ``trial`` ended (``duration_s`` since ``t0``, ``reason``) and close its MLflow run
         with ``status`` (FINISHED | KILLED | FAILED; ``detail`` is appended to the reason there); returns
-        ``outcome``."""
-        trial.set_user_attr("duration_s", round(time.perf_counter() - t0, 3))
-        if outcome.reason:
-            trial.set_user_attr("reason", outcome.reason)
+        ``outcome``. The storage failing here ends the MLflow run FAILED and raises."""
+        try:
+            trial.set_user_attr("duration_s", round(time.perf_counter() - t0, 3))
+            if outcome.reason:
+                trial.set_user_attr("reason", outcome.reason)
+        except Exception as err:
+            failure = envfail.classify(err)
+            if failure is not None:
+                self._end_run(logger, failure)
+            raise
+        self._live = None
         if logger is not None:
             self.tracking.client.set_tag(logger.run_id, "optuna_state", outcome.state)
             if outcome.reason:  # the documented tag of every non-COMPLETE trial, whatever close() tags
@@ -779,23 +913,96 @@ def trial_line(number: int, outcome: Outcome, params: Dict[str, Any], duration: 
     return f"{who}trial {number:>3} {outcome.state:<8} {vals:>15}  {shown}  ({duration:.1f}s){why}"
 
 
+def _is_store_of(failure, url: Optional[str]) -> bool:
+    """Whether the environment failure ``failure`` is that of the store or database at ``url``."""
+    store = getattr(failure, "store", None)
+    return bool(store and url) and storefail.identity(store) == storefail.identity(url)
+
+
+def storage_failure(err: BaseException, settings: Settings) -> Optional[envfail.EnvironmentFailure]:
+    """The environment failure ``err`` stands for when it is the sweep's RDB storage that failed (lost, refused,
+    timed out, locked: :mod:`fl_core.storefail`), else None."""
+    if not is_url(settings.storage):
+        return None
+    failure = envfail.classify(err)
+    return failure if _is_store_of(failure, settings.storage) else None
+
+
+def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) -> float:
+    """After ``failure`` of the storage: wait until it answers again (:func:`fl_core.storewait.wait_until_back`,
+    ``FL_DB_RETRY_S``, default 30 s); returns the seconds waited. A locked SQLite file is not waited for again (its
+    busy timeout was the wait).
+
+    Raises:
+        fl_core.envfail.EnvironmentFailure: it does not answer within that time (one line: what failed first and
+            how long it was waited for).
+    """
+    if settings.storage.startswith("sqlite"):
+        raise failure
+    back, waited = storewait.wait_until_back(settings.storage)
+    if not back:
+        raise envfail.EnvironmentFailure(failure.resource, f"{failure.cause}, and it did not answer again within "
+                                         f"{waited:.0f} s ({storewait.RETRY_ENV})", failure.action,
+                                         store=failure.store) from None
+    return waited
+
+
+def storage_call(settings: Settings, fn: Callable[[], Any]) -> Any:
+    """``fn()``, once more after the storage answers again when it failed (:func:`wait_for_storage`): a database
+    restart costs a pause, not the sweep. Only for calls that may be repeated (asking for a trial, telling one, user
+    attributes)."""
+    try:
+        return fn()
+    except Exception as err:
+        failure = storage_failure(err, settings)
+        if failure is None:
+            raise
+        wait_for_storage(settings, failure)
+    return fn()
+
+
+def _tell(study, trial, outcome: Outcome, settings: Settings, who: str) -> bool:
+    """Tell the storage how ``trial`` ended (through :func:`storage_call`, so a tell that reached the database before
+    it went away is not told twice); False when another process had already ended it (:func:`fail_silent_trials`
+    while the database was away), whose FAIL then stands, with a note on stderr."""
+    from optuna.trial import TrialState
+
+    state = TrialState[outcome.state]
+    values = outcome.values if state == TrialState.COMPLETE else None
+    frozen = storage_call(settings, lambda: study.tell(trial, values, state=state, skip_if_finished=True))
+    if frozen.state == state:
+        return True
+    print(f"note: {who}trial {trial.number} was marked {frozen.state.name} by another process meanwhile (no heartbeat "
+          "while the database was away); its result is dropped", file=sys.stderr, flush=True)
+    return False
+
+
 def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Callable[[str], None]] = None) -> bool:
     """Run up to ``n_trials`` trials of ``study`` in this process (fewer if ``settings.timeout`` passes).
 
     Trials are asked and told explicitly, so every outcome is recorded as designed (see the module
     docstring) and Ctrl-C leaves the running trial FAIL (user attribute ``reason``) with its MLflow
-    run KILLED. ``on_trial`` receives each trial's progress line (default: stderr unless quiet).
+    run KILLED. ``on_trial`` receives each trial's progress line (default: stderr unless quiet). Before each trial
+    the trials of lost processes are marked FAIL (:func:`fail_silent_trials`), and the running trial keeps its
+    heartbeat (:func:`heartbeat`).
+
+    The storage going away (a PostgreSQL restart) costs the trial that was running: the sweep waits for the storage
+    (:func:`wait_for_storage`), marks that trial FAIL with reason ``storage lost: ...`` (its MLflow run FAILED), says
+    so in one line and goes on.
 
     Returns:
         True if interrupted by Ctrl-C, else False.
 
     Raises:
-        Exception: an error outside a trial's training (e.g. the storage or MLflow); the running
-            trial is told FAIL first.
+        fl_core.envfail.EnvironmentFailure: the storage did not come back within ``FL_DB_RETRY_S``; the running trial
+            stays RUNNING in it until its heartbeat is stale (the next invocation, or another process, marks it
+            FAIL).
+        Exception: another error outside a trial's training (MLflow, a bug); the running trial is told FAIL first.
     """
     from optuna.trial import TrialState
 
     settings = runner.settings
+    who = f"w{runner.worker} " if runner.worker else ""
     if on_trial is None:
         def on_trial(line: str) -> None:
             if not settings.quiet:
@@ -807,13 +1014,22 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
         for _ in range(n_trials):
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            trial = study.ask()
+            storage_call(settings, lambda: fail_silent_trials(study))
+            trial = storage_call(settings, study.ask)
             t0 = time.perf_counter()
-            outcome = runner(trial)
-            if outcome.state == "COMPLETE":
-                study.tell(trial, outcome.values)
-            else:
-                study.tell(trial, state=TrialState[outcome.state])
+            try:
+                with heartbeat(study, trial):
+                    outcome = runner(trial)
+            except Exception as err:
+                failure = storage_failure(err, settings)
+                if failure is None:
+                    raise
+                waited = wait_for_storage(settings, failure)
+                outcome = Outcome("FAIL", reason=f"storage lost: {failure.cause}")
+                storage_call(settings, functools.partial(trial.set_user_attr, "reason", outcome.reason))
+                print(f"note: {who}trial {trial.number} ended FAIL: the Optuna storage {failure.cause}; it answered "
+                      f"again after {waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
+            _tell(study, trial, outcome, settings, who)
             line = trial_line(trial.number, outcome, trial.params, time.perf_counter() - t0, runner.worker)
             trial = None
             on_trial(line)
@@ -822,8 +1038,9 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         return True
     except BaseException as err:  # the trial must not stay RUNNING in the storage
-        if trial is not None:
-            trial.set_user_attr("reason", error_reason(err)[0])
+        if trial is not None and storage_failure(err, settings) is None:  # (it cannot be told a failed storage)
+            failure = envfail.classify(err)
+            trial.set_user_attr("reason", f"environment failure: {failure}" if failure else error_reason(err)[0])
             study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         raise
     return False
@@ -872,9 +1089,32 @@ def die_with_parent(parent_pid: int, poll_s: float = 1.0, use_prctl: bool = True
     return how
 
 
-def _worker_main(settings: Settings, n_trials: int, worker: int, parent_pid: int) -> None:
-    """Entry point of spawned worker process ``worker`` (1..W) of process ``parent_pid``."""
+def _worker_main(settings: Settings, n_trials: int, worker: int, parent_pid: int, failures=None) -> None:
+    """Entry point of spawned worker process ``worker`` (1..W) of process ``parent_pid``. An environment failure
+    (the storage gone for good, MLflow's store, a stalled database) ends it with one line, ``error: worker <w>:
+    <line>``, exit status 3, and a note of it on the queue ``failures`` for the process that started it."""
     die_with_parent(parent_pid)  # first: a worker must not outlive a killed tune.py
+    prefix = f"worker {worker}: "
+    storewait.set_line_prefix(prefix)
+
+    def report(failure: BaseException) -> None:
+        if failures is not None:
+            failures.put({"worker": worker, "line": str(failure), "store": getattr(failure, "store", None)})
+
+    storewait.on_stall(report)
+    try:
+        _work(settings, n_trials, worker)
+    except Exception as err:
+        failure = envfail.classify(err)
+        if failure is None or os.environ.get(envfail.DEBUG_ENV, "") not in ("", "0"):
+            raise
+        report(failure)
+        if not failure.quiet:
+            print(f"error: {prefix}{failure}", file=sys.stderr, flush=True)
+        sys.exit(envfail.EXIT_STATUS)
+
+
+def _work(settings: Settings, n_trials: int, worker: int) -> None:
     import optuna
 
     set_threads(settings.threads)
@@ -902,32 +1142,53 @@ def count_finished(study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
 
 
-def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Tuple[bool, int]:
-    """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar
-    in this process (polling ``study``). Each worker prints its trial lines to stderr and dies
-    with this process (:func:`die_with_parent`), even when it is killed with SIGKILL.
+@dataclass
+class WorkersEnd:
+    """How the worker processes of :func:`run_workers` ended."""
 
-    Returns:
-        (interrupted, number of workers that exited with an error).
-    """
+    interrupted: bool  # Ctrl-C
+    errors: int  # workers that ended with an error (a traceback on stderr, or an environment failure)
+    failures: List[Dict[str, Any]]  # environment failures, each said in one line: {"worker", "line", "store"}
+
+
+def run_workers(study, settings: Settings, n_trials: int, workers: int) -> WorkersEnd:
+    """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar
+    in this process (a daemon thread polls ``study``; it never blocks this one, and a storage that fails only stops
+    the bar). Each worker prints its trial lines to stderr and dies with this process (:func:`die_with_parent`),
+    even when it is killed with SIGKILL; an environment failure ends a worker with one line of its own."""
     import multiprocessing as mp
 
     from tqdm.auto import tqdm
 
     counts = [c for c in split_trials(n_trials, workers) if c > 0]
     start = count_finished(study)
+    done = {"n": 0}
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, args=(settings, c, w + 1, os.getpid()), name=f"sweep-worker-{w + 1}")
+    failures_queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker_main, args=(settings, c, w + 1, os.getpid(), failures_queue),
+                         name=f"sweep-worker-{w + 1}")
              for w, c in enumerate(counts)]
     for p in procs:
         p.start()
+    stop = threading.Event()
+
+    def poll() -> None:
+        with storewait.unwatched():
+            while not stop.wait(0.5):
+                try:
+                    done["n"] = count_finished(study) - start
+                except Exception:  # the storage failed: the workers say so
+                    pass
+
+    if not settings.quiet:
+        threading.Thread(target=poll, name="sweep-progress", daemon=True).start()
     interrupted = False
     bar = None if settings.quiet else tqdm(total=n_trials, unit="trial", desc=settings.study_name, file=sys.stderr)
     try:
         while any(p.is_alive() for p in procs):
             time.sleep(0.5)
             if bar is not None:
-                bar.n = count_finished(study) - start
+                bar.n = done["n"]
                 bar.refresh()
     except KeyboardInterrupt:  # the workers got the same SIGINT: let them close their trials
         interrupted = True
@@ -938,9 +1199,15 @@ def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Tuple
     finally:
         for p in procs:
             p.join()
-        if bar is not None:
-            bar.n = count_finished(study) - start
-            bar.close()
+        stop.set()
+    failures = []
+    while not failures_queue.empty():
+        failures.append(failures_queue.get())
+    if bar is not None:
+        if not failures:  # the storage answers: the final count
+            done["n"] = count_finished(study) - start
+        bar.n = done["n"]
+        bar.close()
     interrupted = interrupted or any(p.exitcode == EXIT_INTERRUPTED for p in procs)
     errors = sum(1 for p in procs if p.exitcode not in (0, EXIT_INTERRUPTED))
-    return interrupted, errors
+    return WorkersEnd(interrupted, errors, failures)

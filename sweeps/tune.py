@@ -20,6 +20,7 @@ pruner, trials, workers; how a trial ends), :mod:`sweeps.outputs` (MLflow parent
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -30,11 +31,12 @@ from typing import List, Optional, Tuple
 if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fl_core import envfail, storewait
 from fl_core.paths import project_root
-from sweeps.runner import (EXIT_INTERRUPTED, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
-                           TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_stale_trials, is_url,
-                           label_study, open_storage, optimize, parse_pruner, quiet_optuna, run_workers,
-                           sampler_and_pruner, set_threads, setup_lock, shown_storage)
+from sweeps.runner import (EXIT_INTERRUPTED, GRACE_S, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
+                           TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_silent_trials,
+                           fail_stale_trials, is_url, label_study, open_storage, optimize, parse_pruner, quiet_optuna,
+                           run_workers, sampler_and_pruner, set_threads, setup_lock, shown_storage, storage_call)
 from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
@@ -90,9 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before starting, mark FAIL (reason 'stale: ...') the RUNNING trials whose process on "
                         "this machine is gone (e.g. killed); default: on for a journal file, off for an RDB URL")
     p.add_argument("--threads", type=int, default=1, metavar="T", help="torch threads per worker (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or per-trial lines")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr: no bar, no per-trial lines, "
+                   "no study and outputs lines (notes, warnings and errors remain; the summary goes to stdout)")
     p.add_argument("--debug", action="store_true", help="an environment failure (a folder not writable, a full "
-                   "disk) shows its traceback instead of one line and exit status 3 (also FL_DEBUG=1)")
+                   "disk, the storage or MLflow's store locked or gone) shows its traceback instead of one line and "
+                   "exit status 3 (also FL_DEBUG=1)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="Hydra overrides of the base experiment, e.g. train.rounds=30 partition=iid")
     return p
@@ -101,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a sweep. Exit status: 0 done, 2 bad arguments/space/config/storage (one line, nothing run),
     130 interrupted, 1 an error stopped the sweep or a worker (the outputs of the trials done are
-    written in every case), 3 an environment failure outside the trials (a folder not writable, a full disk: one
-    line, :func:`fl_core.envfail.run_cli`; ``--debug`` or ``FL_DEBUG=1``: the traceback)."""
+    written), 3 an environment failure (a folder not writable, a full disk, the storage gone for longer than
+    ``FL_DB_RETRY_S`` or not answering, MLflow's store locked or unreachable: one line, with ``--workers`` one per
+    worker, :func:`fl_core.envfail.run_cli`; the MLflow parent run ends FAILED where MLflow answers, and the next
+    invocation writes the outputs; ``--debug`` or ``FL_DEBUG=1``: the traceback)."""
     from fl_core import envfail
 
     return envfail.run_cli(_exit_status, argv)
@@ -126,17 +132,40 @@ def _main(argv: Optional[List[str]]) -> int:
     kwargs, cache = _sampler_and_data(settings, space, base_cfg)
     study, tracking = _set_up(args, settings, space, kwargs)
     out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
-    print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in {shown_storage(settings.storage)}; "
-          f"space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
+    if not args.quiet:
+        print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
+              f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
     previous_threads = set_threads(settings.threads)
+    forget = storewait.on_stall(lambda failure: _end_parent_on(failure, settings, tracking))
     try:
-        status, error = _run_trials(args, study, settings, tracking, cache)
+        status, error, failure = _run_trials(args, study, settings, tracking, cache)
+        if failure is not None:  # one line (per worker), no outputs: the storage or MLflow may be what failed
+            _end_parent_on(failure, settings, tracking)
+            raise failure
         if error:
             print(f"error: {error}; writing the outputs of the trials done", file=sys.stderr)
         status = _finish_sweep(args, study, settings, space, out, t_start, status, error, tracking)
     finally:
+        forget()
         set_threads(previous_threads)
     return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+
+
+def _end_parent_on(failure, settings: Settings, tracking) -> None:
+    """After an environment failure: end the study's MLflow parent run FAILED with ``fl.end_reason`` ``environment
+    failure: <line>`` (best effort; not when MLflow's own store is what failed: the next invocation reopens it)."""
+    from fl_core import storefail
+    from fl_core.tracking import ENV_FAILURE
+
+    if tracking is None or not settings.parent_run_id:
+        return
+    store = getattr(failure, "store", None)
+    if store and storefail.identity(store) == storefail.identity(tracking.uri):
+        return
+    try:
+        tracking.end_parent(settings.parent_run_id, "FAILED", f"{ENV_FAILURE}{failure}")
+    except Exception:  # noqa: BLE001  (then the next invocation ends it as an orphan)
+        pass
 
 
 def _check_args(args: argparse.Namespace) -> List[str]:
@@ -220,6 +249,7 @@ def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
         label_study(study, settings, space)  # objective names and what the dashboard's first screen shows
         if args.fail_stale if args.fail_stale is not None else not is_url(settings.storage):
             _fail_stale(study)
+        _fail_silent(study)
         tracking = None
         if settings.experiment:
             from fl_core.tracking import Tracking
@@ -246,6 +276,9 @@ def _open_study(settings: Settings, kwargs):
     except StorageError as err:
         fail(str(err))
     except Exception as err:  # the storage failed after opening (e.g. the server went away)
+        failure = envfail.classify(err)
+        if failure is not None:
+            raise failure from err
         fail(f"--storage {shown_storage(settings.storage)}: {type(err).__name__}: {str(err).splitlines()[0]}")
 
 
@@ -270,6 +303,15 @@ def _check_signature(study, settings: Settings, space) -> None:
              "settings")
 
 
+def _fail_silent(study) -> None:
+    """Mark FAIL the trials whose Optuna heartbeat stopped (:func:`sweeps.runner.fail_silent_trials`: an RDB storage;
+    any machine), with one line on stderr."""
+    failed = fail_silent_trials(study)
+    if failed:
+        print(f"note: trial(s) {', '.join(map(str, failed))} had no heartbeat for over {GRACE_S} s (their process or "
+              "machine is gone): marked FAIL (stale)", file=sys.stderr)
+
+
 def _fail_stale(study) -> None:
     """Mark FAIL the trials left RUNNING by a process that is gone (:func:`sweeps.runner.fail_stale_trials`),
     with one line on stderr."""
@@ -280,24 +322,35 @@ def _fail_stale(study) -> None:
 
 
 def _run_trials(args: argparse.Namespace, study, settings: Settings, tracking,
-                cache: DataCache) -> Tuple[str, Optional[str]]:
+                cache: DataCache) -> Tuple[str, Optional[str], Optional[envfail.EnvironmentFailure]]:
     """Run ``--n-trials`` trials, in this process or in ``--workers`` processes; (status: finished |
-    interrupted | failed, the one-line error or None). Ctrl-C and errors end the trials, not the sweep."""
+    interrupted | failed, the error or None, the environment failure or None: quiet when every worker that failed
+    said its own line). Ctrl-C and errors end the trials, not the sweep."""
     error = None
     try:
         if args.workers == 1:
             interrupted = _run_in_process(study, TrialRunner(settings, tracking, 0, cache), args.n_trials)
         else:
-            interrupted, errors = run_workers(study, settings, args.n_trials, args.workers)
-            if errors:
-                error = f"{errors} worker process(es) ended with an error (traceback above)"
-        return ("failed" if error else "interrupted" if interrupted else "finished"), error
+            end = run_workers(study, settings, args.n_trials, args.workers)
+            interrupted = end.interrupted
+            if end.failures:
+                lines = "; ".join(f"worker {f['worker']}: {f['line']}" for f in end.failures)
+                first = end.failures[0]
+                return "failed", None, envfail.EnvironmentFailure(
+                    f"{len(end.failures)} worker(s) of the sweep", f"stopped ({lines})", "see their lines above",
+                    quiet=len(end.failures) == end.errors, store=first["store"])
+            if end.errors:
+                error = f"{end.errors} worker process(es) ended with an error (traceback above)"
+        return ("failed" if error else "interrupted" if interrupted else "finished"), error, None
     except KeyboardInterrupt:
-        return "interrupted", error
-    except Exception as err:  # a bug or a storage/MLflow failure: keep what is done
+        return "interrupted", error, None
+    except Exception as err:  # an environment failure: one line; a bug: keep what is done
+        failure = envfail.classify(err)
+        if failure is not None and os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+            return "failed", None, failure
         traceback.print_exc()
         reason, where = error_reason(err)
-        return "failed", f"{reason} (at {where})"
+        return "failed", f"{reason.removeprefix('error: ')} (at {where})", None
 
 
 def _finish_sweep(args: argparse.Namespace, study, settings: Settings, space, out: Path, t_start: float,
@@ -307,12 +360,17 @@ def _finish_sweep(args: argparse.Namespace, study, settings: Settings, space, ou
     from sweeps.outputs import finish_study
 
     try:
+        storage_call(settings, lambda: fail_silent_trials(study))  # not left RUNNING by a lost worker
         _, status = finish_study(study, settings, space, out, t_start, status=status,
                                  run_test=not args.no_test, tracking=tracking, error=error)
     except KeyboardInterrupt:  # while writing the outputs: write them again, without a test run
         _, status = finish_study(study, settings, space, out, t_start, status="interrupted", run_test=False,
                                  tracking=tracking, error=error)
-    except Exception:  # the trials stay in the study; end the parent run so that it does not stay RUNNING
+    except Exception as err:  # the trials stay in the study; end the parent run so that it does not stay RUNNING
+        failure = envfail.classify(err)
+        if failure is not None and os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+            _end_parent_on(failure, settings, tracking)
+            raise failure from err
         traceback.print_exc()
         print(f"error: writing the outputs failed (above); the trials are kept in "
               f"{shown_storage(settings.storage)}: run with --n-trials 0 to write them again", file=sys.stderr)

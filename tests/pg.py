@@ -1,6 +1,7 @@
 """A throwaway PostgreSQL server for tests: initdb in a temporary folder, ``pg_ctl start`` on 127.0.0.1 and a free
 port with trust authentication, databases created over TCP, ``pg_ctl stop -m immediate`` and the folder removed at
-the end.
+the end; :meth:`PostgresServer.halt`, :meth:`~PostgresServer.resume`, :meth:`~PostgresServer.freeze` and
+:meth:`~PostgresServer.thaw` stop, restart, freeze and thaw it under a client (tests/test_env_faults.py).
 
 The server binaries are found as the newest ``/usr/lib/postgresql/<version>/bin/pg_ctl`` (Debian's layout), else
 ``pg_ctl`` on PATH (its own folder must hold ``initdb`` and ``postgres``). PostgreSQL refuses to run as root: as
@@ -116,11 +117,10 @@ class PostgresServer:
         error: Optional[PostgresError] = None
         for _ in range(attempts):
             self.port = free_port()
-            options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
-                       "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
             try:
                 self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
-                           str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", options],
+                           str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o",
+                           self._start_options()],
                           timeout=START_TIMEOUT_S + 30)
                 self.started = True
                 return
@@ -130,6 +130,57 @@ class PostgresServer:
                     break
         assert error is not None
         raise error
+
+    def _start_options(self) -> str:
+        return (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+
+    def halt(self) -> None:
+        """Stop the server as an administrator would (``pg_ctl stop -m fast``: the sessions are ended, the clients
+        get "terminating connection due to administrator command"), keeping its folder for :meth:`resume`."""
+        self._run([str(self.bin_dir / "pg_ctl"), "stop", "-D", str(self.root / "data"), "-m", "fast", "-w", "-t",
+                   str(STOP_TIMEOUT_S)], timeout=STOP_TIMEOUT_S + 10)
+        self.started = False
+
+    def resume(self) -> None:
+        """Start the server again on the same port and data after :meth:`halt`; waits until it accepts connections."""
+        self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
+                   str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", self._start_options()],
+                  timeout=START_TIMEOUT_S + 30)
+        self.started = True
+
+    def pids(self) -> List[int]:
+        """The postmaster's process id and those of its children (backends, background workers), from /proc."""
+        postmaster = int((self.root / "data" / "postmaster.pid").read_text().splitlines()[0])
+        found = [postmaster]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                        found.append(int(entry.name))
+                except (OSError, IndexError, ValueError):
+                    continue
+        return found
+
+    def freeze(self) -> List[int]:
+        """SIGSTOP the postmaster and every child: the server accepts TCP connections (the kernel does) and answers
+        nothing; returns the process ids for :meth:`thaw`."""
+        import signal
+
+        frozen = self.pids()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        return frozen
+
+    def thaw(self, frozen: List[int]) -> None:
+        """SIGCONT the processes :meth:`freeze` stopped."""
+        import signal
+
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         """Stop the server at once (``pg_ctl stop -m immediate``; its postmaster killed if that fails) and remove

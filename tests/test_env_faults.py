@@ -6,6 +6,10 @@ otherwise (``FL_FAULT=POINT:ENOSPC`` / ``:EROFS`` raise the OSError the failed w
 bits, so a read-only folder is a read-only mount where ``unshare`` allows one, else ``path_check:EROFS``). A run that
 fails is then run again and must end with exactly the runs and metrics of an uninterrupted run. The torchrun cases
 (a worker killed, a worker frozen) are marked slow, as in tests/test_distributed.py.
+
+The tracking store and the databases (fl_core/storefail.py, fl_core/storewait.py) fail for real: a second process
+holds the SQLite lock, a port nothing listens on, a folder that does not exist; a throwaway PostgreSQL server
+(tests/pg.py) stopped, frozen with SIGSTOP or restarted under a sweep (those marked slow).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -210,7 +215,7 @@ def _histories(tmp: Path) -> dict:
         if "fl.seed" not in r.data.tags or "mlflow.parentRunId" not in r.data.tags:
             continue
         for key in r.data.metrics:
-            if not key.endswith(("round_time_s", "round/time_s")):
+            if key not in ("round/time_s", "round_time_s"):  # wall-clock round times differ on every run
                 out[(r.data.tags["fl.seed"], key)] = sorted((m.step, m.value)
                                                             for m in client.get_metric_history(r.info.run_id, key))
     return out
@@ -248,9 +253,10 @@ def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch
         assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 2
         assert torch.load(attempt / "seed_1.pt.prev", weights_only=False)["round"] == 1
     _client, runs = _mlflow_state(tmp)
-    assert runs and "RUNNING" not in {r.info.status for r in runs}
-    assert all(r.data.tags["fl.end_reason"].startswith("environment failure: ") for r in runs
-               if r.info.status == "KILLED")
+    assert runs and {r.info.status for r in runs} <= {"FINISHED", "FAILED"}  # none RUNNING; KILLED is for signals
+    failed = [r for r in runs if r.info.status == "FAILED"]
+    assert any(r.data.tags.get("fl.role") == "parent" for r in failed)
+    assert all(r.data.tags["fl.end_reason"] == f"environment failure: {lines[0][len('error: '):]}" for r in failed)
     # the same command again: one clean run per seed, every metric of the uninterrupted run, once
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
@@ -307,6 +313,199 @@ def test_data_stages_on_a_full_disk_or_a_file_as_data_dir(tmp_path, monkeypatch,
     assert prepare.main([]) == envfail.EXIT_STATUS
     assert _lines(capsys.readouterr().err) == ["error: data folder data is a file, not a folder; choose another "
                                                "data_dir=... (or move the file away), then run the same command again"]
+
+
+# --------------------------------------------------------------------------- the tracking store and the databases
+
+
+def _hold_sqlite_lock(db: Path) -> subprocess.Popen:
+    """A second process holding an exclusive lock on the SQLite file ``db`` (``BEGIN EXCLUSIVE``: no other process
+    reads or writes it) until it is killed; returns once the lock is held."""
+    code = ("import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)\n"
+            "c.execute('BEGIN EXCLUSIVE')\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(db)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held", "the lock holder did not report"
+    return holder
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.kill()
+    holder.wait(timeout=30)
+    holder.stdout.close()
+
+
+def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
+    """``pipeline.train``'s main(args) in a forked copy of this process with ``env`` added (the project's store
+    unless ``env`` names another); its pid (see :func:`_wait`)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(tmp)
+            os.environ.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
+                               **env})
+            if faults.ENV not in env:
+                os.environ.pop(faults.ENV, None)
+            torch.set_num_threads(1)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            from pipeline.train import main
+
+            code = main(args)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_nothing(
+        tmp_path, monkeypatch, capsys, empty_store, uninterrupted):
+    """The SQLite store locked by a second process in the middle of seed 1 (the run stops itself at its 3rd
+    checkpoint write, the lock is taken, the run continues): its next write waits FL_SQLITE_BUSY_TIMEOUT_S, then
+    one line and exit 3; the runs, which only the locked store could end, are left to the rerun, which ends them as
+    orphans, continues them and loses nothing."""
+    from fl_core import storewait
+
+    tmp = _project(tmp_path / "p", store=empty_store)
+    log, stamp = tmp_path / "stderr", tmp_path / "stamp"
+    pid = _fork_train(tmp, ["--grid", "exp"], {faults.ENV: "checkpoint_write@3:STOP", faults.STAMP_ENV: str(stamp),
+                                               storewait.SQLITE_BUSY_ENV: "2"}, log)
+    try:
+        deadline = time.monotonic() + 240
+        while not (stamp.exists() and _stopped(pid)):
+            assert time.monotonic() < deadline, "the run did not reach its 3rd checkpoint write"
+            time.sleep(0.05)
+        holder = _hold_sqlite_lock(tmp / "mlflow.db")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert _wait(pid) == envfail.EXIT_STATUS
+    finally:
+        _release(holder)
+    assert _lines(log.read_text()) == [
+        f"error: tracking store sqlite:///{tmp / 'mlflow.db'} is locked by another process for 2 s; retry, or set "
+        "MLFLOW_TRACKING_URI to a tracking server, then run the same command again"]
+    attempt = next((tmp / "checkpoints" / "exp").iterdir())
+    assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 3  # the last checkpoint is valid
+    _client, runs = _mlflow_state(tmp)
+    assert sorted(r.info.status for r in runs) == ["RUNNING", "RUNNING"]  # parent, seed 1: only the store can end them
+    capsys.readouterr()
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    assert "exp: ended 2 MLflow run(s) left RUNNING by a process that is gone" in capsys.readouterr().err
+    _ref_dir, ref_models, ref_hist = uninterrupted
+    for s in SEEDS:
+        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
+        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
+    assert _histories(tmp) == ref_hist
+    _client, runs = _mlflow_state(tmp)
+    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+
+
+def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI at a dead port: MLflow's own retries (here 1, backoff factor 1), then one line and exit
+    3; the project's defaults (5 retries, factor 1, 15 s per request) apply only where the variables are unset."""
+    from fl_core import storewait
+    from test_distributed import _free_port
+
+    for key in storewait.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    assert storewait.http_defaults() == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                                         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+    assert storewait.http_retry_window_s() == (1, 0.0, 15.0)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
+    assert storewait.http_retry_window_s() == (5, 30.0, 15.0)  # pauses 0, 2, 4, 8, 16 s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    (tmp_path / "p").mkdir()
+    uri = f"http://user:secret@127.0.0.1:{_free_port()}"
+    log = tmp_path / "stderr"
+    assert _wait(_fork_train(tmp_path / "p", SINGLE, {"MLFLOW_TRACKING_URI": uri}, log)) == envfail.EXIT_STATUS
+    shown = uri.replace(":secret@", ":***@")
+    assert _lines(log.read_text()) == [
+        f"error: tracking server {shown} does not answer (connection refused; MLflow retried 1 time over about 0 s, "
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES / MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); start it or set MLFLOW_TRACKING_URI to "
+        "one that answers, then run the same command again"]
+
+
+def test_a_sqlite_store_in_a_missing_folder_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/typo/mlflow.db")
+    capsys.readouterr()
+    assert main(SINGLE) == envfail.EXIT_STATUS
+    assert _lines(capsys.readouterr().err) == [
+        f"error: tracking store sqlite:///{tmp_path}/typo/mlflow.db is in a folder that does not exist "
+        f"({tmp_path}/typo); create the folder or set MLFLOW_TRACKING_URI to a store in an existing one, then run the "
+        "same command again"]
+    assert _files(tmp_path) == set()  # no folder, no lock file, no results
+
+
+def test_database_errors_name_the_database_with_the_password_masked():
+    """Real driver errors through SQLAlchemy: a PostgreSQL port nothing listens on (psycopg's "connection refused"),
+    a SQLite file locked by another process; the role given with storefail.name_store names them."""
+    import sqlalchemy
+
+    from fl_core import storefail, storewait
+    from test_distributed import _free_port
+
+    url = f"postgresql+psycopg://fl:s3cret@127.0.0.1:{_free_port()}/optuna"
+    engine = sqlalchemy.create_engine(url, **storewait.engine_kwargs(url))
+    with pytest.raises(sqlalchemy.exc.OperationalError) as err:
+        engine.connect()
+    got = envfail.classify(err.value)
+    shown = url.replace(":s3cret@", ":***@")
+    assert str(got) == (f"database {shown} refused the connection (connection refused: is the server running?); "
+                        "check that the PostgreSQL server runs and answers, then run the same command again")
+    assert got.store == shown and "s3cret" not in str(got)
+    storefail.name_store(url.replace("+psycopg", ""), "Optuna storage")  # another spelling of the same database
+    assert str(envfail.classify(err.value)).startswith(f"Optuna storage {shown} refused the connection")
+    assert storewait.pg_connect_args(url)["connect_timeout"] == 10
+    assert "connect_timeout" not in storewait.pg_connect_args(url + "?connect_timeout=3")  # the URL's own
+
+
+def test_sqlite_busy_timeout_replaces_mlflows_and_bounds_a_lock(tmp_path, monkeypatch):
+    import sqlalchemy
+
+    from fl_core import storewait
+
+    storewait.install()
+    monkeypatch.setenv(storewait.SQLITE_BUSY_ENV, "0.5")
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INTEGER)")
+        conn.commit()
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 500
+        conn.exec_driver_sql("PRAGMA busy_timeout = 20000;")  # what MLflow's sessions run
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 500
+    holder = _hold_sqlite_lock(tmp_path / "x.db")
+    try:
+        with pytest.raises(sqlalchemy.exc.OperationalError) as err, engine.connect() as conn:
+            conn.exec_driver_sql("SELECT * FROM t").all()
+    finally:
+        _release(holder)
+    assert str(envfail.classify(err.value)).startswith(
+        f"database sqlite:///{tmp_path / 'x.db'} is locked by another process for 0.5 s; retry, or raise "
+        "FL_SQLITE_BUSY_TIMEOUT_S")
 
 
 # --------------------------------------------------------------------------- engine.dist_timeout_s
@@ -382,3 +581,171 @@ def test_a_frozen_worker_ends_the_run_within_dist_timeout(tmp_path):
     _client, runs = _mlflow_state(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}
     _resumes_to_one_run(tmp_path, torchrun)
+
+
+# --------------------------------------------------------------------------- PostgreSQL under a sweep
+
+SWEEP_SPACE = """\
+description: the learning rate on a small digits run (tests)
+base: [model=mlp, partition=iid, partition.num_clients=3, train.rounds=30, train.local_steps=2, train.batch_size=16,
+       train.participation=1.0]
+params:
+  train.lr: {type: float, low: 1.0e-3, high: 0.5, log: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL server (tests/pg.py), as in tests/test_postgres.py (skipped without the binaries)."""
+    from test_postgres import postgres as server_fixture
+
+    yield from server_fixture.__wrapped__()
+
+
+def _trial_states(url: str) -> dict:
+    """{state: count} of the Optuna trials in ``url`` (read with psycopg: no Optuna, no heartbeat)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
+        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
+
+
+def _sweep(tmp: Path, url: str, n: int, *options: str, env=None, log: str = "sweep.err") -> subprocess.Popen:
+    """``python -m sweeps.tune`` of this tree on ``url`` (MLflow in the folder's SQLite store), stderr to ``log``."""
+    (tmp / "space.yaml").write_text(SWEEP_SPACE)
+    cmd = [sys.executable, "-m", "sweeps.tune", "--space", str(tmp / "space.yaml"), "--storage", url, "--study-name",
+           "s", "--n-trials", str(n), "--no-test", "--quiet", "--out", str(tmp / "out"), *options]
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", **(env or {})}
+    full.pop(envfail.DEBUG_ENV, None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=subprocess.DEVNULL, stderr=open(tmp / log, "w"))
+
+
+def _once_trials_run(url: str, proc: subprocess.Popen, ended: int = 1) -> None:
+    """Poll until ``ended`` trials have ended and one is RUNNING (the moment of the fault)."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, "the sweep ended before the fault"
+        assert time.monotonic() < deadline, "no trial ran within 240 s"
+        try:
+            states = _trial_states(url)
+        except Exception:  # Optuna's tables do not exist yet
+            states = {}
+        if sum(n for s, n in states.items() if s != "RUNNING") >= ended and states.get("RUNNING"):
+            return
+        time.sleep(0.05)
+
+
+def _sweep_runs(tmp: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("fl-pipeline-sweeps")
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_a_trial_whose_heartbeat_stopped_is_marked_fail_by_any_process(postgres):
+    """Optuna's heartbeat of the RDB storage: a trial whose last beat is older than the grace period (here aged a
+    minute in the database, as if its worker had died then) is marked FAIL with a reason; a beating one is not."""
+    import optuna
+    import psycopg
+
+    from sweeps import runner
+
+    url = postgres.create_database("beats")
+    runner.quiet_optuna()  # (Optuna warns that heartbeats are meant for Study.optimize: the sweep beats them itself)
+    study = optuna.create_study(study_name="b", storage=runner.open_storage(url))
+    lost, alive = study.ask(), study.ask()
+    for trial in (lost, alive):
+        study._storage.record_heartbeat(trial._trial_id)
+    with psycopg.connect(host="127.0.0.1", port=postgres.port, user="postgres", dbname="beats", autocommit=True) as c:
+        c.execute("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '60 seconds' WHERE trial_id = %s",
+                  (lost._trial_id,))
+    assert runner.fail_silent_trials(study) == [lost.number]
+    states = {t.number: (t.state.name, t.user_attrs.get("reason")) for t in study.get_trials()}
+    assert states == {lost.number: ("FAIL", runner.HEARTBEAT_REASON), alive.number: ("RUNNING", None)}
+
+
+@pytest.mark.slow
+def test_a_postgres_restart_during_a_sweep_costs_the_running_trial_and_the_sweep_goes_on(postgres, tmp_path):
+    url = postgres.create_database("restarted")
+    proc = _sweep(tmp_path, url, 8)
+    try:
+        _once_trials_run(url, proc)
+        postgres.halt()
+        postgres.resume()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    err = (tmp_path / "sweep.err").read_text()
+    assert "Traceback" not in err
+    states = _trial_states(url)
+    notes = [ln for ln in _lines(err) if ln.startswith("note:")]
+    assert sum(states.values()) == 8 and "RUNNING" not in states and states.get("FAIL", 0) == len(notes) <= 1
+    for note in notes:
+        assert "ended FAIL: the Optuna storage lost its connection (" in note and "the sweep goes on" in note
+    runs = _sweep_runs(tmp_path)
+    assert {r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"} == {"FINISHED"}
+    assert "RUNNING" not in {r.info.status for r in runs}
+
+
+@pytest.mark.slow
+def test_a_stopped_postgres_ends_each_worker_in_one_line_and_the_rerun_leaves_nothing_running(postgres, tmp_path):
+    url = postgres.create_database("stopped")
+    proc = _sweep(tmp_path, url, 12, "--workers", "2", env={"FL_DB_RETRY_S": "3"})
+    try:
+        _once_trials_run(url, proc, ended=2)
+        postgres.halt()
+        assert proc.wait(timeout=300) == envfail.EXIT_STATUS
+    finally:
+        proc.kill()
+        postgres.resume()
+    lines = _lines((tmp_path / "sweep.err").read_text())
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(lines) <= 3 and sorted(ln[:len("error: worker 1: ")] for ln in errors) == [
+        "error: worker 1: ", "error: worker 2: "]
+    for line in errors:
+        assert f"Optuna storage {url} lost its connection (" in line
+        assert line.endswith("and it did not answer again within 3 s (FL_DB_RETRY_S); check that the database server "
+                             "runs and answers, then run the same command again")
+    parent = [r for r in _sweep_runs(tmp_path) if r.data.tags.get("sweep_role") == "study"]
+    assert [r.info.status for r in parent] == ["FAILED"]
+    assert parent[0].data.tags["fl.end_reason"].startswith("environment failure: ")
+    rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")  # the same machine: its dead trials now
+    assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
+    assert "RUNNING" not in _trial_states(url)
+    runs = _sweep_runs(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}
+    assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FINISHED"]
+
+
+@pytest.mark.slow
+def test_a_frozen_postgres_ends_the_sweep_in_one_line_within_the_stall_bound(postgres, tmp_path):
+    """SIGSTOP to every server process: the kernel still accepts and acknowledges, so only the stall watch ends the
+    wait (FL_DB_STALL_S=3, libpq's PGCONNECT_TIMEOUT=2 for the probe); the trial's and the study's MLflow runs end
+    FAILED first."""
+    url = postgres.create_database("frozen")
+    proc = _sweep(tmp_path, url, 8, env={"FL_DB_STALL_S": "3", "PGCONNECT_TIMEOUT": "2"})
+    frozen = []
+    try:
+        _once_trials_run(url, proc)
+        frozen = postgres.freeze()
+        t0 = time.monotonic()
+        assert proc.wait(timeout=120) == envfail.EXIT_STATUS
+        assert time.monotonic() - t0 < 60
+    finally:
+        proc.kill()
+        postgres.thaw(frozen)
+    errors = [ln for ln in _lines((tmp_path / "sweep.err").read_text()) if not ln.startswith("study ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: Optuna storage {url} does not answer (no answer for ")
+    assert "FL_DB_STALL_S; a new connection: connection timeout expired" in errors[0]
+    runs = _sweep_runs(tmp_path)
+    assert "RUNNING" not in {r.info.status for r in runs}  # ended FAILED before the process ended
+    assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FAILED"]
+    assert _trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
+    rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")
+    assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
+    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in {r.info.status for r in _sweep_runs(tmp_path)}

@@ -415,7 +415,12 @@ def test_an_error_outside_the_trials_still_writes_the_outputs(sandbox, monkeypat
     space, storage, out = sandbox / "lr.yaml", sandbox / "e.log", sandbox / "out"
     space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-2").replace("1.0e+6", "0.2"))
     assert tune.main(_args(space, storage, "e", out, "--n-trials", "3", "--pruner", "none")) == 1
-    assert "sampler exploded" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" in err  # a bug keeps its traceback, then one line (once "error: error: RuntimeError: ...")
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        f"error: RuntimeError: sampler exploded (at {Path(__file__).resolve()}:"
+        f"{sample_then_crash.__code__.co_firstlineno + 3} in sample_then_crash); writing the outputs of the trials "
+        "done"]
     assert [t.state.name for t in _study(storage, "e").trials] == ["COMPLETE", "FAIL"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and "RuntimeError: sampler exploded" in summary["error"]

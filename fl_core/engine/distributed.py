@@ -29,7 +29,7 @@ gloo's default 30 minutes. Every rank beats a heartbeat (a counter in the rendez
 min(1 s, timeout / 10)); rank 0 watches them. When a collective fails (a peer closed its connection, or the
 timeout passed), or torchrun sends rank 0 SIGTERM because a worker ended, rank 0 names the rank: its process ended
 or is stopped (same machine: ``/proc``), or its heartbeat stopped; it raises a
-:class:`~fl_core.envfail.EnvironmentFailure` (one line, exit status 3, the MLflow runs ended KILLED) and the other
+:class:`~fl_core.envfail.EnvironmentFailure` (one line, exit status 3, the MLflow runs ended FAILED) and the other
 ranks exit quietly (rank 1 speaks when rank 0 is the lost one).
 """
 

@@ -1,0 +1,379 @@
+"""Bounded waits on the tracking store and the databases: how long a command waits for an MLflow tracking server, a
+locked SQLite file or a PostgreSQL server before it gives up with one line (:mod:`fl_core.storefail` words it).
+
+Every wait is a setting of the library that waits, given a project default only where the user has not set it:
+
+- **MLflow's HTTP client** (:func:`http_defaults`): MLflow retries every request (connection errors, read errors and
+  the answers 408, 429, 500, 502, 503, 504) with exponential backoff. Its own defaults (7 retries, backoff factor 2,
+  120 s per request) add up to about 4 minutes of silence before a dead server is reported. The project sets
+  ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=5``, ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1`` (pauses 0, 2, 4, 8, 16 s: about
+  30 s of retries, long enough for a tracking server to restart) and ``MLFLOW_HTTP_REQUEST_TIMEOUT=15`` (s per
+  attempt; a request of the project takes well under a second) where they are unset.
+- **SQLite** (:func:`install`): every SQLite connection SQLAlchemy opens waits ``FL_SQLITE_BUSY_TIMEOUT_S`` (default
+  30 s) for a lock held by another process; SQLite's busy handler retries meanwhile with its own backoff (pauses of
+  1 ms growing to 100 ms). It replaces MLflow's fixed ``PRAGMA busy_timeout = 20000`` of every session, so that one
+  setting bounds every statement, MLflow's and Optuna's.
+- **PostgreSQL** (:func:`pg_connect_args`, :func:`with_pg_params`): libpq's ``connect_timeout`` (10 s), TCP keepalives
+  (idle 10 s, then every 5 s, 3 probes: a dead peer is noticed within about 25 s), ``tcp_user_timeout`` (30 s:
+  data unacknowledged that long drops the connection) and the server's ``statement_timeout`` (60 s, through libpq's
+  ``options``), each only where neither the URL nor libpq's environment (``PGCONNECT_TIMEOUT``, ``PGOPTIONS``) sets
+  it.
+- **A PostgreSQL server that stops answering** (a frozen process: the kernel still acknowledges its packets, so no
+  timeout of the connection fires): :func:`install` watches what waits on PostgreSQL engines (statements, COMMIT
+  and ROLLBACK, the pool's reset of a returned connection); when one has waited ``FL_DB_STALL_S`` (default 15 s) and
+  a new connection to that server gets no answer within its ``connect_timeout``, the process runs its
+  :func:`on_stall` hooks (at most 10 s) and ends with one line and exit status 3. A server that answers a new
+  connection is only slow: the statement keeps waiting (its ``statement_timeout`` bounds it).
+- **A database that went away** (:func:`wait_until_back`): a sweep waits ``FL_DB_RETRY_S`` (default 30 s) for its
+  storage to answer again before it gives up; a PostgreSQL restart takes a few seconds.
+
+This module imports nothing of the project but :mod:`fl_core.envfail`, and SQLAlchemy only inside functions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+#: MLflow's HTTP settings and the project's defaults (set where unset, :func:`http_defaults`)
+HTTP_DEFAULTS: Dict[str, str] = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+SQLITE_BUSY_ENV, SQLITE_BUSY_DEFAULT_S = "FL_SQLITE_BUSY_TIMEOUT_S", 30.0
+STALL_ENV, STALL_DEFAULT_S = "FL_DB_STALL_S", 15.0
+RETRY_ENV, RETRY_DEFAULT_S = "FL_DB_RETRY_S", 30.0
+#: libpq parameters given to a PostgreSQL connection unless the URL or libpq's environment sets them
+PG_DEFAULTS: Dict[str, object] = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10,
+                                  "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000}
+PG_STATEMENT_TIMEOUT_MS = 60000  # the server's statement_timeout (libpq options -c statement_timeout=...)
+PG_ENV = {"connect_timeout": "PGCONNECT_TIMEOUT", "options": "PGOPTIONS"}  # libpq's variables for these parameters
+HOOK_BUDGET_S = 10.0  # the longest the on_stall hooks may take together before the process ends
+
+
+def _seconds(env: str, default: float) -> float:
+    """``env`` as a number of seconds > 0, else ``default`` (an unparsable or non-positive value is ignored)."""
+    try:
+        value = float(os.environ.get(env, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def sqlite_busy_timeout_s() -> float:
+    """The busy timeout of SQLite connections in seconds: ``FL_SQLITE_BUSY_TIMEOUT_S``, default 30."""
+    return _seconds(SQLITE_BUSY_ENV, SQLITE_BUSY_DEFAULT_S)
+
+
+def stall_s() -> float:
+    """How long a PostgreSQL statement may wait before the server is probed, seconds: ``FL_DB_STALL_S``, default 15."""
+    return _seconds(STALL_ENV, STALL_DEFAULT_S)
+
+
+def retry_s() -> float:
+    """How long a sweep waits for a database that went away, seconds: ``FL_DB_RETRY_S``, default 30."""
+    return _seconds(RETRY_ENV, RETRY_DEFAULT_S)
+
+
+# --------------------------------------------------------------------------- MLflow's HTTP client
+
+
+def http_defaults() -> Dict[str, str]:
+    """Set MLflow's HTTP retry settings (:data:`HTTP_DEFAULTS`) in ``os.environ`` where unset (MLflow reads them at
+    every request); returns the settings in force."""
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in HTTP_DEFAULTS}
+
+
+def http_retry_window_s() -> Tuple[int, float, float]:
+    """(retries, seconds of backoff pauses without jitter, timeout per attempt) of MLflow's HTTP client as set now:
+    urllib3 pauses ``factor * 2 ** (n - 1)`` after the n-th consecutive error (none after the first, at most 120 s)."""
+    def number(key: str, default: float) -> float:
+        try:
+            return float(os.environ.get(key, default))
+        except ValueError:
+            return default
+
+    retries = int(number("MLFLOW_HTTP_REQUEST_MAX_RETRIES", 7))
+    factor = number("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", 2)
+    pauses = sum(min(120.0, factor * 2 ** (n - 1)) for n in range(2, retries + 1))
+    return retries, pauses, number("MLFLOW_HTTP_REQUEST_TIMEOUT", 120)
+
+
+# --------------------------------------------------------------------------- PostgreSQL connection parameters
+
+
+def is_postgres(url: str) -> bool:
+    return url.startswith(("postgresql:", "postgresql+", "postgres:"))
+
+
+def _query(url: str) -> Dict[str, str]:
+    from urllib.parse import parse_qsl, urlsplit
+
+    return dict(parse_qsl(urlsplit(url).query))
+
+
+def pg_connect_args(url: str) -> Dict[str, object]:
+    """libpq parameters for a PostgreSQL ``url`` (SQLAlchemy's ``connect_args``): :data:`PG_DEFAULTS` and
+    ``options=-c statement_timeout=60000`` for every parameter that neither the URL's query nor libpq's environment
+    variable sets; {} for other databases."""
+    if not is_postgres(url):
+        return {}
+    given = _query(url)
+    out: Dict[str, object] = {}
+    for key, value in PG_DEFAULTS.items():
+        if key not in given and not os.environ.get(PG_ENV.get(key, "")):
+            out[key] = value
+    if "options" not in given and not os.environ.get("PGOPTIONS"):
+        out["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_MS}"
+    return out
+
+
+def with_pg_params(url: str) -> str:
+    """``url`` with :func:`pg_connect_args` added to its query (for MLflow's SQLAlchemy store, which takes no
+    ``connect_args``); other URLs unchanged."""
+    from urllib.parse import urlencode
+
+    extra = pg_connect_args(url)
+    if not extra:
+        return url
+    return url + ("&" if "?" in url else "?") + urlencode({k: str(v) for k, v in extra.items()})
+
+
+# --------------------------------------------------------------------------- SQLAlchemy: SQLite busy timeout, stalls
+
+_INSTALLED = False
+_LOCK = threading.Lock()
+_INFLIGHT: Dict[int, Tuple[object, float]] = {}  # thread id -> (engine, monotonic start) of a PostgreSQL statement
+_UNWATCHED = threading.local()
+_HOOKS: List[Callable[[BaseException], None]] = []
+_BUSY_PRAGMA = re.compile(r"^\s*PRAGMA\s+busy_timeout\s*=\s*\d+\s*;?\s*$", re.IGNORECASE)
+_WATCHER: Optional[threading.Thread] = None
+_PREFIX = [""]  # before the line of a stalled server (a sweep's worker: "worker 2: ")
+
+
+def install() -> None:
+    """Listen on every SQLAlchemy engine of the process (idempotent): SQLite connections get the busy timeout of
+    :func:`sqlite_busy_timeout_s` (also where MLflow sets its own), and statements on PostgreSQL engines are watched
+    for a server that stops answering (module docstring)."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.pool import Pool
+
+    event.listen(Engine, "connect", _on_connect)
+    event.listen(Engine, "before_cursor_execute", _before_execute, retval=True)
+    event.listen(Engine, "after_cursor_execute", _clear)
+    event.listen(Engine, "handle_error", _clear)
+    event.listen(Engine, "commit", _on_end_of_transaction)
+    event.listen(Engine, "rollback", _on_end_of_transaction)
+    event.listen(Pool, "reset", _on_reset)
+    event.listen(Pool, "checkin", _clear)
+
+
+def _busy_ms() -> int:
+    return int(sqlite_busy_timeout_s() * 1000)
+
+
+def _on_connect(dbapi_connection, _record) -> None:
+    if type(dbapi_connection).__module__.startswith("sqlite3"):
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {_busy_ms()}")
+
+
+_LAST: Dict[int, object] = {}  # thread id -> the PostgreSQL engine it last used (for the pool's reset)
+
+
+def _mark(engine) -> None:
+    """This thread waits on ``engine``'s server from now (a statement, a commit or rollback, the pool's reset)."""
+    if engine.dialect.name != "postgresql" or getattr(_UNWATCHED, "on", False):
+        return
+    thread = threading.get_ident()
+    _LAST[thread] = engine
+    _INFLIGHT[thread] = (engine, time.monotonic())
+    _start_watcher()
+
+
+def _before_execute(conn, _cursor, statement, parameters, _context, _executemany):
+    if conn.engine.dialect.name == "sqlite" and _BUSY_PRAGMA.match(statement):
+        statement = f"PRAGMA busy_timeout = {_busy_ms()};"
+    _mark(conn.engine)
+    return statement, parameters
+
+
+def _on_end_of_transaction(conn) -> None:
+    """Before the driver's COMMIT or ROLLBACK (no event follows it: the pool's check-in, the next statement, or a
+    connection left idle, whose server the watcher then only probes, ends the mark)."""
+    _mark(conn.engine)
+
+
+def _on_reset(_dbapi_connection, _record, _reset_state=None) -> None:
+    """Before the pool rolls back a connection it takes back (it waits on the server too)."""
+    engine = _LAST.get(threading.get_ident())
+    if engine is not None:
+        _mark(engine)
+
+
+def _clear(*_args) -> None:
+    _INFLIGHT.pop(threading.get_ident(), None)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Statements of this thread inside the block are not watched for stalls (a progress display that may wait)."""
+    before = getattr(_UNWATCHED, "on", False)
+    _UNWATCHED.on = True
+    try:
+        yield
+    finally:
+        _UNWATCHED.on = before
+
+
+def on_stall(hook: Callable[[BaseException], None]) -> Callable[[], None]:
+    """Run ``hook(failure)`` (an :class:`fl_core.envfail.EnvironmentFailure`) before the process ends on a stalled
+    server, e.g. to end the MLflow runs it has open; returns a function that removes the hook."""
+    _HOOKS.append(hook)
+    return lambda: _HOOKS.remove(hook) if hook in _HOOKS else None
+
+
+def set_line_prefix(prefix: str) -> None:
+    """Put ``prefix`` after ``error: `` in the line this process prints when it ends on a stalled server."""
+    _PREFIX[0] = prefix
+
+
+def _start_watcher() -> None:
+    global _WATCHER
+    if _WATCHER is not None:
+        return
+    with _LOCK:
+        if _WATCHER is None:
+            _WATCHER = threading.Thread(target=_watch, name="fl-db-stall-watch", daemon=True)
+            _WATCHER.start()
+
+
+def _watch() -> None:
+    """The stall watcher's loop (a daemon thread): every second, probe the server of each statement that has waited
+    :func:`stall_s` (again every :func:`stall_s` while the server answers the probes)."""
+    probed: Dict[Tuple[int, float], float] = {}  # (thread, statement start) -> when its server last answered
+    while True:
+        time.sleep(1.0)
+        now, limit = time.monotonic(), stall_s()
+        waiting = dict(_INFLIGHT)
+        probed = {k: v for k, v in probed.items() if k[0] in waiting and waiting[k[0]][1] == k[1]}
+        for thread, (engine, t0) in waiting.items():
+            if now - t0 < limit or now - probed.get((thread, t0), t0) < limit:
+                continue
+            answered, why = probe(_url_of(engine))
+            if answered:
+                probed[(thread, t0)] = time.monotonic()
+            elif _INFLIGHT.get(thread, (None, None))[1] == t0:  # still waiting, and the server is silent
+                _stalled(engine, time.monotonic() - t0, why)
+
+
+def _url_of(engine) -> str:
+    return engine.url.render_as_string(hide_password=False)
+
+
+def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
+          timeout_s: Optional[float] = None) -> Tuple[bool, str]:
+    """Whether the database at ``url`` answers a new connection (its own, no pool): (True, "") when it runs
+    ``SELECT 1`` or answers with an error of its own (an overloaded server is alive), (False, why) when the
+    connection is refused, closed or times out. Never waits longer than ``timeout_s`` (default: the connection's
+    ``connect_timeout`` + 5 s); never raises."""
+    import sqlalchemy
+
+    args = {**pg_connect_args(url), **(connect_args or {})}
+    limit = timeout_s if timeout_s is not None else float(args.get("connect_timeout", 10)) + 5.0
+    result: List[Tuple[bool, str]] = []
+
+    def attempt() -> None:
+        engine = None
+        try:
+            engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=args)
+            with unwatched(), engine.connect() as conn:
+                conn.execute(sqlalchemy.text("SELECT 1"))
+            result.append((True, ""))
+        except Exception as err:  # noqa: BLE001  (whatever the driver raises)
+            orig = getattr(err, "orig", err)
+            if getattr(orig, "sqlstate", None):  # the server itself answered with an error: alive
+                result.append((True, ""))
+            else:
+                result.append((False, _first_line(orig)))
+        finally:
+            if engine is not None:
+                engine.dispose()
+
+    worker = threading.Thread(target=attempt, name="fl-db-probe", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if not result:
+        return False, f"no answer to a new connection within {limit:g} s"
+    return result[0]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _stalled(engine, waited_s: float, why: str) -> None:
+    """A statement on ``engine`` waited ``waited_s`` seconds and the server does not answer: hooks, one line, exit 3
+    (``FL_DEBUG=1``: every thread's stack first)."""
+    from . import envfail, storefail
+
+    failure = storefail.stalled(_url_of(engine), waited_s, why)
+    done = threading.Event()
+
+    def run_hooks() -> None:
+        for hook in list(_HOOKS):
+            try:
+                hook(failure)
+            except Exception:  # noqa: BLE001  (best effort: the process ends anyway)
+                pass
+        done.set()
+
+    threading.Thread(target=run_hooks, name="fl-db-stall-hooks", daemon=True).start()
+    done.wait(HOOK_BUDGET_S)
+    if os.environ.get(envfail.DEBUG_ENV, "") not in ("", "0"):
+        import faulthandler
+
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os.write(2, f"error: {_PREFIX[0]}{failure}\n".encode())
+    os._exit(envfail.EXIT_STATUS)
+
+
+def wait_until_back(url: str, within_s: Optional[float] = None, connect_args: Optional[Dict[str, object]] = None,
+                    sleep: Callable[[float], None] = time.sleep) -> Tuple[bool, float]:
+    """Probe the database at ``url`` (:func:`probe`) until it answers, pausing 0.5 s, then doubling up to 4 s;
+    gives up after ``within_s`` seconds (default :func:`retry_s`). Returns (whether it answers, seconds waited)."""
+    limit = retry_s() if within_s is None else within_s
+    t0 = time.monotonic()
+    pause = 0.5
+    while True:
+        left = limit - (time.monotonic() - t0)
+        ok, _why = probe(url, connect_args, timeout_s=max(1.0, min(left, 15.0)))
+        if ok:
+            return True, time.monotonic() - t0
+        left = limit - (time.monotonic() - t0)
+        if left <= 0:
+            return False, time.monotonic() - t0
+        sleep(min(pause, left))
+        pause = min(4.0, pause * 2)
+
+
+def engine_kwargs(url: str) -> Dict[str, object]:
+    """SQLAlchemy ``create_engine`` keyword arguments for ``url`` with the bounded waits (:func:`pg_connect_args`
+    as ``connect_args``; {} for other databases)."""
+    args = pg_connect_args(url)
+    return {"connect_args": args} if args else {}
