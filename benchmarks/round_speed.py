@@ -186,7 +186,8 @@ class Row:
 
 def merge(rows: List[Row]) -> Row:
     """One row from the repeats of a (workload, executor) row: medians over all their timed rounds, each repeat's
-    median kept (``repeat_ms``); auto's choices counted when they differ (the first repeat probes, the others reuse
+    median kept (``repeat_ms``), the smallest of their peak memories (a row's resident set starts from what earlier rows
+    left; the smallest peak is the least inflated by them); auto's choices counted when they differ (the first repeat probes, the others reuse
     its result, :func:`fl_core.engine.autoprobe.cached_timing`), the reason of the first repeat."""
     first = rows[0]
     if first.note:
@@ -201,7 +202,7 @@ def merge(rows: List[Row]) -> Row:
     peaks = [r.peak_mib for r in rows if r.peak_mib is not None]
     return Row(first.workload, first.executor, first.device, _median_ms(times), _median_ms(walls),
                spread=_spread(times), chosen=chosen, reason=reason, times=times, walls=walls,
-               peak_mib=max(peaks) if peaks else None, repeat_ms=[r.ms for r in rows if r.ms is not None],
+               peak_mib=min(peaks) if peaks else None, repeat_ms=[r.ms for r in rows if r.ms is not None],
                gc_pauses=None if first.gc_pauses is None else [p for r in rows for p in (r.gc_pauses or [])])
 
 
@@ -759,8 +760,9 @@ def render(rows: List[Row], workloads: List[Workload], device: torch.device, fwd
         "- Local steps/s: the workload's SGD steps per round / the median ms/round. Peak memory: "
         + ("`torch.cuda.max_memory_allocated` (tensors), reset at each row's start."
            if device.type == "cuda" else
-           "the process's peak resident set (VmHWM), reset at each row's start (data, model, libraries and the "
-           "interpreter included; the auto row includes its probe)." if peak_resettable else
+           "the process's peak resident set (VmHWM), reset at each row's start to the resident set then (data, model, "
+           "libraries and the interpreter included, and what earlier rows left; the auto row includes its probe); "
+           "with repeats the smallest over them." if peak_resettable else
            "the process's peak resident set since it started (`ru_maxrss`; the kernel did not allow a reset per "
            "row, so a row shows at least the peak of the rows before it).")
         + " The distributed row's processes are not measured (`-`).",
