@@ -290,10 +290,7 @@ def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fau
     out.status, err, ended = first.wait()
     stamp = first.fault_time()
     out.to_exit_s = ended - (stamp if stamp is not None else first.t0)
-    out.lines, out.tracebacks = count(err)
-    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-    out.left_running = running(chain.project)
-    out.leftovers = temporaries(chain.project)
+    _observe(out, chain.project, err)
     if nothing_created:
         out.leftovers += sorted({str(p.relative_to(chain.project)) for p in chain.project.rglob("*")} - before)
     second = Run(chain, rerun or argv)
@@ -383,10 +380,7 @@ def _disk_full_real(ctx: Context) -> Outcome:
     out.to_exit_s = ended - fault_at if fault_at is not None else None
     if fault_at is None:
         out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
-    out.lines, out.tracebacks = count(err)
-    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-    out.left_running = running(chain.project)
-    out.leftovers = [p for p in temporaries(chain.project)]
+    _observe(out, chain.project, err)
     filler.unlink(missing_ok=True)
     second = Run(chain, py("pipeline.train", "--grid", NAME))
     out.rerun_status, err2, _ = second.wait()
@@ -583,6 +577,15 @@ def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
     return False
 
 
+
+def _observe(out, project, err: str) -> None:
+    """What a failing first run left: its stderr lines and tracebacks, its first line, the MLflow runs still RUNNING
+    and the temporary files in ``project``."""
+    out.lines, out.tracebacks = count(err)
+    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
+    out.left_running = running(project)
+    out.leftovers = temporaries(project)
+
 def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str]) -> None:
     second = Run(chain, argv)
     out.rerun_status, err2, _ = second.wait()
@@ -616,10 +619,7 @@ def _store_locked(ctx: Context) -> Outcome:
         out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
     else:
         out.to_exit_s = ended - fault_at
-    out.lines, out.tracebacks = count(err)
-    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-    out.left_running = running(chain.project)
-    out.leftovers = temporaries(chain.project)
+    _observe(out, chain.project, err)
     _rerun_and_judge(ctx, out, chain, argv)
     return out
 
@@ -710,10 +710,7 @@ def _tracking_server_restarted(ctx: Context) -> Outcome:
             out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
         else:
             out.to_exit_s = ended - fault_at
-        out.lines, out.tracebacks = count(err)
-        out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-        out.left_running = running(chain.project)
-        out.leftovers = temporaries(chain.project)
+        _observe(out, chain.project, err)
         second = Run(chain, argv, extra_env=env)
         out.rerun_status, err2, _ = second.wait()
         if out.rerun_status != 0:
