@@ -167,9 +167,17 @@ class PostgresServer:
         nothing; returns the process ids for :meth:`thaw`."""
         import signal
 
-        frozen = self.pids()
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        # The postmaster first, so no new backend is forked while the children are listed; a backend that exits
+        # between listing and signalling (a client that just disconnected) is skipped: it serves nothing.
+        postmaster = self.pids()[0]
+        os.kill(postmaster, signal.SIGSTOP)
+        frozen = [postmaster]
+        for pid in self.pids()[1:]:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            frozen.append(pid)
         return frozen
 
     def thaw(self, frozen: List[int]) -> None:
