@@ -224,7 +224,7 @@ def run_pfl(python: str, blob_path: Path, setup: SetUp, warmup: int, timed: int,
            "--batch-size", str(setup.batch_size), "--lr", str(setup.lr), "--eta-g", str(setup.eta_g),
            "--seed", str(seed)] + (["--threads", str(threads)] if threads else [])
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
     except OSError as err:
         raise SystemExit(f"error: --pfl {python}: cannot run it ({err.strerror or err})") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -162,7 +162,8 @@ def main(argv: Sequence[str] = None) -> int:
                     skipped[(store, n)] = f"states need {need / 2 ** 30:.1f} GiB, RAM {ram / 2 ** 30:.1f} GiB"
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--one", store, str(n), "--rounds", str(args.rounds),
-                                       "--fill", str(args.fill)], capture_output=True, text=True)
+                                       "--fill", str(args.fill)], capture_output=True, text=True,
+                                      check=False)
                 if proc.returncode != 0:
                     skipped[(store, n)] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 else:

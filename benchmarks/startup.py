@@ -107,7 +107,7 @@ class Row:
                "MLFLOW_TRACKING_URI": f"sqlite:///{scratch / f'mlflow-{self.checkout}.db'}"}
         r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         done = subprocess.run(cmd, cwd=self.project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+                              text=True, check=False)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             tail = "\n".join(done.stdout.strip().splitlines()[-5:])

@@ -218,7 +218,7 @@ def run_params(container: Dict[str, Any]) -> Dict[str, Any]:
 def git_commit(root: Path) -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "unknown"
+                              timeout=5, check=False).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
