@@ -118,9 +118,10 @@ _SQLITE = [  # message of sqlite3.OperationalError -> (cause, action); None acti
 
 def _sqlite_failure(url: Optional[str], orig: BaseException) -> Optional[envfail.EnvironmentFailure]:
     text = str(orig).strip().lower()
-    for needle, cause, action in _SQLITE:
+    for needle, known_cause, known_action in _SQLITE:
         if text.startswith(needle):
             label, role_action = _role(url) if url else ("a SQLite database", "")
+            cause, action = known_cause, known_action
             if cause is None:  # locked
                 cause = f"is locked by another process for {storewait.sqlite_busy_timeout_s():g} s"
                 action = role_action or f"retry, or raise {storewait.SQLITE_BUSY_ENV}"

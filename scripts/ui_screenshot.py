@@ -163,8 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="copy the throwaway project folder here before removing it")
     args = p.parse_args(argv)
     proc = None
-    with tempfile.TemporaryDirectory(prefix="fl-ui-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="fl-ui-") as tmp_name:
+        tmp = Path(tmp_name)
         project = tmp / "project"
         project.mkdir()
         try:

@@ -956,7 +956,7 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
         paths = tqdm(paths, desc=f"{title} {split}", unit="img", leave=False)
     for i, path in enumerate(paths):
         try:
-            f = open(path, "rb")
+            f = open(path, "rb")  # noqa: SIM115 (`with f:` below closes it; a failed open has its own message)
         except FileNotFoundError:
             raise DataSourceError(f"dataset.root: the {title} image {path} does not exist; "
                                   f"replace it with the official file") from None

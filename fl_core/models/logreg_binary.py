@@ -180,8 +180,8 @@ class LogisticObjective:
 def data_key(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> str:
     """SHA-256 of the features (bytes, shape, dtype), the targets and the clients' sample indices."""
     h = hashlib.sha256()
-    for t in (x, y, index):
-        t = t.detach().cpu().contiguous()
+    for tensor in (x, y, index):
+        t = tensor.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()

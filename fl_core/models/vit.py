@@ -281,9 +281,10 @@ def load_torchvision_weights(model: VisionTransformerFL, path: str) -> None:
                           f"{type(raw).__name__}")
     state: Dict[str, torch.Tensor] = {}
     for key, value in raw.items():
+        name = key
         for old, new in _LEGACY_MLP.items():
-            key = key.replace(old, new)
-        state[key] = value
+            name = name.replace(old, new)
+        state[name] = value
     own = model.state_dict()
     needed = [k for k in own if not k.startswith(HEAD + ".")]
     extra = [k for k in state if k not in own and not k.startswith(HEAD + ".")]
