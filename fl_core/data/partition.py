@@ -485,8 +485,8 @@ def _natural(devices: np.ndarray | None, n: int) -> list[np.ndarray]:
     return [np.sort(ix) for ix in np.split(order, np.cumsum(np.bincount(devices, minlength=count))[:-1])]
 
 
-def _check(cfg: Any, total: int, num_classes: int) -> None:
-    n = int(cfg.num_clients)
+def _check_kind(cfg: Any) -> None:
+    """The partition's name, and the fields that depend on it alone (natural's size_sigma, dirichlet's variant)."""
     if cfg.name not in ("iid", "dirichlet", "shards", "natural"):
         raise PartitionError(f"partition.name must be one of iid, dirichlet, shards, natural, got {cfg.name!r}")
     if cfg.name == "natural" and float(cfg.size_sigma) != 0:
@@ -496,6 +496,10 @@ def _check(cfg: Any, total: int, num_classes: int) -> None:
         raise PartitionError(
             f"partition.variant must be one of {', '.join(DIRICHLET_VARIANTS)}, got {cfg.variant!r}"
         )
+
+
+def _check_sizes(cfg: Any, n: int, total: int) -> None:
+    """The number of clients against the training set, and size_sigma where the split can use it."""
     if n < 1:
         raise PartitionError(f"partition.num_clients must be >= 1, got {n}")
     if n > total:
@@ -507,35 +511,54 @@ def _check(cfg: Any, total: int, num_classes: int) -> None:
             f"partition.size_sigma={cfg.size_sigma}: partition.size_sigma applies to iid and "
             f"dirichlet/per_client only (set it to 0)"
         )
-    if cfg.name == "dirichlet" and (math.isnan(float(cfg.alpha)) or float(cfg.alpha) == math.inf):
+
+
+def _check_dirichlet(cfg: Any, n: int, total: int) -> None:
+    """alpha, and the sizes the fixed_size_reuse and per_class variants need."""
+    if math.isnan(float(cfg.alpha)) or float(cfg.alpha) == math.inf:
         # Dir(inf) gives NaN priors; the IID split is partition=iid
         raise PartitionError(f"partition.alpha must be a finite number > 0, got {cfg.alpha} "
                              f"(use partition=iid for an IID split)")
-    if cfg.name == "dirichlet" and not float(cfg.alpha) > 0:
+    if not float(cfg.alpha) > 0:
         raise PartitionError(f"partition.alpha must be > 0, got {cfg.alpha}")
-    if cfg.name == "dirichlet" and cfg.variant == "fixed_size_reuse" and _samples_per_client(cfg) < 1:
+    if cfg.variant == "fixed_size_reuse" and _samples_per_client(cfg) < 1:
         raise PartitionError(f"partition.samples_per_client must be >= 1, got {_samples_per_client(cfg)}")
-    if cfg.name == "dirichlet" and cfg.variant == "per_class" and int(cfg.min_size) * n > total:
+    if cfg.variant == "per_class" and int(cfg.min_size) * n > total:
         raise PartitionError(
             f"partition.min_size={cfg.min_size} is unreachable: {n} clients x {cfg.min_size} > {total} training samples"
         )
+
+
+def _check_shards(cfg: Any, n: int, total: int, num_classes: int) -> None:
+    """classes_per_client against the dataset's classes, the shards variant, and the samples its shards need."""
+    s = int(cfg.classes_per_client)
+    if s < 1:
+        raise PartitionError(f"partition.classes_per_client must be >= 1, got {s}")
+    if s > num_classes:
+        raise PartitionError(
+            f"partition.classes_per_client={s} exceeds the {num_classes} classes of the dataset"
+        )
+    variant = _shards_variant(cfg)
+    if variant not in SHARDS_VARIANTS:
+        raise PartitionError(
+            f"partition.shards_variant must be one of {', '.join(SHARDS_VARIANTS)}, got {variant!r}"
+        )
+    if variant == "mcmahan_sort_shard" and n * s > total:
+        raise PartitionError(
+            f"partition.classes_per_client={s}: {n} clients x {s} shards exceed the {total} training samples"
+        )
+
+
+def _check(cfg: Any, total: int, num_classes: int) -> None:
+    """The partition config against the training set (``total`` samples, ``num_classes`` classes), in this order:
+    the kind, the sizes, then the fields of dirichlet or shards; the first problem raises :class:`PartitionError`."""
+    n = int(cfg.num_clients)
+    _check_kind(cfg)
+    _check_sizes(cfg, n, total)
+    if cfg.name == "dirichlet":
+        _check_dirichlet(cfg, n, total)
     if cfg.name == "shards":
-        s = int(cfg.classes_per_client)
-        if s < 1:
-            raise PartitionError(f"partition.classes_per_client must be >= 1, got {s}")
-        if s > num_classes:
-            raise PartitionError(
-                f"partition.classes_per_client={s} exceeds the {num_classes} classes of the dataset"
-            )
-        variant = _shards_variant(cfg)
-        if variant not in SHARDS_VARIANTS:
-            raise PartitionError(
-                f"partition.shards_variant must be one of {', '.join(SHARDS_VARIANTS)}, got {variant!r}"
-            )
-        if variant == "mcmahan_sort_shard" and n * s > total:
-            raise PartitionError(
-                f"partition.classes_per_client={s}: {n} clients x {s} shards exceed the {total} training samples"
-            )
+        _check_shards(cfg, n, total, num_classes)
 
 
 def make_partition(cfg: Any, labels: np.ndarray, num_classes: int, devices: np.ndarray | None = None) -> Partition:
