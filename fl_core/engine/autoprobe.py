@@ -32,7 +32,7 @@ from ..algorithms.base import RoundContext
 from ..data.sampling import sample_clients
 from ..params import ParamSpec, flatten_params
 from . import gcpause
-from .executors import ClientData, SequentialExecutor, VectorizedExecutor, client_steps
+from .executors import ClientData, Executor, SequentialExecutor, VectorizedExecutor, client_steps
 from .state import ClientStateStore
 
 PROBE_BUDGET_S = 0.05  # seconds of sequential training per timed call (sets how many clients it trains)
@@ -41,6 +41,8 @@ PROBE_MIN_REPEATS = 3  # ... but 3 suffice when one predicted round is PROBE_CLE
 PROBE_CLEAR = 3.0
 PROBE_CAP_S = 0.5  # the vectorised chunk grows by doublings while its next call would take at most this long
 EXECUTOR_NAMES = ("sequential", "vectorized")
+
+Timed = Callable[[str, List[int]], float]  # (executor name, client ids) -> seconds of that executor's round
 
 
 def call_time(samples: Sequence[float]) -> float:
@@ -152,68 +154,123 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
+    sampled, steps, chunk, order = _round1_clients(cfg, data, kwargs)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), gcpause.paused():
+        executors, rctx = _probe_executors(cfg, model, algo, data, kwargs, sampled)
+        timed = _timer(executors, rctx, device)
+        m = _size_calls(timed, order, min(len(order), chunk), budget_s)
+        if torch.get_num_threads() != 1:  # warm-up at the run's thread count
+            _warm_up(timed, order)
+        samples = _interleaved_samples(timed, order, m, steps, chunk, repeats)
+        executors.clear()  # the vectorised executor refers to itself: unreachable now, its cycle is freed at exit
+    return ExecutorTiming.from_samples(samples, m, steps, chunk, time.perf_counter() - t0)
+
+
+def _round1_clients(cfg, data: ClientData, kwargs: Dict) -> Tuple[List[int], List[int], int, List[int]]:
+    """Round 1's sampled clients (``cfg.train``'s sampler, ``cfg.seed``), their local step counts K_i, the clients
+    trained at once (``engine.max_parallel_clients``, 0: all), and the order the probe trains them in: the clients
+    with data first."""
     t = cfg.train
-    num_clients = len(data.indices)
-    sampled = sample_clients(num_clients, t.participation, t.sampler, int(cfg.seed), 1).tolist()
+    sampled = sample_clients(len(data.indices), t.participation, t.sampler, int(cfg.seed), 1).tolist()
     sizes = [data.size(c) for c in sampled]
     steps = [client_steps(n, kwargs["batch_size"], kwargs["local_epochs"], kwargs.get("local_steps", 0))
              for n in sizes]
     chunk = int(cfg.engine.max_parallel_clients) or len(sampled)
     order = [c for c, n in zip(sampled, sizes) if n > 0] + [c for c, n in zip(sampled, sizes) if n == 0]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), gcpause.paused():
-        m_copy, a_copy = copy.deepcopy((model, algo))
-        one = dict(kwargs, local_steps=1)
-        executors = {"sequential": SequentialExecutor(m_copy, a_copy, data, **one),
-                     "vectorized": VectorizedExecutor(m_copy, a_copy, data, **one)}
-        g = flatten_params(m_copy)
-        rctx = RoundContext(round=1, lr=float(t.lr), lr0=float(t.lr), global_flat=g,
-                            spec=ParamSpec.from_model(m_copy), num_clients=num_clients,
-                            mean_client_size=sum(map(data.size, range(num_clients))) / num_clients,
-                            sampled=tuple(sampled), seed=int(cfg.seed),
-                            extra=a_copy.broadcast(a_copy.init_server_state(g)))
+    return sampled, steps, chunk, order
 
-        def timed(name: str, ids: List[int]) -> float:
-            _sync(device)
-            start = time.perf_counter()
-            executors[name].run_round(rctx, ids, ClientStateStore("cpu"))
-            _sync(device)
-            return time.perf_counter() - start
 
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # sizing on one thread: no waits for a thread another process holds off its core
-        try:
-            timed("sequential", order[:1])  # warm-up: first calls initialise kernels (and vmap's imports)
-            timed("vectorized", order[:1])
-            ones = [timed("sequential", order[:1])]
-            while len(ones) < 5 and sum(ones) < 2 * budget_s:  # a light model: up to 5 one-client calls
-                ones.append(timed("sequential", order[:1]))
-            limit = min(len(order), chunk)
-            m = {"sequential": max(1, min(limit, int(budget_s / max(min(ones), 1e-9))))}
-            mv, tv = m["sequential"], timed("vectorized", order[:m["sequential"]])
-            for _ in range(12):  # grow the vectorised chunk towards the round's (12 doublings reach 4,096 clients)
-                if mv >= limit:
-                    break
-                quick = tv < budget_s / 2  # towards the budget in one jump
-                nxt = min(limit, max(2 * mv, int(mv * budget_s / max(tv, 1e-9))) if quick else 2 * mv)
-                if not quick and tv * nxt / mv > PROBE_CAP_S:  # the next call would take longer than the cap
-                    break
-                mv, tv = nxt, timed("vectorized", order[:nxt])
-            m["vectorized"] = mv
-        finally:
-            torch.set_num_threads(threads)
-        if threads != 1:  # warm-up at the run's thread count
-            timed("sequential", order[:1])
-            timed("vectorized", order[:1])
-        samples: Dict[str, List[float]] = {name: [] for name in EXECUTOR_NAMES}
-        for i in range(max(1, repeats)):  # interleaved: a disturbance hits one call of one executor, not a whole side
-            for name in EXECUTOR_NAMES:
-                samples[name].append(timed(name, order[:m[name]]))
-            if i + 1 >= PROBE_MIN_REPEATS:
-                pred = predict_round({n: call_time(v) for n, v in samples.items()}, m, steps, chunk)
-                if max(pred.values()) > PROBE_CLEAR * min(pred.values()):
-                    break  # a clear winner: more calls would not change it
-        executors.clear()  # the vectorised executor refers to itself: unreachable now, its cycle is freed at exit
-    return ExecutorTiming.from_samples(samples, m, steps, chunk, time.perf_counter() - t0)
+def _probe_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: Dict,
+                     sampled: List[int]) -> Tuple[Dict[str, Executor], RoundContext]:
+    """The two executors for one local step (``local_steps=1``) on deep copies of ``model`` and ``algo``, and round
+    1's context for them (the copied model's parameters, the copied algorithm's initial broadcast)."""
+    t = cfg.train
+    num_clients = len(data.indices)
+    m_copy, a_copy = copy.deepcopy((model, algo))
+    one = dict(kwargs, local_steps=1)
+    executors = {"sequential": SequentialExecutor(m_copy, a_copy, data, **one),
+                 "vectorized": VectorizedExecutor(m_copy, a_copy, data, **one)}
+    g = flatten_params(m_copy)
+    rctx = RoundContext(round=1, lr=float(t.lr), lr0=float(t.lr), global_flat=g,
+                        spec=ParamSpec.from_model(m_copy), num_clients=num_clients,
+                        mean_client_size=sum(map(data.size, range(num_clients))) / num_clients,
+                        sampled=tuple(sampled), seed=int(cfg.seed),
+                        extra=a_copy.broadcast(a_copy.init_server_state(g)))
+    return executors, rctx
+
+
+def _timer(executors: Dict[str, Executor], rctx: RoundContext, device: torch.device) -> Timed:
+    """``timed(name, ids)``: the wall seconds of executor ``name``'s round on clients ``ids`` (a fresh client-state
+    store each call), the device synchronised before and after."""
+
+    def timed(name: str, ids: List[int]) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        executors[name].run_round(rctx, ids, ClientStateStore("cpu"))
+        _sync(device)
+        return time.perf_counter() - start
+
+    return timed
+
+
+def _warm_up(timed: Timed, order: List[int]) -> None:
+    """One untimed one-client call per executor: first calls initialise kernels (and vmap's imports)."""
+    timed("sequential", order[:1])
+    timed("vectorized", order[:1])
+
+
+def _size_calls(timed: Timed, order: List[int], limit: int, budget_s: float) -> Dict[str, int]:
+    """Executor name -> how many clients its timed calls train (1 to ``limit``), sized on one torch thread (no
+    waits for a thread another process holds off its core) after a warm-up call each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _warm_up(timed, order)
+        seq = _size_sequential(timed, order, limit, budget_s)
+        return {"sequential": seq, "vectorized": _size_vectorized(timed, order, seq, limit, budget_s)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _size_sequential(timed: Timed, order: List[int], limit: int, budget_s: float) -> int:
+    """The clients the sequential executor trains in about ``budget_s``, from the fastest of up to five one-client
+    calls (as many as fit in twice the budget; its cost is linear in the clients)."""
+    ones = [timed("sequential", order[:1])]
+    while len(ones) < 5 and sum(ones) < 2 * budget_s:  # a light model: up to 5 one-client calls
+        ones.append(timed("sequential", order[:1]))
+    return max(1, min(limit, int(budget_s / max(min(ones), 1e-9))))
+
+
+def _size_vectorized(timed: Timed, order: List[int], start: int, limit: int, budget_s: float) -> int:
+    """The vectorised executor's clients, grown from ``start`` towards ``limit`` (the round's chunk): in one jump
+    towards the budget while a call takes under ``budget_s / 2``, then by doublings while the next call would take
+    at most :data:`PROBE_CAP_S` (extrapolated linearly)."""
+    mv, tv = start, timed("vectorized", order[:start])
+    for _ in range(12):  # grow the vectorised chunk towards the round's (12 doublings reach 4,096 clients)
+        if mv >= limit:
+            break
+        quick = tv < budget_s / 2  # towards the budget in one jump
+        nxt = min(limit, max(2 * mv, int(mv * budget_s / max(tv, 1e-9))) if quick else 2 * mv)
+        if not quick and tv * nxt / mv > PROBE_CAP_S:  # the next call would take longer than the cap
+            break
+        mv, tv = nxt, timed("vectorized", order[:nxt])
+    return mv
+
+
+def _interleaved_samples(timed: Timed, order: List[int], m: Dict[str, int], steps: List[int], chunk: int,
+                         repeats: int) -> Dict[str, List[float]]:
+    """Executor name -> the seconds of its timed calls on ``order[:m[name]]``, alternating between the executors (a
+    disturbance hits one call of one executor, not a whole side): ``repeats`` each at most, fewer once, after
+    :data:`PROBE_MIN_REPEATS`, one predicted round is :data:`PROBE_CLEAR` times the other."""
+    samples: Dict[str, List[float]] = {name: [] for name in EXECUTOR_NAMES}
+    for i in range(max(1, repeats)):
+        for name in EXECUTOR_NAMES:
+            samples[name].append(timed(name, order[:m[name]]))
+        if i + 1 >= PROBE_MIN_REPEATS:
+            pred = predict_round({n: call_time(v) for n, v in samples.items()}, m, steps, chunk)
+            if max(pred.values()) > PROBE_CLEAR * min(pred.values()):
+                break  # a clear winner: more calls would not change it
+    return samples
 
 
 def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict) -> str:
