@@ -116,9 +116,11 @@ def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
     from .data.access import dataset_for, partition_for
     from .engine.factory import DTYPES, build_simulator, client_data, resolve_device
     from .engine.simulator import RunFailed
+    from .experiment import resolve
     from .metrics import summarize_run, summarize_seeds
 
-    cfg0 = cfgs[0]
+    exp = resolve(cfgs)
+    cfg0 = exp.cfg0
     ds = dataset_for(cfg0, write_cache=False)
     part = partition_for(cfg0, ds, write_cache=False)
     device = resolve_device(cfg0.engine.device)
@@ -130,15 +132,14 @@ def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
 
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=int(cfg0.train.rounds) * len(cfgs), desc=str(cfg0.name or "run"), unit="round",
+        bar = tqdm(total=int(cfg0.train.rounds) * len(exp.seeds), desc=str(cfg0.name or "run"), unit="round",
                    dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     try:
-        for cfg in cfgs:
-            seed = int(cfg.seed)
+        for seed, cfg in zip(exp.seeds, exp.configs):
             callbacks = [] if bar is None else [lambda r, row: bar.update(1)]
             if on_round is not None:
                 callbacks.append(lambda r, row, seed=seed: on_round(seed, r, row))
-            sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
+            sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks, experiment=exp)
             try:
                 result = sim.run()
             except RunFailed as err:

@@ -17,8 +17,8 @@ Each study keeps the claims of its paper that its experiments can test in ``clai
 
 Measured effect (:func:`measure`): the paired difference a - b over the seeds both arms finished with a
 value of the metric (mean, and the 95% Student-t interval mean +- t_{0.975, n-1} s / sqrt(n), s the sample
-standard deviation of the differences: :func:`pipeline.report.paired_values` and
-:func:`pipeline.report.confidence_interval`, the numbers of the report's "Difference to FedAvg" table); for
+standard deviation of the differences: :func:`pipeline.results.paired_values` and
+:func:`pipeline.results.confidence_interval`, the numbers of the report's "Difference to FedAvg" table); for
 ``expect: value`` a's own mean and interval over its seeds.
 
 Verdict (:func:`verdict`), with [lo, hi] that interval and t the tolerance (0 when omitted):
@@ -55,8 +55,9 @@ from fl_core.metrics import SUMMARY_KEYS
 from fl_core.schema import DATASETS
 
 from .grid import load_yaml
-from .report import (DASH, Experiment, _table, confidence_interval, numeric_columns, paired_values, read_runs_rows,
-                     sample_stats, seed_values)
+from .labels import DASH, _table
+from .results import (Experiment, confidence_interval, numeric_columns, paired_values, read_runs_rows, sample_stats,
+                      seed_values)
 
 CLAIMS_FILE = "claims.yaml"
 EXPECTS = ("greater", "less", "similar", "value")
@@ -246,7 +247,7 @@ def _run_metric(cols: Dict[str, np.ndarray], metric: str) -> Optional[float]:
 
 def metric_values(exp: Experiment, metric: str, results_dir: Path) -> Dict[str, float]:
     """{seed: value} of ``metric`` for the seeds of ``exp`` that finished (metric units: accuracies are
-    fractions, losses as logged). Summary metrics come from ``experiment.json`` (:func:`pipeline.report.seed_values`),
+    fractions, losses as logged). Summary metrics come from ``experiment.json`` (:func:`pipeline.results.seed_values`),
     the others from ``<results_dir>/<exp>/runs.csv`` (:func:`_run_metric`); seeds without a value are left out."""
     if metric in SEED_METRICS:
         return seed_values(exp, metric)
@@ -322,7 +323,7 @@ def measure(claim: Claim, a: Optional[Dict[str, float]], b: Optional[Dict[str, f
 
 
 def evaluate(claims: Sequence[Claim], experiments: Sequence[Experiment], results_dir: Path) -> List[Outcome]:
-    """:func:`measure` every claim on the loaded experiments (:func:`pipeline.report.load_experiments`); an
+    """:func:`measure` every claim on the loaded experiments (:func:`pipeline.results.load_experiments`); an
     experiment without metrics, or whose every seed failed, counts as without results."""
     by_name = {e.name: e for e in experiments}
     cache: Dict[tuple, Optional[Dict[str, float]]] = {}

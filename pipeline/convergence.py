@@ -7,7 +7,7 @@ and which method gets lowest (docs/algorithms.md, FedBCGD's convex problem; a mo
 
 Inputs, per experiment of the params file: ``<results>/<name>/runs.csv`` (``objective_gap`` and ``comm_up_floats``,
 per seed and round) and ``experiment.json`` (the algorithm). Methods are the experiments grouped by algorithm label
-(:func:`pipeline.report.algorithm_label`); a method run at several settings (a learning-rate grid) is represented by
+(:func:`pipeline.labels.algorithm_label`); a method run at several settings (a learning-rate grid) is represented by
 its experiment with the lowest mean final gap, as a paper tunes each method on its grid.
 
 Two criteria, each over the seeds every chosen experiment finished: the gap at the last round (the mean over seeds;
@@ -40,7 +40,8 @@ from fl_core.config import ConfigError
 from .figures import _legend_below, _new_figure, _tidy, method_styles, save_figure
 from .files import write_text
 from .grid import load_grid
-from .report import _table, algorithm_label, load_experiments, numeric_columns, read_runs_rows
+from .labels import _table, algorithm_label
+from .results import load_experiments, numeric_columns, read_runs_rows
 
 GAP, UP = "objective_gap", "comm_up_floats"
 

@@ -39,7 +39,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from .files import atomic_write
-from .report import _num, _parse_partition, algorithm_label, dataset_label, partition_label
+from .labels import _num, _parse_partition, algorithm_label, dataset_label, partition_label
 
 # tab10: a qualitative palette whose colours stay apart in print and for the common colour-vision deficiencies
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -110,7 +110,7 @@ def partition_title(key: str, dataset: bool = True) -> str:
     """A partition key as a figure title: ``"digits-dirichlet-per_client-a0.3-n10-sgm0-s0"`` ->
     ``"digits, Dirichlet α=0.3, 10 clients"`` (``"Dirichlet α=0.3, 10 clients"`` without ``dataset``).
 
-    Built on :func:`pipeline.report.partition_label` (so "per class", "size σ" and the like show the
+    Built on :func:`pipeline.labels.partition_label` (so "per class", "size σ" and the like show the
     same way as in the report); a key that cannot be parsed is returned unchanged.
     """
     p = _parse_partition(str(key or ""))
@@ -328,8 +328,8 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
         curves: ``(method, panel, data)`` triples, one per experiment. ``method`` is the legend label
             (e.g. ``"FedBug P=0.2 (FedAvg)"``), ``panel`` the partition label the panel is titled with
             (e.g. ``"Dirichlet α=0.3"``): both shown as given (the report passes its row and column
-            labels; use :func:`pipeline.report.algorithm_label` / :func:`partition_title` for raw
-            names). ``data`` is what :func:`pipeline.report.read_curves` returns: arrays ``acc_round``,
+            labels; use :func:`pipeline.labels.algorithm_label` / :func:`partition_title` for raw
+            names). ``data`` is what :func:`pipeline.results.read_curves` returns: arrays ``acc_round``,
             ``acc_mean``, ``acc_min``, ``acc_max`` (accuracy as fractions, drawn in %), ``loss_round``
             and ``loss_mean``; None (or missing/empty arrays) draws nothing for that experiment.
             Methods and panels keep their order of first appearance; styles follow the method order.
@@ -376,7 +376,7 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
     Args:
         curves: ``(method, panel, data)`` triples as for :func:`build_comparison_figure`; ``data`` needs
             ``acc_up_d`` (each participating client's cumulative uplink in units of the model size d at each
-            evaluated round, :func:`pipeline.report.load_experiments`) and ``acc_mean`` (fractions, drawn in %).
+            evaluated round, :func:`pipeline.results.load_experiments`) and ``acc_mean`` (fractions, drawn in %).
             An experiment without them draws nothing.
         title: an optional title above the panels.
         max_cols: panels per row.

@@ -7,7 +7,8 @@ overrides before Hydra sees them.
 ``fl-train -m KEY=A,B ...`` hands the remaining overrides to Hydra's sweeper and launcher: one job per
 combination of the swept values, each job one experiment with the whole seed list, trained by
 :func:`pipeline.train.train_one` exactly as ``fl-train KEY=A ... seed=1,2,3`` would (same validation, same
-``results/<name>/``, same MLflow runs). The launcher is Hydra's (``hydra/launcher=basic``: one job after
+``results/<name>/``, same MLflow runs); ``pipeline.train`` hands that function in (:func:`multirun`), so this module
+does not import it. The launcher is Hydra's (``hydra/launcher=basic``: one job after
 another; ``joblib``: parallel, ``pip install hydra-joblib-launcher``; ``submitit_slurm``: a Slurm array).
 
 Before any job starts, every job's config is composed and validated with :func:`fl_core.config.compose`
@@ -27,9 +28,10 @@ import sys
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from fl_core.config import ConfigError
+from fl_core.experiment import derive_name
 
 SEED = "seed"
 SWEEP_ROOT = "outputs/multirun"
@@ -126,14 +128,13 @@ def _keep_task_name() -> None:
     JobRuntime.instance().set("name", TASK_NAME)
 
 
-def _job(cfg, seeds: Optional[List[int]], swept: Sequence[str] = ()) -> int:  # noqa: ARG001  (Hydra's signature)
-    """One job of the sweep: its overrides (as Hydra expanded them) trained for every seed, via
-    :func:`pipeline.train.train_one`, so that it validates, writes and tracks exactly like a single run.
+def _job(cfg, seeds: Optional[List[int]], swept: Sequence[str] = (),  # noqa: ARG001  (Hydra's signature)
+         *, train_one: Callable[[List[str], List[int]], int]) -> int:
+    """One job of the sweep: its overrides (as Hydra expanded them) trained for every seed, via ``train_one``
+    (:func:`pipeline.train.train_one`), so that it validates, writes and tracks exactly like a single run.
 
     Returns the job's exit status; an interrupted job stops the sweep (KeyboardInterrupt)."""
     from hydra.core.hydra_config import HydraConfig
-
-    from .train import train_one
 
     hc = HydraConfig.get()
     overrides = [str(o) for o in hc.overrides.task]
@@ -213,11 +214,9 @@ def swept_keys(parsed: List[Any]) -> List[str]:
 
 
 def job_name(cfg, job: Sequence[str], swept: Sequence[str]) -> str:
-    """The results name of one job of a sweep without ``name=``: :func:`pipeline.train.derive_name` followed by the
+    """The results name of one job of a sweep without ``name=``: :func:`fl_core.experiment.derive_name` followed by the
     job's value of every swept key that name does not show, e.g. ``fedavg_shards-s2_digits-lr0.05`` for
     ``-m train.lr=0.01,0.05`` and ``fedavg_shards-s2_digits-m1d_cnn`` for ``-m model=m1d_cnn,m1d_gru``."""
-    from .train import derive_name
-
     values = {}
     for o in job:
         key, _, value = str(o).partition("=")
@@ -339,9 +338,10 @@ def _validated_job_count(parsed: List[Any], user_keys: set, seeds: Optional[List
     return "the sweeper's jobs"
 
 
-def _launch(hydra: Any, args: List[str]) -> Any:
+def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[int]], int]) -> Any:
     """Check the sweep of ``args`` (its seed list, jobs and Hydra's own settings), say on stderr what runs,
-    and run it with ``hydra`` (Hydra's main object); returns what Hydra's sweeper returns (:func:`_statuses`).
+    and run it with ``hydra`` (Hydra's main object), each job trained by ``train_one``; returns what Hydra's sweeper
+    returns (:func:`_statuses`).
 
     Raises:
         ConfigError, HydraException, OmegaConfBaseException, ValueError: bad input, before any job runs.
@@ -361,7 +361,8 @@ def _launch(hydra: Any, args: List[str]) -> Any:
     print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
           f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
     return hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds,
-                                                                              swept=swept_keys(parsed)),
+                                                                              swept=swept_keys(parsed),
+                                                                              train_one=train_one),
                           overrides=hydra_args)
 
 
@@ -376,12 +377,14 @@ def _sweep_status(returns: Any) -> int:
     return max((s for _, _, s in failed), default=0)
 
 
-def multirun(args: Sequence[str]) -> int:
+def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], int]) -> int:
     """``fl-train -m OVERRIDES``: one experiment per combination of the swept values, launched by Hydra.
 
     Args:
         args: the command line without ``-m`` / ``--multirun``: Hydra overrides, app keys and ``hydra.*`` /
             ``hydra/...`` alike; ``seed=...`` lists become every job's seed list.
+        train_one: trains one job's experiment (its overrides, its seeds) and returns its exit status:
+            :func:`pipeline.train.train_one` (a module-level function, so that a launcher can pickle the jobs).
 
     Returns:
         The exit status: 0 when every job succeeded, else the worst job's (1 a seed failed, 2 bad input,
@@ -408,7 +411,7 @@ def multirun(args: Sequence[str]) -> int:
     try:
         hydra = _sweep_hydra()
         try:
-            returns = _launch(hydra, args)
+            returns = _launch(hydra, args, train_one)
         except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as err:
             fail(_missing_plugin(_first_line(err)))
     except KeyboardInterrupt:

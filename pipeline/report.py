@@ -37,25 +37,24 @@ import argparse
 import csv
 import io
 import json
-import math
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import yaml
 
-from fl_core.algorithms import registry
 from fl_core.config import ConfigError
-from fl_core.metrics import mean_std
-from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .files import write_text
 from .grid import Grid, load_grid
+# the labels and the loaded experiments live in modules of their own (the figures and the claims build on them);
+# the names stay importable from here
+from .labels import DASH, _algo_name, _cell, _num, _table, algorithm_label, dataset_label, partition_label  # noqa: F401
+from .results import (Experiment, confidence_interval, final_acc_per_seed, load_experiments,  # noqa: F401
+                      numeric_columns, paired_difference, paired_values, read_curves, read_runs_rows, sample_stats,
+                      seed_values)
 
-DASH = "\u2014"
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
 PM = "\u00b1"
 
@@ -70,350 +69,7 @@ SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "p
                    "comm_up_floats", "comm_down_floats"]
 
 
-# --------------------------------------------------------------------------- labels
-
-def _algo_name(name: str) -> str:
-    """The paper name of a rule (the registry's label: ``fedbcgd_plus`` -> ``FedBCGD+``), else ``name``."""
-    return registry.label(name)
-
-
-def _parse_algorithm(s: str) -> Optional[str]:
-    """``name[params](inner)`` -> readable label, or None if ``s`` does not have that shape."""
-    m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:\((.*)\))?\s*", s)
-    if not m:
-        return None
-    name, params, inner = m.groups()
-    label = _algo_name(name)
-    if params:
-        label += " " + ", ".join(p.strip() for p in params.split(",") if p.strip())
-    if inner is not None:
-        inner_label = _parse_algorithm(inner)
-        if inner_label is None:
-            return None
-        label += f" ({inner_label})"
-    return label
-
-
-def algorithm_label(s: str) -> str:
-    """A readable algorithm label from the engine's description string.
-
-    ``"fedbug[P=0.2](fedavg)"`` -> ``"FedBug P=0.2 (FedAvg)"``, ``"fedprox"`` -> ``"FedProx"``.
-    Strings of another shape are returned unchanged.
-    """
-    s = str(s or "").strip()
-    if not s:
-        return "?"
-    return _parse_algorithm(s) or s
-
-
-_PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
-
-
-_NATURAL_RE = re.compile(r"^(?P<ds>.+)-natural-n(?P<n>\d+)$")
-_SYNTHETIC_RE = re.compile(r"^synthetic-(?:iid|a(?P<a>[^-]+)-b(?P<b>[^-]+))-n\d+-tf[^-]+-s-?\d+$")
-_MNIST1D_RE = re.compile(r"^mnist1d(?P<shuf>-shuffled)?-s-?\d+$")
-
-
-def dataset_label(tag: str) -> str:
-    """A readable name of a dataset variant from its tag (``fl_core.data.dataset_tag``).
-
-    ``"synthetic-a1-b1-n30-tf0.2-s0"`` -> ``"Synthetic(1,1)"``, ``"synthetic-iid-n30-tf0.2-s0"`` ->
-    ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``,
-    ``"emnist-byclass"`` -> ``"EMNIST byclass"``;
-    any other tag (``"digits"``, ``"cifar10"``) unchanged.
-    """
-    m = _SYNTHETIC_RE.match(tag)
-    if m:
-        return "Synthetic IID" if m.group("a") is None else f"Synthetic({m.group('a')},{m.group('b')})"
-    m = _MNIST1D_RE.match(tag)
-    if m:
-        return "MNIST-1D shuffled" if m.group("shuf") else "MNIST-1D"
-    if tag.startswith("emnist-"):
-        return f"EMNIST {tag[len('emnist-'):]}"
-    return tag
-
-
-def _parse_partition(key: str) -> Optional[Dict[str, str]]:
-    """Fields of a partition key (see ``fl_core.data.partition.partition_key``), or None."""
-    m = _NATURAL_RE.match(key)
-    if m:  # the dataset's own devices: no seed
-        return {"dataset": m.group("ds"), "kind": "natural", "clients": m.group("n")}
-    m = _PART_RE.match(key)
-    if not m:
-        return None
-    parts = re.split(r"-(?![\d.])", m.group("body"))  # "a1e-05" stays one token
-    out: Dict[str, str] = {"dataset": m.group("ds"), "kind": parts[0], "seed": m.group("seed")}
-    rest = parts[1:]
-    if out["kind"] == "dirichlet":
-        if not rest or rest[0] not in ("per_client", "per_class", "fixed_size_reuse"):
-            return None
-        out["variant"] = rest.pop(0)
-    for tok in rest:
-        for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("spc", "samples_per_client"), ("a", "alpha"),
-                             ("n", "clients"), ("S", "classes")):
-            if tok.startswith(prefix) and len(tok) > len(prefix):
-                out[name] = tok[len(prefix):]
-                break
-        else:
-            return None
-    if out["kind"] == "dirichlet" and "alpha" not in out:
-        return None
-    if out["kind"] == "shards" and "classes" not in out:
-        return None
-    return out
-
-
-def partition_label(key: str, verbose: bool = False) -> str:
-    """A readable partition label from a partition key; the raw key if it cannot be parsed.
-
-    ``"digits-iid-n20-sgm0-s0"`` -> ``"IID"``, ``"digits-dirichlet-per_client-a0.3-n20-s0"`` ->
-    ``"Dirichlet α=0.3"``, ``"...-dirichlet-per_class-a0.5-..."`` -> ``"Dirichlet α=0.5 (per class)"``,
-    ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``, ``"synthetic-a1-b1-n30-tf0.2-s0-natural-n30"``
-    -> ``"Synthetic(1,1), natural"`` (the devices are the clients).
-    With ``verbose`` the dataset, number of clients and every other field of the key are added, so
-    different keys give different labels.
-    """
-    key = str(key or "")
-    p = _parse_partition(key)
-    if p is None:
-        return key or "?"
-    kind = p["kind"]
-    extra: List[str] = []
-    if kind == "natural":
-        label = f"{dataset_label(p['dataset'])}, natural"
-        if verbose:
-            extra.append(f"{p['clients']} devices")
-        return f"{label} ({', '.join(extra)})" if extra else label
-    if kind == "iid":
-        label = "IID"
-    elif kind == "dirichlet":
-        label = f"Dirichlet \u03b1={p['alpha']}"
-        if p["variant"] == "per_class":
-            extra.append("per class")
-        elif p["variant"] == "fixed_size_reuse":
-            extra.append(f"{p.get('samples_per_client', '?')}/client, reused")
-    else:
-        label = "Shards"
-        extra.append(f"{p['classes']} classes/client")
-    if p.get("sigma") not in (None, "0"):
-        extra.append(f"size \u03c3={p['sigma']}")
-    if verbose:
-        if "clients" in p:
-            extra.append(f"{p['clients']} client{'' if p['clients'] == '1' else 's'}")
-        if "min_size" in p:
-            extra.append(f"min size {p['min_size']}")
-        extra.append(f"seed {p['seed']}")
-        label = f"{dataset_label(p['dataset'])}: {label}"
-    return f"{label} ({', '.join(extra)})" if extra else label
-
-
-# --------------------------------------------------------------------------- loading
-
-@dataclass
-class Experiment:
-    """One experiment of the grid with its results (``metrics`` is None when they are missing)."""
-
-    name: str
-    overrides: List[str]
-    metrics: Optional[Dict] = None
-    curves: Optional[Dict[str, np.ndarray]] = None  # round, acc_mean/min/max, loss_round, loss_mean
-    problem: str = ""  # why metrics are missing
-    row_label: str = ""
-    col_label: str = ""
-    notes: List[str] = field(default_factory=list)
-
-    @property
-    def failed(self) -> str:
-        """The failure reasons when every seed of the experiment failed (``status: failed``), else ''."""
-        m = self.metrics or {}
-        if m.get("status") != "failed":
-            return ""
-        reasons = m.get("failures") or {}
-        return "; ".join(f"seed {s}: {r}" for s, r in reasons.items()) or "every seed failed"
-
-
-def _float(s: str) -> float:
-    try:
-        v = float(s)
-    except (TypeError, ValueError):
-        return math.nan
-    return v
-
-
-def read_runs_rows(path: Path) -> Optional[List[Dict[str, str]]]:
-    """The rows of a ``runs.csv`` (one per seed and round), or None when it is missing, empty or lacks
-    the ``round`` column."""
-    if not path.exists():
-        return None
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "round" not in rows[0]:
-        return None
-    return rows
-
-
-def numeric_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[int, Dict[int, float]]]:
-    """{column: {seed: {round: value}}} of the finite numbers in ``runs.csv`` rows (:func:`read_runs_rows`); rows
-    without a readable seed or round, empty cells and text are left out."""
-    out: Dict[str, Dict[int, Dict[int, float]]] = {}
-    for r in rows:
-        try:
-            seed, rnd = int(float(r.get("seed") or 0)), int(float(r["round"]))
-        except (TypeError, ValueError):
-            continue
-        for k, v in r.items():
-            if k in ("seed", "round") or v in (None, ""):
-                continue
-            try:
-                x = float(v)
-            except ValueError:
-                continue
-            if math.isfinite(x):
-                out.setdefault(k, {}).setdefault(seed, {})[rnd] = x
-    return out
-
-
-def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
-    """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
-
-    Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. ``acc_up`` is, at
-    each round of ``acc_round``, the floats each participating client has uploaded up to and including that
-    round (``comm_up_floats``, cumulative in ``runs.csv``; mean over seeds; NaN without that column). Returns
-    None when the file is missing, empty or lacks the ``round`` column.
-    """
-    rows = read_runs_rows(path)
-    if rows is None:
-        return None
-    acc: Dict[int, List[float]] = {}
-    loss: Dict[int, List[float]] = {}
-    up: Dict[int, Dict[int, float]] = {}  # seed -> round -> floats uploaded per client so far (cumulative)
-    for r in rows:
-        rnd = _float(r.get("round"))
-        if math.isnan(rnd):
-            continue
-        a, lo, u = _float(r.get("test_acc")), _float(r.get("train_loss")), _float(r.get("comm_up_floats"))
-        if math.isfinite(a):
-            acc.setdefault(int(rnd), []).append(a)
-        if math.isfinite(lo):
-            loss.setdefault(int(rnd), []).append(lo)
-        seed = _float(r.get("seed"))
-        if math.isfinite(u) and not math.isnan(seed):
-            up.setdefault(int(seed), {})[int(rnd)] = u
-    ar = sorted(acc)
-    lr = sorted(loss)
-    cumulative: Dict[int, List[float]] = {}  # round -> each seed's uplink up to and including it
-    for per_round in up.values():
-        for rnd, total in per_round.items():
-            cumulative.setdefault(rnd, []).append(total)
-    return {
-        "acc_round": np.array(ar, dtype=float),
-        "acc_mean": np.array([np.mean(acc[r]) for r in ar], dtype=float),
-        "acc_min": np.array([np.min(acc[r]) for r in ar], dtype=float),
-        "acc_max": np.array([np.max(acc[r]) for r in ar], dtype=float),
-        "acc_up": np.array([np.mean(cumulative[r]) if r in cumulative else math.nan for r in ar], dtype=float),
-        "loss_round": np.array(lr, dtype=float),
-        "loss_mean": np.array([np.mean(loss[r]) for r in lr], dtype=float),
-    }
-
-
-def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
-    """Every experiment of ``grid`` (in params.yaml order) with its metrics and curves if present."""
-    out: List[Experiment] = []
-    for name, overrides in grid.experiments.items():
-        exp = Experiment(name, list(overrides))
-        d = Path(results_dir) / name
-        mpath = d / METRICS_FILE
-        if not mpath.exists():
-            exp.problem = f"no {mpath.as_posix()}"
-        else:
-            try:
-                m = {}
-                for part in (mpath, d / EXPERIMENT_FILE):  # the numbers, then what ran (names, per-seed values)
-                    if part == mpath or part.exists():
-                        loaded = json.loads(part.read_text())
-                        if not isinstance(loaded, dict):
-                            raise ValueError(f"{part.name} is not a JSON object")
-                        m.update(loaded)
-                exp.metrics = m
-            except (OSError, ValueError) as err:
-                exp.problem = f"unreadable {mpath.as_posix()} ({err})"
-        if exp.metrics is not None:
-            try:
-                exp.curves = read_curves(d / "runs.csv")
-            except (OSError, csv.Error, UnicodeDecodeError):
-                exp.curves = None
-            failed = exp.metrics.get("failed_seeds") or []
-            if exp.failed:  # every seed failed: listed under "Failed", nothing else to say
-                pass
-            elif failed:
-                n_ok = len(exp.metrics.get("seeds") or [])
-                exp.notes.append(f"seed(s) {', '.join(map(str, failed))} failed; numbers are over the "
-                                 f"remaining {n_ok} seed(s)")
-            d = _num(exp.metrics.get("model_d"))
-            if exp.curves is not None and d:  # the uplink in units of the model size d
-                exp.curves["acc_up_d"] = exp.curves["acc_up"] / d
-            if exp.curves is None and not exp.failed:
-                exp.notes.append("no runs.csv: not in the curves figure")
-        out.append(exp)
-    _assign_labels([e for e in out if e.metrics is not None])
-    return out
-
-
-def _assign_labels(exps: List[Experiment]) -> None:
-    """Row (algorithm) and column (partition) labels of the comparison table, made unique per cell."""
-    keys = {str(e.metrics.get("partition", "")) for e in exps}
-    short = {k: partition_label(k) for k in keys}
-    by_label: Dict[str, List[str]] = {}
-    for k, lab in short.items():
-        by_label.setdefault(lab, []).append(k)
-    col = {}
-    for lab, ks in by_label.items():
-        if len(ks) == 1:
-            col[ks[0]] = lab
-            continue
-        verbose = {k: partition_label(k, verbose=True) for k in ks}
-        unique = len(set(verbose.values())) == len(ks)
-        for k in ks:
-            col[k] = verbose[k] if unique else k
-    for e in exps:
-        e.col_label = col[str(e.metrics.get("partition", ""))]
-        e.row_label = algorithm_label(e.metrics.get("algorithm", ""))
-
-    def collisions() -> set:
-        seen: Dict[Tuple[str, str], int] = {}
-        for e in exps:
-            seen[(e.row_label, e.col_label)] = seen.get((e.row_label, e.col_label), 0) + 1
-        return {r for (r, _), n in seen.items() if n > 1}
-
-    clash = collisions()
-    if not clash:
-        return
-    # same algorithm label in one cell: tell the rows apart by their non-partition overrides
-    for lab in clash:
-        group = [e for e in exps if e.row_label == lab]
-        own = {e.name: [o for o in e.overrides if not re.match(r"(partition|dataset)(\.|=)", o)] for e in group}
-        common = set.intersection(*(set(v) for v in own.values()))
-        for e in group:
-            diff = [o for o in own[e.name] if o not in common]
-            if diff:
-                e.row_label = f"{lab} ({', '.join(diff)})"
-    for lab in collisions():
-        for e in exps:
-            if e.row_label == lab:
-                e.row_label = f"{lab} [{e.name}]"
-
-
 # --------------------------------------------------------------------------- formatting
-
-def _num(v) -> Optional[float]:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
 
 def fmt_pct(mean, std) -> str:
     """``0.85, 0.0707`` -> ``"85.00 ± 7.07"`` (percent); a dash when the mean is missing."""
@@ -447,17 +103,6 @@ def fmt_floats_d(m: Dict) -> str:
     if up is None or not d:
         return DASH
     return f"{up / d:.1f}d"
-
-
-def _cell(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> str:
-    lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
-             "|" + "|".join({"l": ":---", "r": "---:", "c": ":---:"}[a] for a in align) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _join_values(values: Sequence) -> str:
@@ -506,60 +151,6 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
             cols.append(e.col_label)
         cells[(e.row_label, e.col_label)] = e
     return rows, cols, cells
-
-
-def seed_values(e: Experiment, metric: str = "final_acc") -> Dict[str, float]:
-    """{seed: ``metric``} of the seeds that finished, from ``experiment.json``'s ``per_seed`` summaries (the
-    keys of :data:`fl_core.metrics.SUMMARY_KEYS`, in their units: accuracies as fractions); seeds whose value is
-    missing, None or not finite (``rounds_to_target`` of a seed that never reached the target) are left out."""
-    per_seed = (e.metrics or {}).get("per_seed") or {}
-    out = {}
-    for seed, summ in per_seed.items():
-        v = _num((summ or {}).get(metric)) if isinstance(summ, dict) else None
-        if v is not None:
-            out[str(seed)] = v
-    return out
-
-
-def final_acc_per_seed(e: Experiment) -> Dict[str, float]:
-    """{seed: final test accuracy (fraction)} of the seeds that finished (from ``experiment.json``)."""
-    return seed_values(e, "final_acc")
-
-
-def sample_stats(values: Sequence[float]) -> Dict[str, float]:
-    """``mean``, ``std`` (sample std, ddof = 1; 0 for one value) and ``n`` of ``values`` (at least one)."""
-    ms = mean_std(list(values))
-    return {"mean": ms["mean"], "std": ms["std"], "n": ms["n"]}
-
-
-def paired_values(a: Dict[str, float], b: Dict[str, float], scale: float = 1.0) -> Optional[Dict[str, float]]:
-    """:func:`sample_stats` of ``scale * (a[s] - b[s])`` over the seeds s in both mappings ({seed: value});
-    None without a common seed."""
-    common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
-    if not common:
-        return None
-    return sample_stats([scale * (a[s] - b[s]) for s in common])
-
-
-def paired_difference(e: Experiment, ref: Experiment) -> Optional[Dict[str, float]]:
-    """Final test accuracy of ``e`` minus that of ``ref`` on the same seeds, in percentage points:
-    ``mean``, ``std`` (sample std over seeds, ddof = 1; 0 for one seed) and ``n`` (seeds both finished).
-    Pairing by seed removes what the seeds share (model initialisation, client sampling, the partition
-    draw), so the spread is that of the difference itself. None without a common seed."""
-    return paired_values(final_acc_per_seed(e), final_acc_per_seed(ref), 100.0)
-
-
-def confidence_interval(d: Dict[str, float], level: float = 0.95) -> Tuple[Optional[float], Optional[float]]:
-    """The ``level`` confidence interval of the mean of a :func:`sample_stats` / :func:`paired_values` /
-    :func:`paired_difference` result: mean +- t_{(1+level)/2, n-1} std / sqrt(n) (Student t; scipy), in its
-    units; (None, None) for fewer than 2 seeds."""
-    n = int(d["n"])
-    if n < 2:
-        return None, None
-    from scipy.stats import t
-
-    half = float(t.ppf((1 + level) / 2, n - 1)) * d["std"] / math.sqrt(n)
-    return d["mean"] - half, d["mean"] + half
 
 
 def fedavg_references(exps: List[Experiment]) -> Dict[str, Experiment]:
@@ -903,7 +494,7 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += _how_to_read_section(ms, target)
     out += _problem_sections(exps, missing)
     if claims:
-        from .claims import claims_section, evaluate  # claims builds on this module's paired differences
+        from .claims import claims_section, evaluate
 
         out += claims_section(evaluate(claims, exps_all, Path(results_dir)), claims_name)
     return "\n".join(out)
@@ -930,7 +521,7 @@ def plot_curves(exps: List[Experiment], path: Path) -> List[Path]:
     """The curves figure (:func:`pipeline.figures.comparison_figure`) as ``path`` (PNG) and a PDF beside
     it with the same stem: per partition column, test accuracy in % (mean, min-max band over seeds)
     above training loss (mean), one line per algorithm, one legend. Returns the written paths."""
-    from .figures import comparison_figure  # figures imports this module's labels
+    from .figures import comparison_figure  # matplotlib: loaded when a figure is drawn
 
     exps = [e for e in exps if e.metrics is not None]
     return comparison_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
@@ -940,7 +531,7 @@ def plot_uplink(exps: List[Experiment], path: Path) -> List[Path]:
     """The accuracy-vs-uplink figure (:func:`pipeline.figures.uplink_figure`) as ``path`` (PNG) and a PDF beside
     it: per partition column, test accuracy in % (mean over seeds) against each client's cumulative uplink in
     units of d, one line per algorithm. Returns the written paths."""
-    from .figures import uplink_figure  # figures imports this module's labels
+    from .figures import uplink_figure
 
     exps = [e for e in exps if e.metrics is not None]
     return uplink_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
@@ -987,7 +578,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _main(argv: List[str]) -> int:
     from fl_core import envfail
 
-    from .claims import default_claims_path, load_claims  # claims builds on this module
+    from .claims import default_claims_path, load_claims
 
     args = _parser().parse_args(argv)
     out = args.out if args.out is not None else args.results / "report.md"

@@ -46,7 +46,7 @@ from fl_core.config import ConfigError
 from .files import atomic_write, write_text
 from .grid import load_grid
 from .claims import claims_section, default_claims_path, evaluate, load_claims
-from .report import load_experiments, numeric_columns, read_runs_rows
+from .results import load_experiments, numeric_columns, read_runs_rows
 
 # ----------------------------------------------------------------------------- per-experiment curves
 

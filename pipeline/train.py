@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 # functions that use it.
 from fl_core import envfail, faults
 from fl_core.config import ConfigError, compose, to_container
+from fl_core.experiment import resolve
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
 from fl_core.paths import project_root
 from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
@@ -115,40 +116,6 @@ Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 
 tracking store locked, unreachable or in a missing folder: one line; fix it and run the same command again),
 130 interrupted.
 """
-
-def derive_name(cfg) -> str:
-    """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
-    from fl_core.algorithms import registry
-
-    a = cfg.algorithm
-    algo = a.name
-    if a.server_opt != registry.NO_SERVER_OPT:  # FedAvg + adam is FedAdam; FedProx + adam: adam-fedprox
-        opt = registry.get(a.server_opt)
-        algo = opt.preset_name if a.name == "fedavg" else f"{a.server_opt}-{algo}"
-    for w in a.wrappers:
-        algo = f"{w}-p{a.fedbug.gu_percentage:g}-{algo}" if w == "fedbug" else f"{w}-{algo}"
-    part = cfg.partition.name
-    if part == "dirichlet":
-        part += f"-a{cfg.partition.alpha:g}"
-    elif part == "shards":
-        part += f"-s{cfg.partition.classes_per_client}"
-    return f"{algo}_{part}_{cfg.dataset.name}"
-
-
-def result_sections(cfg) -> Dict:
-    """The config sections that determine a run's numbers (for checkpoint names): ``algorithm`` with only the
-    sections of the rules in its stack (``registry.trim_sections``), so adding a rule changes no other fingerprint;
-    ``engine.kernels`` when it is ``portable`` (other numbers than native kernels': a run switched to portable
-    kernels trains again instead of continuing the native one; native runs keep their fingerprints)."""
-    from fl_core.algorithms import registry
-
-    c = to_container(cfg)
-    c["algorithm"] = registry.trim_sections(c["algorithm"])
-    out = {k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train", "seed")}
-    if c["engine"]["kernels"] != "native":
-        out["kernels"] = c["engine"]["kernels"]
-    return out
-
 
 def _csv(rows: List[Dict], columns: List[str]) -> str:
     buf = io.StringIO()
@@ -243,26 +210,14 @@ class _Progress:
             self.bar.close()
 
 
-def experiment_fingerprint(cfg) -> str:
-    """Fingerprint of the config that determines an experiment's numbers, seeds excluded."""
-    from fl_core.engine.simulator import config_fingerprint
-
-    sections = result_sections(cfg)
-    sections.pop("seed")
-    return config_fingerprint(sections)
-
-
 class _Experiment:
     """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs."""
 
     def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False,
                  on_round: Optional[Callable] = None):
-        from fl_core.data import dataset_tag
         from fl_core.data.access import dataset_for, partition_for
-        from fl_core.data.partition import partition_key
         from fl_core.engine.diagnostics import effective_update
         from fl_core.engine.factory import DTYPES, client_data, resolve_device
-        from fl_core.models import resolve_model_name
 
         self.cfgs, self.cfg0 = cfgs, cfgs[0]
         self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
@@ -273,7 +228,8 @@ class _Experiment:
         envfail.check_folder(cfg0.engine.checkpoint_dir, "checkpoint folder", "engine.checkpoint_dir")
         if cfg0.tracking.enabled:
             check_store()  # a sqlite:/// store in a folder that does not exist
-        self.name = cfg0.name or derive_name(cfg0)
+        self.exp = exp = resolve(cfgs)  # name, fingerprint, data and partition keys, model: resolved once
+        self.name = exp.name
         self.device = resolve_device(cfg0.engine.device)
         self.ds = dataset_for(cfg0, write_cache=False)
         self.part = partition_for(cfg0, self.ds, write_cache=False)
@@ -281,13 +237,13 @@ class _Experiment:
         self.u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(self.part.sizes)),
                                   cfg0.train.batch_size, self.part.num_clients, cfg0.train.local_steps)
         self.data = client_data(self.ds, self.part, self.device, DTYPES[cfg0.engine.dtype])
-        self.model_name = resolve_model_name(cfg0.model.name, cfg0.dataset.name)
+        self.model_name = exp.model
         self.probe = self._preflight()
         self.algo_desc = self.probe.algo.describe()
         self.model_d = self.probe.spec.d
-        self.pkey = partition_key(cfg0.partition, dataset_tag(cfg0.dataset))
-        self.seeds = [int(c.seed) for c in cfgs]
-        self.store = ExperimentStore(self.name, experiment_fingerprint(cfg0), Path(cfg0.results_dir),
+        self.pkey = exp.partition_key
+        self.seeds = list(exp.seeds)
+        self.store = ExperimentStore(self.name, exp.fingerprint, Path(cfg0.results_dir),
                                      Path(cfg0.engine.checkpoint_dir))
         self.callbacks = list(callbacks or [])
         self.seed_callbacks = [on_round] if on_round is not None else []  # cb(seed, round, row)
@@ -322,7 +278,7 @@ class _Experiment:
         shape = tuple(self.ds.input_shape)
         try:
             sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
-                                  cache_dir=objective_cache(cfg))
+                                  cache_dir=objective_cache(cfg), experiment=self.exp)
             with torch.no_grad():
                 sim.model.eval()
                 sim.model(self.data.x[:1])
@@ -459,7 +415,7 @@ class _Experiment:
                                   checkpoint_path=store.checkpoint_path(seed) if cfg.engine.checkpoint_every else None,
                                   callbacks=[self.progress] + self.callbacks
                                   + [functools.partial(cb, seed) for cb in self.seed_callbacks],
-                                  cache_dir=objective_cache(cfg))
+                                  cache_dir=objective_cache(cfg), experiment=self.exp)
             if self.tracking is not None:
                 sim.logger = logger = self._live_logger = self._child_logger(cfg, seed)
             self.progress.start(seed, sim.restore())
@@ -937,7 +893,7 @@ def _main(argv: List[str], from_command_line: bool) -> int:
     if "-m" in argv or "--multirun" in argv:
         from .multirun import multirun
 
-        return multirun([a for a in argv if a not in ("-m", "--multirun")])
+        return multirun([a for a in argv if a not in ("-m", "--multirun")], train_one)
     if "--hydra-help" in argv:
         print(HYDRA_HELP)
         return 0
@@ -992,10 +948,11 @@ def _serve(cfgs: List, device) -> int:
     train the clients it hands over (:func:`fl_core.engine.distributed.serve`); writes nothing, logs nothing."""
     from fl_core.data.access import dataset_for, partition_for
     from fl_core.engine import distributed
-    from fl_core.engine.factory import DTYPES, build_simulator, client_data, job_key
+    from fl_core.engine.factory import DTYPES, build_simulator, client_data
 
     device = distributed.rank_device(device)
-    by_job = {job_key(c): c for c in cfgs}
+    exp = resolve(cfgs)
+    by_job = {exp.job_key(c.seed): c for c in cfgs}
     ds = dataset_for(cfgs[0], write_cache=False)
     part = partition_for(cfgs[0], ds, write_cache=False)
     data = client_data(ds, part, device, DTYPES[cfgs[0].engine.dtype])
@@ -1004,7 +961,7 @@ def _serve(cfgs: List, device) -> int:
         if job not in by_job:
             raise RuntimeError(f"rank 0 runs {job}, which this rank's command does not define (same command on "
                                "every rank?)")
-        return build_simulator(by_job[job], ds, part, device=device, data=data).executor
+        return build_simulator(by_job[job], ds, part, device=device, data=data, experiment=exp).executor
 
     try:
         _end_startup()

@@ -692,18 +692,24 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
     from fl_core.algorithms import InfeasibleSetting
     from fl_core.config import compose, to_container
     from fl_core.engine import factory
+    from fl_core.experiment import resolve
     from fl_core.metrics import summarize_run
 
+    try:
+        # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
+        # the command line, every branch and both ends of every range over it) before the first trial
+        exp = resolve([compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]), user=())
+                       for seed in seeds])
+    except (ConfigError, ValueError) as err:  # a combination the config validation rejects
+        raise InfeasibleConfig(_first_line(err)) from None
     accs: List[float] = []
     uplink, algo = 0.0, ""
-    for i, seed in enumerate(seeds):
+    for i, cfg in enumerate(exp.configs):
         try:
-            # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
-            # the command line, every branch and both ends of every range over it) before the first trial
-            cfg = compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]), user=())
             ds, part, data, device = cache.get(cfg)
             callbacks = [] if on_round is None else [lambda r, row, i=i: on_round(i, r, row)]
-            sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks)
+            sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks,
+                                          experiment=exp)
         except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
             raise InfeasibleConfig(_first_line(err)) from None
         if i == 0:

@@ -73,7 +73,8 @@ def test_portable_runs_are_one_model_under_every_machine_stand_in(tmp_path):
 
 def test_portable_kernels_are_another_run_identity_and_native_keeps_its_fingerprint():
     from fl_core.config import compose
-    from pipeline.train import experiment_fingerprint, result_sections
+    from fl_core.experiment import fingerprint as experiment_fingerprint
+    from fl_core.experiment import result_sections
 
     native, portable = compose(["engine.kernels=native"]), compose(["engine.kernels=portable"])
     assert "kernels" not in result_sections(native) and result_sections(portable)["kernels"] == "portable"

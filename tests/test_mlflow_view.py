@@ -260,7 +260,7 @@ def test_run_begun_with_older_names_keeps_them_on_resume(tracking, older):
 def test_fingerprint_depends_on_the_sections_of_the_stack_only():
     """A rule's section changes the fingerprint of the experiments that use the rule and of no other, so
     registering a new rule (a new section) leaves every existing experiment's fingerprint, and results, in place."""
-    from pipeline.train import experiment_fingerprint
+    from fl_core.experiment import fingerprint as experiment_fingerprint
 
     from fl_core.config import compose
 

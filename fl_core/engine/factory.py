@@ -9,13 +9,14 @@ import torch
 
 from ..algorithms import build_algorithm, prepare_model
 from ..data.sampling import sample_clients
+from ..experiment import ResolvedExperiment, fingerprint
 from ..models import build_model
 from ..schema import ConfigError
 from . import autoprobe, diskstate, kernels, memory
 from .autoprobe import ExecutorTiming, time_executors
 from .executors import EXECUTORS, ClientData
 from .localwork import LocalWork
-from .simulator import RunLogger, Simulator, config_fingerprint
+from .simulator import RunLogger, Simulator
 from ..params import ParamSpec
 
 
@@ -150,22 +151,21 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
 
 
 def job_key(cfg) -> Tuple[str, int]:
-    """What identifies one seed's run to the ranks of ``engine.executor=distributed``: (hash of the sections that
-    determine the numbers, seed). Every rank composes the same command, so every rank computes the same key."""
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.to_container(cfg, resolve=True)
-    return config_fingerprint({k: c[k] for k in ("dataset", "partition", "model", "algorithm", "train")}), int(cfg.seed)
+    """What identifies one seed's run to the ranks of ``engine.executor=distributed``: (the experiment's fingerprint,
+    :func:`fl_core.experiment.fingerprint`, and the seed), as :meth:`.ResolvedExperiment.job_key` gives it. Every
+    rank composes the same command, so every rank computes the same key."""
+    return fingerprint(cfg), int(cfg.seed)
 
 
-def _distribute(inner, cfg):
+def _distribute(inner, key: Tuple[str, int]):
     """``engine.executor=distributed``: on rank 0 the :class:`~.distributed.DistributedExecutor` around this rank's
-    executor ``inner``; on a worker rank ``inner`` itself (it serves rank 0's tasks, :func:`~.distributed.serve`)."""
+    executor ``inner`` for the seed's job ``key``; on a worker rank ``inner`` itself (it serves rank 0's tasks,
+    :func:`~.distributed.serve`)."""
     from . import distributed
 
     rank, size, _ = distributed.world()
     inner.reason = f"engine.executor=distributed over {size} rank(s); each rank: {inner.name} ({inner.reason})"
-    return distributed.DistributedExecutor(inner, job_key(cfg)) if rank == 0 else inner
+    return distributed.DistributedExecutor(inner, key) if rank == 0 else inner
 
 
 def model_targets(model: torch.nn.Module, data: ClientData, y_test: torch.Tensor) -> Tuple[ClientData, torch.Tensor]:
@@ -182,17 +182,20 @@ def model_targets(model: torch.nn.Module, data: ClientData, y_test: torch.Tensor
 def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
                     data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
                     checkpoint_path: Optional[Path] = None,
-                    callbacks: Optional[List[Callable]] = None, cache_dir: Optional[Path] = None) -> Simulator:
+                    callbacks: Optional[List[Callable]] = None, cache_dir: Optional[Path] = None,
+                    experiment: Optional[ResolvedExperiment] = None) -> Simulator:
     """Model, algorithm stack, executor and round loop for one seed of ``cfg``.
 
     Args:
-        cfg: composed config (see :func:`fl_core.config.compose`).
+        cfg: composed config (see :func:`fl_core.config.compose`): the seed's config of ``experiment``.
         ds: the :class:`~fl_core.data.FLDataset`; partition: its :class:`~fl_core.data.Partition`.
         device: where data, model and states live.
         data: pre-built :class:`ClientData` to share across seeds (else built here).
         logger, checkpoint_path, callbacks: passed to the simulator.
         cache_dir: where the model may cache what it computes from the data (``FLModel.bind_training_data``), or
             None: nothing is written.
+        experiment: the experiment ``cfg`` is a seed of (:func:`fl_core.experiment.resolve`), whose fingerprint names
+            the seed's job between the ranks of ``engine.executor=distributed``; None: computed from ``cfg``.
 
     A model with a ``label_map`` trains and is tested on its own targets (:func:`model_targets`); the model then
     sees the clients' data once (``bind_training_data``) before the executor is chosen.
@@ -236,7 +239,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     executor = EXECUTORS[name](model, algo, data, **kwargs)
     executor.reason = reason
     if distributed:
-        executor = _distribute(executor, cfg)
+        executor = _distribute(executor, experiment.job_key(cfg.seed) if experiment is not None else job_key(cfg))
     sim = Simulator(model=model, algorithm=algo, executor=executor,
                      x_test=ds.normalize(ds.x_test).to(device, dtype), y_test=y_test,
                      num_clients=partition.num_clients, participation=t.participation, sampler=t.sampler,

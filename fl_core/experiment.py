@@ -1,0 +1,117 @@
+"""One experiment resolved once: its name, the fingerprint of what determines its numbers, its rule stack, its data
+and partition keys, and its per-seed configs, in one frozen :class:`ResolvedExperiment`.
+
+:func:`resolve` builds it from the composed configs (:func:`fl_core.config.compose`, one per seed); the train stage
+(:mod:`pipeline.train`), the Python API (:mod:`fl_core.api`), the sweeps (:mod:`sweeps.runner`) and the engine's
+factory (:func:`fl_core.engine.factory.build_simulator`) read it and derive none of it again. The fingerprint is
+computed here and nowhere else (:func:`fingerprint`): it names an experiment's checkpoints
+(``<checkpoint_dir>/<name>/<fingerprint>/``), its MLflow parent (tag ``fl.fingerprint``) and, with the seed, a
+seed's job between the ranks of ``engine.executor=distributed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Sequence, Tuple
+
+from .algorithms import registry
+from .config import ConfigError, to_container
+
+RESULT_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "seed")  # what determines the numbers
+
+
+def derive_name(cfg: Any) -> str:
+    """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
+    a = cfg.algorithm
+    algo = a.name
+    if a.server_opt != registry.NO_SERVER_OPT:  # FedAvg + adam is FedAdam; FedProx + adam: adam-fedprox
+        opt = registry.get(a.server_opt)
+        algo = opt.preset_name if a.name == "fedavg" else f"{a.server_opt}-{algo}"
+    for w in a.wrappers:
+        algo = f"{w}-p{a.fedbug.gu_percentage:g}-{algo}" if w == "fedbug" else f"{w}-{algo}"
+    part = cfg.partition.name
+    if part == "dirichlet":
+        part += f"-a{cfg.partition.alpha:g}"
+    elif part == "shards":
+        part += f"-s{cfg.partition.classes_per_client}"
+    return f"{algo}_{part}_{cfg.dataset.name}"
+
+
+def result_sections(cfg: Any) -> Dict[str, Any]:
+    """The config sections that determine a run's numbers: ``algorithm`` with only the sections of the rules in its
+    stack (``registry.trim_sections``), so adding a rule changes no other fingerprint; ``engine.kernels`` when it is
+    ``portable`` (other numbers than native kernels': a run switched to portable kernels trains again instead of
+    continuing the native one; native runs keep their fingerprints); the seed."""
+    c = to_container(cfg)
+    c["algorithm"] = registry.trim_sections(c["algorithm"])
+    out = {k: c[k] for k in RESULT_SECTIONS}
+    if c["engine"]["kernels"] != "native":
+        out["kernels"] = c["engine"]["kernels"]
+    return out
+
+
+def fingerprint(cfg: Any) -> str:
+    """The experiment's fingerprint: a short hash (12 hex digits of SHA-256 over the sorted JSON) of
+    :func:`result_sections` without the seed, so every seed of an experiment shares it."""
+    sections = result_sections(cfg)
+    sections.pop("seed")
+    blob = json.dumps(sections, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ResolvedExperiment:
+    """What one experiment is, resolved once from its composed configs (:func:`resolve`).
+
+    Attributes:
+        name: ``cfg.name``, or the default :func:`derive_name` (``results/<name>/``, the MLflow parent's name).
+        fingerprint: :func:`fingerprint` of the first seed's config (every seed's is the same).
+        rules: the rule stack: base, server optimiser unless ``sgd``, wrappers innermost first (``registry.stack``).
+        dataset: ``dataset.name``; dataset_tag: the dataset variant's name in files (``fl_core.data.dataset_tag``).
+        partition_key: the partition's key (``fl_core.data.partition_key``; MLflow tag ``partition``).
+        model: the model's resolved name (``model=auto`` resolved for the dataset).
+        seeds: the run seeds, in the order they train.
+        configs: the composed config of each seed, in the order of ``seeds``.
+    """
+
+    name: str
+    fingerprint: str
+    rules: Tuple[str, ...]
+    dataset: str
+    dataset_tag: str
+    partition_key: str
+    model: str
+    seeds: Tuple[int, ...]
+    configs: Tuple[Any, ...]
+
+    @property
+    def cfg0(self) -> Any:
+        """The first seed's config (what every seed shares, besides ``seed``)."""
+        return self.configs[0]
+
+    def job_key(self, seed: int) -> Tuple[str, int]:
+        """What identifies one seed's run to the ranks of ``engine.executor=distributed``: (fingerprint, seed). Every
+        rank composes the same command, so every rank computes the same key."""
+        return self.fingerprint, int(seed)
+
+
+def resolve(cfgs: Sequence[Any]) -> ResolvedExperiment:
+    """Resolve one experiment from its composed configs (one per seed, which differ only in ``seed``).
+
+    Raises:
+        ConfigError: no config.
+    """
+    from .data import dataset_tag, partition_key  # the data and model packages load torch: at run time only
+    from .models import resolve_model_name
+
+    if not cfgs:
+        raise ConfigError("an experiment needs at least one seed's config")
+    cfg0 = cfgs[0]
+    tag = dataset_tag(cfg0.dataset)
+    return ResolvedExperiment(
+        name=cfg0.name or derive_name(cfg0), fingerprint=fingerprint(cfg0), rules=tuple(registry.stack(cfg0.algorithm)),
+        dataset=str(cfg0.dataset.name), dataset_tag=tag, partition_key=partition_key(cfg0.partition, tag),
+        model=resolve_model_name(cfg0.model.name, cfg0.dataset.name), seeds=tuple(int(c.seed) for c in cfgs),
+        configs=tuple(cfgs))

@@ -1,0 +1,173 @@
+"""How the report and the figures name things: readable labels of algorithm descriptions, dataset tags and
+partition keys, and the plain-text pieces of the report's tables (numbers, the dash, markdown tables).
+
+Both :mod:`pipeline.report` and :mod:`pipeline.figures` build on these; neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Dict, List, Optional, Sequence
+
+from fl_core.algorithms import registry
+
+DASH = "\u2014"
+
+
+def _algo_name(name: str) -> str:
+    """The paper name of a rule (the registry's label: ``fedbcgd_plus`` -> ``FedBCGD+``), else ``name``."""
+    return registry.label(name)
+
+
+def _parse_algorithm(s: str) -> Optional[str]:
+    """``name[params](inner)`` -> readable label, or None if ``s`` does not have that shape."""
+    m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:\((.*)\))?\s*", s)
+    if not m:
+        return None
+    name, params, inner = m.groups()
+    label = _algo_name(name)
+    if params:
+        label += " " + ", ".join(p.strip() for p in params.split(",") if p.strip())
+    if inner is not None:
+        inner_label = _parse_algorithm(inner)
+        if inner_label is None:
+            return None
+        label += f" ({inner_label})"
+    return label
+
+
+def algorithm_label(s: str) -> str:
+    """A readable algorithm label from the engine's description string.
+
+    ``"fedbug[P=0.2](fedavg)"`` -> ``"FedBug P=0.2 (FedAvg)"``, ``"fedprox"`` -> ``"FedProx"``.
+    Strings of another shape are returned unchanged.
+    """
+    s = str(s or "").strip()
+    if not s:
+        return "?"
+    return _parse_algorithm(s) or s
+
+
+_PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
+
+
+_NATURAL_RE = re.compile(r"^(?P<ds>.+)-natural-n(?P<n>\d+)$")
+_SYNTHETIC_RE = re.compile(r"^synthetic-(?:iid|a(?P<a>[^-]+)-b(?P<b>[^-]+))-n\d+-tf[^-]+-s-?\d+$")
+_MNIST1D_RE = re.compile(r"^mnist1d(?P<shuf>-shuffled)?-s-?\d+$")
+
+
+def dataset_label(tag: str) -> str:
+    """A readable name of a dataset variant from its tag (``fl_core.data.dataset_tag``).
+
+    ``"synthetic-a1-b1-n30-tf0.2-s0"`` -> ``"Synthetic(1,1)"``, ``"synthetic-iid-n30-tf0.2-s0"`` ->
+    ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``,
+    ``"emnist-byclass"`` -> ``"EMNIST byclass"``;
+    any other tag (``"digits"``, ``"cifar10"``) unchanged.
+    """
+    m = _SYNTHETIC_RE.match(tag)
+    if m:
+        return "Synthetic IID" if m.group("a") is None else f"Synthetic({m.group('a')},{m.group('b')})"
+    m = _MNIST1D_RE.match(tag)
+    if m:
+        return "MNIST-1D shuffled" if m.group("shuf") else "MNIST-1D"
+    if tag.startswith("emnist-"):
+        return f"EMNIST {tag[len('emnist-'):]}"
+    return tag
+
+
+def _parse_partition(key: str) -> Optional[Dict[str, str]]:
+    """Fields of a partition key (see ``fl_core.data.partition.partition_key``), or None."""
+    m = _NATURAL_RE.match(key)
+    if m:  # the dataset's own devices: no seed
+        return {"dataset": m.group("ds"), "kind": "natural", "clients": m.group("n")}
+    m = _PART_RE.match(key)
+    if not m:
+        return None
+    parts = re.split(r"-(?![\d.])", m.group("body"))  # "a1e-05" stays one token
+    out: Dict[str, str] = {"dataset": m.group("ds"), "kind": parts[0], "seed": m.group("seed")}
+    rest = parts[1:]
+    if out["kind"] == "dirichlet":
+        if not rest or rest[0] not in ("per_client", "per_class", "fixed_size_reuse"):
+            return None
+        out["variant"] = rest.pop(0)
+    for tok in rest:
+        for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("spc", "samples_per_client"), ("a", "alpha"),
+                             ("n", "clients"), ("S", "classes")):
+            if tok.startswith(prefix) and len(tok) > len(prefix):
+                out[name] = tok[len(prefix):]
+                break
+        else:
+            return None
+    if out["kind"] == "dirichlet" and "alpha" not in out:
+        return None
+    if out["kind"] == "shards" and "classes" not in out:
+        return None
+    return out
+
+
+def partition_label(key: str, verbose: bool = False) -> str:
+    """A readable partition label from a partition key; the raw key if it cannot be parsed.
+
+    ``"digits-iid-n20-sgm0-s0"`` -> ``"IID"``, ``"digits-dirichlet-per_client-a0.3-n20-s0"`` ->
+    ``"Dirichlet α=0.3"``, ``"...-dirichlet-per_class-a0.5-..."`` -> ``"Dirichlet α=0.5 (per class)"``,
+    ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``, ``"synthetic-a1-b1-n30-tf0.2-s0-natural-n30"``
+    -> ``"Synthetic(1,1), natural"`` (the devices are the clients).
+    With ``verbose`` the dataset, number of clients and every other field of the key are added, so
+    different keys give different labels.
+    """
+    key = str(key or "")
+    p = _parse_partition(key)
+    if p is None:
+        return key or "?"
+    kind = p["kind"]
+    extra: List[str] = []
+    if kind == "natural":
+        label = f"{dataset_label(p['dataset'])}, natural"
+        if verbose:
+            extra.append(f"{p['clients']} devices")
+        return f"{label} ({', '.join(extra)})" if extra else label
+    if kind == "iid":
+        label = "IID"
+    elif kind == "dirichlet":
+        label = f"Dirichlet \u03b1={p['alpha']}"
+        if p["variant"] == "per_class":
+            extra.append("per class")
+        elif p["variant"] == "fixed_size_reuse":
+            extra.append(f"{p.get('samples_per_client', '?')}/client, reused")
+    else:
+        label = "Shards"
+        extra.append(f"{p['classes']} classes/client")
+    if p.get("sigma") not in (None, "0"):
+        extra.append(f"size \u03c3={p['sigma']}")
+    if verbose:
+        if "clients" in p:
+            extra.append(f"{p['clients']} client{'' if p['clients'] == '1' else 's'}")
+        if "min_size" in p:
+            extra.append(f"min size {p['min_size']}")
+        extra.append(f"seed {p['seed']}")
+        label = f"{dataset_label(p['dataset'])}: {label}"
+    return f"{label} ({', '.join(extra)})" if extra else label
+
+
+# --------------------------------------------------------------------------- text
+
+def _num(v) -> Optional[float]:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
+             "|" + "|".join({"l": ":---", "r": "---:", "c": ":---:"}[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
