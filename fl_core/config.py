@@ -35,6 +35,7 @@ def _algorithm_config() -> type:
     shared = [
         ("name", str, field(default="fedavg")),  # base rule (registry: kind base)
         ("wrappers", List[str], field(default_factory=list)),  # applied inside-out, e.g. [fedbug]
+        ("transforms", List[str], field(default_factory=list)),  # message transforms in order, e.g. [topk, qsgd]
         # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S| | null: the base rule's own (registry.aggregation)
         ("aggregation", Optional[str], field(default=None)),
         ("eta_g", Optional[float], field(default=None)),  # server learning rate; null: the server step's own

@@ -122,7 +122,7 @@ class When:
 
     def text(self) -> str:
         shown = "|".join(format_value(v) for v in self.values)
-        if self.key.endswith("wrappers"):
+        if self.key.endswith(("wrappers", "transforms")):
             return f"{self.key} {'not ' if self.negate else ''}containing {shown}"
         return f"{self.key}{'!=' if self.negate else '='}{shown}"
 

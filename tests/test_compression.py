@@ -9,11 +9,21 @@ import pytest
 import torch
 
 from fl_core.algorithms import ClientContext, ClientUpdate, FedAvg, RoundContext
-from fl_core.algorithms.base import Algorithm
+from fl_core.algorithms.base import Algorithm, Transformed
 from fl_core.algorithms.compression import QSGD, TopK, qsgd, qsgd_floats, topk, topk_dense, topk_floats, topk_k
 from fl_core.seeding import torch_generator
 
+
 from conftest import run_sim
+
+
+def _topk(base, *args, **kw):
+    """``base`` with the Top-k transform on its upload (``algorithm.transforms=[topk]``)."""
+    return Transformed(base, TopK(*args, **kw))
+
+
+def _qsgd(base, *args, **kw):
+    return Transformed(base, QSGD(*args, **kw))
 
 
 def _ctx(rnd, cid, state=None, d=5, seed=0):
@@ -84,7 +94,7 @@ def test_qsgd_deterministic_by_seed():
 
 
 def test_qsgd_wrapper_keys_draws_by_run_round_and_client():
-    algo = QSGD(FedAvg("uniform"), levels=4)
+    algo = _qsgd(FedAvg("uniform"), levels=4)
     assert algo.describe() == "qsgd[s=4](fedavg)" and algo.vectorizable
     delta = torch.randn(200, generator=torch_generator("d"), dtype=torch.float64)
     def out(rnd, cid, seed=0):
@@ -127,7 +137,7 @@ class _Marker(Algorithm):
 
 def test_topk_error_feedback_conserves_the_update():
     d, rounds = 50, 6
-    algo = TopK(_Marker(), ratio=0.1)
+    algo = _topk(_Marker(), ratio=0.1)
     assert algo.describe() == "topk[0.1,ef](marker)" and algo.vectorizable
     state = algo.init_client_state(torch.zeros(d, dtype=torch.float64))
     assert set(state) == {"own", "residual"} and torch.equal(state["residual"], torch.zeros(d, dtype=torch.float64))
@@ -149,7 +159,7 @@ def test_topk_error_feedback_conserves_the_update():
 
 def test_topk_without_error_feedback_keeps_nothing():
     d = 40
-    algo = TopK(FedAvg(), ratio=0.25, error_feedback=False)
+    algo = _topk(FedAvg(), ratio=0.25, error_feedback=False)
     assert algo.describe() == "topk[0.25,no_ef](fedavg)"
     assert algo.init_client_state(torch.zeros(d)) is None  # no residual is stored
     g = torch_generator("no-ef")
@@ -169,11 +179,11 @@ def test_comm_floats_match_section_13():
     assert qsgd_floats(d, 16) == pytest.approx(d * 6 / 32 + 1) == pytest.approx(188.5)
     assert qsgd_floats(d, 1) == pytest.approx(d * 2 / 32 + 1)
     assert topk_floats(100) == 200
-    assert QSGD(FedAvg(), 16).comm_floats(d) == (pytest.approx(188.5), 1000.0)
-    assert TopK(FedAvg(), 0.1).comm_floats(d) == (200.0, 1000.0)
+    assert _qsgd(FedAvg(), 16).comm_floats(d) == (pytest.approx(188.5), 1000.0)
+    assert _topk(FedAvg(), 0.1).comm_floats(d) == (200.0, 1000.0)
     # what the base uploads besides its delta is sent uncompressed; the downlink is the base's
-    assert TopK(_Marker(), 0.1).comm_floats(d) == (207.0, 2000.0)
-    assert QSGD(_Marker(), 16).comm_floats(d) == (pytest.approx(195.5), 2000.0)
+    assert _topk(_Marker(), 0.1).comm_floats(d) == (207.0, 2000.0)
+    assert _qsgd(_Marker(), 16).comm_floats(d) == (pytest.approx(195.5), 2000.0)
 
 
 def test_comm_floats_of_a_partial_upload_base():
@@ -181,8 +191,8 @@ def test_comm_floats_of_a_partial_upload_base():
         def comm_floats(self, d):
             return d / 4, float(d)
 
-    assert QSGD(Block(), 16).comm_floats(1000) == (pytest.approx(250 * 6 / 32 + 1), 1000.0)
-    assert TopK(Block(), 0.1).comm_floats(1000) == (50.0, 1000.0)
+    assert _qsgd(Block(), 16).comm_floats(1000) == (pytest.approx(250 * 6 / 32 + 1), 1000.0)
+    assert _topk(Block(), 0.1).comm_floats(1000) == (50.0, 1000.0)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -190,7 +200,7 @@ def test_comm_floats_of_a_partial_upload_base():
 def _registered(name):
     from fl_core.algorithms import registry
 
-    assert name in registry.names("wrapper"), f"wrapper {name!r} is not in the rule registry"
+    assert name in registry.names("transform"), f"transform {name!r} is not in the rule registry"
 
 
 @pytest.mark.parametrize("algorithm,wrapper", [("topk", "topk"), ("fedpaq", "qsgd")])

@@ -10,6 +10,7 @@ import torch
 
 from fl_core.algorithms import (ClientContext, ClientUpdate, FedBCGD, FedBCGDPlus, QSGD, RoundContext, assign_blocks,
                                 block_partition, build_algorithm)
+from fl_core.algorithms.base import Transformed
 from fl_core.algorithms.compression import qsgd_floats
 from fl_core.engine.state import ParamSpec
 from fl_core.models import build_model
@@ -126,7 +127,9 @@ def test_fedbcgd_freezing_ablation_moves_only_own_block(digits):
                         sampled=(0, 2, 4, 5), seed=sim.seed)
     for cid in rctx.sampled:  # the trainable tensors are exactly the client's block and the shared block
         j = algo._block_of(rctx, cid)
-        mask = algo.update_mask(ClientContext(rctx, cid, 10, 1), 1)
+        ctx = ClientContext(rctx, cid, 10, 1)
+        algo.client_begin(ctx, probe=None)
+        mask = ctx.step_mask(1)
         assert [i for i, m in enumerate(mask) if m] == sorted(algo.block_params[j] + algo.shared_params)
     # training only the own block changes what the clients upload, hence the model
     assert not torch.allclose(res.final_flat, full.final_flat, atol=1e-4)
@@ -149,7 +152,7 @@ def test_fedbcgd_plus_paper_gradient_by_hand():
     ctx.full_grad = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
     ctx.anchor_grads = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0, 0.0]), "head": torch.tensor([0.5])}
     grads = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 1.0]), "head": torch.tensor([1.0])}
-    algo.transform_grads(ctx, 1, {}, grads)
+    algo.local_step(ctx, 1, {}, grads)
     assert torch.allclose(grads["a"], torch.tensor([3 - 1 + 0.1 - 0.5 + 1, 4 - 1 + 0.2 - 0 + 1]))
     assert torch.allclose(grads["b"], torch.tensor([0 - 2 + 0.3 - 1 + 2, 1 - 0 + 0.4 - 0 + 2]))
     assert torch.allclose(grads["head"], torch.tensor([1 - 0.5 + 0.5 - 1 + 3]))
@@ -253,7 +256,7 @@ def test_fedbcgd_plus_server_c_is_the_mean_of_what_clients_uploaded(digits):
 
 def test_qsgd_quantises_the_fedbcgd_plus_control_variate_upload():
     algo, spec = _plus("paper")
-    q = QSGD(algo, 4)
+    q = Transformed(algo, QSGD(4))
     rctx = RoundContext(round=1, lr=0.1, global_flat=torch.zeros(5), spec=spec, num_clients=4, sampled=(0, 1),
                         extra={"c": torch.zeros(5)})
     ctx = ClientContext(rctx, 0, 10, 2, state={"c": torch.zeros(5), "c_up": torch.zeros(5)})

@@ -37,9 +37,9 @@ def _feddyn_run(digits, rounds, *extra):
         return ups
 
     def aggregate(rctx, state, ups):
-        new, st = orig_agg(rctx, state, ups)
-        seen["cloud"], seen["state"] = new, st
-        return new, st
+        step = orig_agg(rctx, state, ups)
+        seen["cloud"], seen["state"] = step.model, step.state
+        return step
 
     sim.executor.run_round, sim.algo.aggregate = run_round, aggregate
     res = sim.run()
@@ -111,11 +111,16 @@ def test_fedexp_step_is_never_below_one_and_one_client_gives_one():
 def test_fedexp_reports_the_midpoint_of_the_last_two_iterates(digits):
     from fl_core.algorithms import FedExP as F
 
-    algo = F()
-    x0, x1 = torch.zeros(3), torch.tensor([2.0, 4.0, 6.0])
-    st = {"prev": x0, "round": torch.tensor(2)}
-    assert torch.equal(algo.eval_flat(st, x1), torch.tensor([1.0, 2.0, 3.0]))
-    assert torch.equal(algo.eval_flat({"prev": x0, "round": torch.tensor(1)}, x1), x1)  # round 1: x_1
+    from fl_core.algorithms.base import ClientUpdate, RoundContext
+
+    algo = F(aggregation="uniform")
+    x0 = torch.zeros(3)
+    up = ClientUpdate(0, 1, 1, torch.tensor([2.0, 4.0, 6.0]), 0.0)
+    rctx = RoundContext(round=1, lr=0.1, global_flat=x0, spec=None)
+    first = algo.aggregate(rctx, algo.init_server_state(x0), [up])  # eta_g = 1 for a single client: x_1 = x_0 + d
+    assert first.evaluate is None and torch.equal(first.eval_model(), first.model)  # round 1: x_1
+    second = algo.aggregate(RoundContext(round=2, lr=0.1, global_flat=first.model, spec=None), first.state, [up])
+    assert torch.equal(second.eval_model(), 0.5 * (first.model + second.model))
     sim, res = run_sim(digits, *MLP, "algorithm=fedexp", "train.rounds=3")
     assert all(r["fedexp_eta_g"] >= 1.0 for r in res.history)
 

@@ -87,9 +87,9 @@ def test_scaffold_round_one_equals_fedavg_and_sets_c(digits):
     orig = sim.algo.aggregate
 
     def spy(rctx, state, ups):
-        new, st = orig(rctx, state, ups)
-        seen.update(ups=ups, state=st, lr=rctx.lr)
-        return new, st
+        step = orig(rctx, state, ups)
+        seen.update(ups=ups, state=step.state, lr=rctx.lr)
+        return step
 
     sim.algo.aggregate = spy
     res = sim.run()
@@ -143,11 +143,11 @@ def test_fedlc_logits_by_hand():
     lc = FedLC(tau=1.0)
     z = torch.tensor([[2.0, 1.0, 0.5]])
     ctx = ClientContext(round=None, client_id=0, num_samples=17, num_steps=1, label_counts=torch.tensor([16, 1, 0]))
-    out = lc.train_logits(ctx, z)
+    out = lc.local_objective(ctx, {}, z, None, None).logits
     assert torch.allclose(out[0, :2], torch.tensor([2.0 - 0.5, 1.0 - 1.0]))  # 16^(-1/4) = 0.5, 1^(-1/4) = 1
     assert out[0, 2] < -1e8  # absent class excluded from the softmax
     assert torch.softmax(out, 1)[0, 2] == 0.0
-    clamp = FedLC(tau=2.0, missing="clamp").train_logits(ctx, z)
+    clamp = FedLC(tau=2.0, missing="clamp").local_objective(ctx, {}, z, None, None).logits
     assert torch.allclose(clamp, torch.tensor([[1.0, -1.0, -1.5]]))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fl_core.algorithms import FedAvg, build_algorithm
+from fl_core.algorithms.base import Needs
 from fl_core.config import ConfigError, compose
 from fl_core.data import make_partition
 from fl_core.data.sampling import sample_clients
@@ -72,8 +73,7 @@ def test_a_negative_size_is_one_line(key):
 
 def test_extra_vectors_count_the_optimiser_and_the_declared_services():
     class Full(FedAvg):
-        needs_full_gradient = True
-        needs_anchor_gradient = True
+        needs = Needs(full_gradient=True, anchor_gradient=True)
 
     class Scaled(FedAvg):
         def client_begin(self, ctx, probe):

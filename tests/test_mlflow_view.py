@@ -82,7 +82,8 @@ def test_run_params_keep_the_sections_of_the_stack_only(overrides, sections):
 
 
 def test_run_params_keep_every_key_of_the_base_and_wrapper_sections():
-    container = to_container(tiny_cfg("algorithm=fedbug", "algorithm.name=fedprox", "algorithm.wrappers=[fedbug,topk]"))
+    container = to_container(tiny_cfg("algorithm=fedbug", "algorithm.name=fedprox", "algorithm.wrappers=[fedbug]",
+                                   "algorithm.transforms=[topk]"))
     params = run_params(container)
     for section in ("fedbug", "fedprox", "compression"):
         sub = flatten(container["algorithm"][section], f"algorithm.{section}")

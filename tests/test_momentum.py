@@ -119,8 +119,8 @@ def _alternating(num_tensors: int, k: int):
 class _Alternating(FedAvg):
     """FedAvg with the mask :func:`_alternating`."""
 
-    def update_mask(self, ctx, k):
-        return _alternating(len(ctx.round.spec.names), k)
+    def client_begin(self, ctx, probe):
+        ctx.step_mask = lambda k: _alternating(len(ctx.round.spec.names), k)
 
 
 def _torch_reference(model, data, rctx, cid, *, batch_size, epochs, seed, momentum, weight_decay, mask=None):

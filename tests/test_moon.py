@@ -52,10 +52,10 @@ def test_moon_loss_weighs_out_padding_samples():
     ctx = ClientContext(round=rctx, client_id=0, num_samples=3, num_steps=1,
                         sample_weight=torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64),
                         reference_outputs={"global": (None, zg), "state:prev": (None, zp)})
-    got = algo.local_loss(ctx, {}, None, z, None)
+    got = algo.local_objective(ctx, {}, None, z, None).extra
     want = 2.0 * contrastive_loss(z[:3], zg[:3], zp[:3], 0.5).mean()
     assert float(got) == pytest.approx(float(want), rel=1e-12)
-    assert Moon(mu=0.0).local_loss(ctx, {}, None, z, None) is None
+    assert Moon(mu=0.0).local_objective(ctx, {}, None, z, None).extra is None
 
 
 def test_moon_rejects_bad_arguments():

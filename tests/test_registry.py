@@ -66,7 +66,7 @@ def test_help_lists_every_rule_and_every_parameter():
 def test_docs_rule_table_is_the_registry():
     """docs/algorithms.md's rule table lists exactly the registered rules with their kind, label and section."""
     text = (ROOT / "docs" / "algorithms.md").read_text()
-    rows = re.findall(r"^\| `([a-z_]+)` \| (base|server|wrapper) \| ([^|]+?) \| ([^|]*?) \|", text, re.M)
+    rows = re.findall(r"^\| `([a-z_]+)` \| (base|server|wrapper|transform) \| ([^|]+?) \| ([^|]*?) \|", text, re.M)
     want = [(r.name, r.kind, r.label, f"`algorithm.{r.config_section}`" if r.config_section else "")
             for r in registry.rules()]
     assert [(n, k, lab.strip(), sec.strip()) for n, k, lab, sec in rows] == want

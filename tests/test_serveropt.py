@@ -31,8 +31,9 @@ def _rounds(algo, x0, deltas_per_round):
     norms = []
     for r, ups in enumerate(deltas_per_round, 1):
         rctx = _rctx(x, r)
-        x, state = algo.aggregate(rctx, state, [_update(i, n, d) for i, (n, d) in enumerate(ups)])
-        norms.append(algo.round_metrics(rctx, state, [])["server_update_norm"])
+        step = algo.aggregate(rctx, state, [_update(i, n, d) for i, (n, d) in enumerate(ups)])
+        x, state = step.model, step.state
+        norms.append(step.metrics["server_update_norm"])
     return x, state, norms
 
 

@@ -41,8 +41,8 @@ from fl_core.config import ConfigError, compose, inactive_keys, schema_fields, t
      "algorithm.fedexp.eps has no effect with algorithm.fedexp.variant=fedbug_code: it is used only with "
      "algorithm.fedexp.variant=official; remove it"),
     (["algorithm=qsgd", "algorithm.compression.topk_ratio=0.5"],
-     "algorithm.compression.topk_ratio has no effect with algorithm.wrappers=[qsgd]: it is used only with "
-     "algorithm.wrappers containing topk; remove it"),
+     "algorithm.compression.topk_ratio has no effect with algorithm.transforms=[qsgd]: it is used only with "
+     "algorithm.transforms containing topk; remove it"),
     (["partition.alpha=0.5"],
      "partition.alpha has no effect with partition.name=shards: it is used only with partition.name=dirichlet; "
      "remove it"),

@@ -1,40 +1,73 @@
-"""The algorithm interface: a rule is a small object of hooks the engine calls, grouped in five parts.
+"""The algorithm interface: a rule is a small object of nine hooks the engine calls, and two declarations.
 
-The engine never branches on rule names. The parts and their hooks (docs/architecture.md, "The parts of a rule"):
+The engine never branches on rule names. The hooks (:data:`HOOKS`; docs/architecture.md, "The parts of a rule"),
+with the shapes they see (d: model size, B: batch, C: classes, P: parameter tensors, |S|: the round's clients):
 
-- client objective: ``train_logits`` (the logits the cross-entropy sees) and ``local_loss`` (extra loss terms);
-- local update: ``transform_grads`` (gradient transforms), ``update_mask`` (which tensors move),
-  ``ctx.lr_scale`` (per-element step sizes, set in ``client_begin``);
-- message: ``finish_client`` (what the client uploads, ``ClientUpdate.sent`` counts it; client state);
-- aggregator: ``pseudo_gradient`` (the server's direction D from the messages) or a whole ``aggregate``;
-- server optimiser: ``algorithm.server_opt`` (:mod:`.serveropt`), composed over any rule that has a
-  pseudo-gradient; the plain step is ``theta <- theta + eta_g D``.
+=====================  ===============================================================================================
+state                  ``init_server_state(global [d]) -> {name: tensor}``; ``init_client_state(global [d]) ->
+                       {name: tensor} | None`` (a client's state before its first participation, store-backed)
+client init            ``broadcast(server_state) -> {name: tensor}`` (``RoundContext.extra``, sent with the model);
+                       ``client_begin(ctx, probe)``: once per client before its first step; sets the client's
+                       local-step plan on ``ctx`` (``ctx.lr_scale``: per-element step sizes, ``ctx.step_mask``:
+                       which of the P tensors move at step k)
+client objective       ``local_objective(ctx, params, logits [B, C], features [B, f], y [B]) -> Objective`` (the
+                       logits the cross-entropy sees, the rule's extra loss terms: a scalar or None)
+client step            ``local_step(ctx, k, params, grads)``: edits the gradients in place before clipping and the
+                       SGD step (vectorised: a leading client dim [C, ...])
+client final           ``finish_client(ctx, update) -> ClientUpdate``: the message (``update.sent`` counts it) and
+                       the client's new state (``ctx.state``, in place)
+server                 ``aggregate(rctx, server_state, updates) -> ServerStep`` (the new model [d], the new state,
+                       the pseudo-gradient D [d] a server optimiser takes, the round's metrics, the model to evaluate)
+after training         ``post_training(post) -> [d] | None``
+=====================  ===============================================================================================
 
-One local step of client i at step k (1-indexed, counted across epochs; docs/algorithms.md, One local step)::
+One local step of client i at step k (1-indexed, counted across epochs; docs/algorithms.md, One local step), the
+same in both executors (:func:`fl_core.engine.executors.step_loss` composes the loss once)::
 
-    loss  = CE(algo.train_logits(ctx, model(x)), y) + algo.local_loss(ctx, params, logits, features, y)
-    grads = algo.transform_grads(ctx, k, params, grads)
-    mask  = algo.update_mask(ctx, k)        # which parameter tensors may move (None: all)
+    logits_ce, extra = algo.local_objective(ctx, params, logits, features, y)      # model(x) = (logits, features)
+    loss  = CE(logits_ce, y) + extra + model.penalty(params)
+    algo.local_step(ctx, k, params, grads)
+    mask  = ctx.step_mask(k) if ctx.step_mask else None   # which parameter tensors may move (None: all)
     clip over trainable params (if configured); SGD step (times ctx.lr_scale) with weight decay on trainable params
 
-Executor services a rule asks for by declaring them (both executors provide each): ``needs_full_gradient``
-(full-batch gradient at the received model), ``needs_anchor_gradient`` (the step's batch gradient at the
-received model), ``forward_of`` (a forward pass of another parameter vector on the step's batch), the
-``probe`` of ``client_begin`` (activation statistics) and ``post_training`` (a step after the last round).
+Declarations (not hooks): :attr:`Algorithm.needs` (a frozen :class:`Needs`: the executor services the rule asks for;
+wrappers combine theirs with the base's automatically), :attr:`Algorithm.compressed_extras` (message parts a
+transform treats like the model update), :meth:`Algorithm.comm_floats` (the closed form of what is sent, for tests and
+docs; the engine counts what is sent) and :meth:`Algorithm.describe` (a :class:`Description`). FedBug also offers
+``schedule_rows`` (a table of its unfreezing schedule, a description the pipeline prints, no engine hook).
 
-Wrappers (FedBug, ...) hold a base algorithm and override only the hooks they change, so FedBug(FedProx)
-composes without either knowing the other.
+Executor services and the general question each answers (docs/architecture.md, Executor services):
+
+- ``Needs.full_gradient``: "what is the gradient of the client's whole local objective at the received model?"
+  (``ctx.full_grad``; FedBCGD+'s SVRG control variate today; any variance-reduced local step).
+- ``Needs.anchor_gradient``: "what is this step's batch gradient at the received model?" (``ctx.anchor_grads``).
+- ``Needs.forward_of``: "what does another parameter vector (the received model, a vector of the client's state)
+  output on this step's batch?" (``ctx.reference_outputs``; MOON's contrastive terms; any distillation to a model).
+- the ``probe`` of ``client_begin``: "how active is each neuron of the received model on this client's data?"
+  (FedNLR's step sizes; any data-dependent client plan).
+- ``post_training``: "is there a better model to keep after the last round?" (CCVR's recalibrated classifier).
+
+Message transforms (:mod:`.transforms`: Top-k, QSGD, ...) act on what a client uploads, after the rule's
+``finish_client``; they are no rule and have no hooks here.
+
+Wrappers (FedBug, ...) hold a base algorithm and override only the hooks they change; every hook of :data:`HOOKS`
+forwards to the base by construction (:class:`Wrapper`), so FedBug(FedProx) composes without either knowing the other
+and a new hook needs no edit in :class:`Wrapper`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..lazy import lazy_import
 from ..params import ParamSpec
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
+
+#: The engine's hooks, in the order a round calls them. :class:`Wrapper` forwards each of them to its base.
+HOOKS: Tuple[str, ...] = ("init_server_state", "init_client_state", "broadcast", "client_begin", "local_objective",
+                          "local_step", "finish_client", "aggregate", "post_training")
 
 
 class InfeasibleSetting(ValueError):
@@ -68,7 +101,7 @@ class RoundContext:
 class ClientContext:
     """One client's view of the round.
 
-    In the vectorised executor the hooks that run under ``vmap`` (``local_loss``) see the per-client
+    In the vectorised executor the hook that runs under ``vmap`` (``local_objective``) see the per-client
     values ``num_samples``, ``num_steps``, ``label_counts`` and ``state`` as tensors of that client
     (0-d for the counts) and ``client_id = -1``; ``sample_weight`` [B] then marks padding samples
     with 0. Write hooks with arithmetic that works for both ints and tensors.
@@ -82,10 +115,13 @@ class ClientContext:
     state: Optional[Dict[str, torch.Tensor]] = None  # persistent client state (store-backed)
     sample_weight: Optional[torch.Tensor] = None  # [B] 1 for real samples, 0 for padding (vectorised only)
     lr_scale: Optional[Dict[str, torch.Tensor]] = None  # per-parameter lr multipliers (FedNLR), set in client_begin
-    # set by the executor when the algorithm asks for them (FedBCGD+, docs/algorithms.md, FedBCGD+):
+    # which parameter tensors (ParamSpec order) may move at local step k: step_mask(k) -> [P] bools or None (all);
+    # set in client_begin (FedBug's unfreezing, FedBCGD's block), None: all move at every step
+    step_mask: Optional[Callable[[int], Optional[Sequence[bool]]]] = None
+    # set by the executor when the algorithm asks for them (Needs; FedBCGD+, docs/algorithms.md, FedBCGD+):
     full_grad: Optional[torch.Tensor] = None  # [d] (vectorised: [C, d]) full-batch gradient at the received model
     anchor_grads: Optional[Dict[str, torch.Tensor]] = None  # this step's batch gradient at the received model
-    # set by the executor before every local_loss when the rule names vectors in ``forward_of``:
+    # set by the executor before every local_objective when the rule names vectors in ``forward_of``:
     # name -> (logits [B, C], features [B, f]) of that parameter vector on this step's batch (no gradient)
     reference_outputs: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = None
 
@@ -116,116 +152,198 @@ class ClientUpdate:
         return float(sum(self.sent.values()))
 
 
-class Algorithm:
-    """Base class: FedAvg-compatible defaults for every hook (no extra loss, all params train).
+@dataclass(frozen=True)
+class Needs:
+    """The executor services a rule asks for (module docstring: the general question each answers). A wrapper's
+    needs are its own combined with its base's (:meth:`combine`), so a stack asks for what any of its rules asks for.
 
-    ``vectorizable``: the client-side hooks also run in the vectorised executor, i.e.
-    ``local_loss`` and ``transform_grads`` work under ``torch.func.vmap`` (per-client values come
-    from ``ctx.label_counts`` / ``ctx.state`` tensors, never from Python ints of the context) and
-    ``update_mask`` is a plain function of (ctx, k).
+    Attributes:
+        full_gradient: set ``ctx.full_grad`` [d] (vectorised [C, d]) before the first step: the gradient of the
+            client's mean local objective over ALL its samples at the received model (train mode, no augmentation).
+        anchor_gradient: set ``ctx.anchor_grads`` (name -> tensor) before every ``local_step``: the same step's
+            mini-batch gradient (same augmentation) at the received model.
+        forward_of: vectors whose forward pass the objective uses: ``global`` (the received model) or
+            ``state:<key>`` (``ctx.state[<key>]`` [d]); before every ``local_objective`` the executor sets
+            ``ctx.reference_outputs[entry] = (logits [B, C], features [B, f])`` (same batch and augmentation, eval
+            mode, no gradient).
+        vectorizable: the client-side hooks also run in the vectorised executor: ``local_objective`` and
+            ``local_step`` work under ``torch.func.vmap`` (per-client values from ``ctx.label_counts`` /
+            ``ctx.state`` tensors, never from Python ints of the context) and ``ctx.step_mask`` is a plain function
+            of k.
     """
 
-    name = "base"
-    vectorizable = True
-    # executor services (FedBCGD+'s SVRG client, docs/algorithms.md, FedBCGD+): ``needs_full_gradient`` makes the
-    # executor set ``ctx.full_grad`` (mean training loss over ALL the client's samples, at the received model, train
-    # mode, no augmentation) before the first step; ``needs_anchor_gradient`` makes it set ``ctx.anchor_grads`` (the
-    # same step's mini-batch, same augmentation, at the received model) before every ``transform_grads``.
-    needs_full_gradient = False
-    needs_anchor_gradient = False
-    # executor service "forward pass of another parameter vector": each entry names a vector, ``global`` (the
-    # received model) or ``state:<key>`` (the vector ``ctx.state[<key>]`` [d] of the client's state); before every
-    # ``local_loss`` the executor sets ``ctx.reference_outputs[entry] = (logits, features)`` of that vector on the
-    # step's batch (same augmentation, eval mode, no gradient; MOON's global and previous local model)
+    full_gradient: bool = False
+    anchor_gradient: bool = False
     forward_of: Tuple[str, ...] = ()
-    # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that
-    # an uplink quantiser (QSGD) compresses too (FedBCGD+'s Delta c)
+    vectorizable: bool = True
+
+    def combine(self, other: "Needs") -> "Needs":
+        """What a stack of two rules needs: either's services, both vectorizable."""
+        return Needs(self.full_gradient or other.full_gradient, self.anchor_gradient or other.anchor_gradient,
+                     tuple(dict.fromkeys(self.forward_of + other.forward_of)),
+                     self.vectorizable and other.vectorizable)
+
+
+class Objective(NamedTuple):
+    """What :meth:`Algorithm.local_objective` returns: the logits [B, C] the cross-entropy is computed on (FedRS,
+    FedLC change them; training only) and the rule's extra loss terms (a scalar, or None)."""
+
+    logits: Any
+    extra: Any = None
+
+
+@dataclass
+class ServerStep:
+    """What :meth:`Algorithm.aggregate` returns.
+
+    Attributes:
+        model: [d] the new global model.
+        state: the rule's new server state.
+        direction: [d] the pseudo-gradient D when the server step is a step along one direction (FedAvg: the
+            weighted mean of the Delta_i), which a server optimiser (:mod:`.serveropt`) takes; None for rules
+            whose step is not (FedDyn, FedExP, FedDC, FedBCGD), which then refuse ``algorithm.server_opt``.
+        metrics: extra per-round metrics (logged with step = round; FedExP's eta_g).
+        evaluate: [d] the model to evaluate after the round (None: ``model``; FedDyn's ``sel``).
+    """
+
+    model: Any
+    state: Dict[str, Any]
+    direction: Any = None
+    metrics: Dict[str, float] = field(default_factory=dict)
+    evaluate: Any = None
+
+    def eval_model(self):
+        return self.model if self.evaluate is None else self.evaluate
+
+    def __iter__(self):
+        """A ServerStep unpacks as ``(model, state)`` (``new, state = algo.aggregate(...)``)."""
+        return iter((self.model, self.state))
+
+    def __getitem__(self, i):
+        return (self.model, self.state)[i]
+
+
+def plain_step(rctx: RoundContext, direction, state: Dict[str, Any], eta_g: float = 1.0,
+               metrics: Optional[Dict[str, float]] = None) -> ServerStep:
+    """The plain server step ``theta <- theta + eta_g D`` on the pseudo-gradient D [d]."""
+    return ServerStep(rctx.global_flat + eta_g * direction, state, direction, dict(metrics or {}))
+
+
+class Description(str):
+    """What :meth:`Algorithm.describe` returns: the text a run shows (``fedbug[P=0.2](fedavg)``) and its structure.
+
+    It is a ``str`` (the text, so metrics files, tags and titles keep it as before) with three read-only
+    attributes: ``name`` (the rule's registry name, or a preset's: ``fedavgm``), ``shown`` (ordered (key, value
+    text) pairs; key "" for a bare item such as ``ef``) and ``inner`` (the wrapped rule's Description, or None).
+    The text is ``name[k1=v1,v2,...](inner)``, the brackets only when something is shown.
+    """
+
+    __slots__ = ("name", "shown", "inner")
+
+    def __new__(cls, name: str, shown: Sequence[Tuple[str, Any]] = (), inner: Optional["Description"] = None):
+        shown = tuple((str(k), str(v)) for k, v in shown)
+        own = str(name) + ("[" + ",".join(f"{k}={v}" if k else v for k, v in shown) + "]" if shown else "")
+        self = super().__new__(cls, own if inner is None else f"{own}({inner})")
+        object.__setattr__(self, "name", str(name))
+        object.__setattr__(self, "shown", shown)
+        object.__setattr__(self, "inner", inner)
+        return self
+
+    def __setattr__(self, key, value):
+        raise AttributeError("Description is read-only")
+
+    def __reduce__(self):
+        return (Description, (self.name, self.shown, self.inner))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """{"name", "shown": [[key, value], ...], "inner": the inner's dict or None} (JSON-ready)."""
+        return {"name": self.name, "shown": [list(kv) for kv in self.shown],
+                "inner": None if self.inner is None else self.inner.to_dict()}
+
+
+class Algorithm:
+    """Base class: FedAvg-compatible defaults for every hook (no extra loss, all params train); ``aggregate`` has
+    none (FedAvg's is the weighted mean and the plain step)."""
+
+    name = "base"
+    needs: Needs = Needs()
+    # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that a message
+    # transform (QSGD) compresses too (FedBCGD+'s Delta c): a declaration of the message, no hook
     compressed_extras: Tuple[str, ...] = ()
+
+    @property
+    def vectorizable(self) -> bool:
+        """``needs.vectorizable`` (kept as an attribute: the executor factory reads it)."""
+        return self.needs.vectorizable
 
     # ------------------------------------------------------------------ state
     def init_server_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The server state before round 1 from the initial model [d] (SCAFFOLD's c [d])."""
         return {}
 
     def init_client_state(self, global_flat: torch.Tensor) -> Optional[Dict[str, torch.Tensor]]:
+        """A client's state before its first participation (tensors, each [d] or smaller), or None: no state."""
         return None
 
     # ------------------------------------------------------------------ client side
     def broadcast(self, server_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Extra tensors the server sends with the model (``RoundContext.extra``; SCAFFOLD's c)."""
+        """Extra tensors the server sends with the model (``RoundContext.extra``; SCAFFOLD's c [d])."""
         return {}
 
     def client_begin(self, ctx: ClientContext, probe) -> None:
-        """Called once per client before its first local step. ``probe()`` returns the received global
-        model's mean activation per neuron over the client's whole local data (list over
-        ``model.neuron_layers()``, tensors [M_l]); FedNLR sets ``ctx.lr_scale`` from it."""
+        """Client init: called once per client before its first local step; sets the client's step plan on ``ctx``:
+        ``ctx.lr_scale`` (name -> per-element step multipliers, broadcast to the tensor's shape) and
+        ``ctx.step_mask`` (k -> [P] bools, None: all tensors move). ``probe()`` returns the received model's mean
+        activation per neuron over the client's whole local data (list over ``model.neuron_layers()``, tensors
+        [M_l]); FedNLR sets ``ctx.lr_scale`` from it. A wrapper that sets a plan combines it with its base's."""
 
-    def train_logits(self, ctx: ClientContext, logits: torch.Tensor) -> torch.Tensor:
-        """Logits [B, C] the local cross-entropy is computed on (FedRS, FedLC); training only."""
-        return logits
+    def local_objective(self, ctx: ClientContext, params: Dict[str, torch.Tensor], logits: torch.Tensor,
+                        features: torch.Tensor, y: torch.Tensor) -> Objective:
+        """The rule's part of the local loss on one batch: params name -> tensor (the client's current ones, with
+        gradient), logits [B, C], features [B, f], labels y [B]. Returns the logits the cross-entropy sees and the
+        extra terms added to it (scalar or None). Runs under ``vmap`` in the vectorised executor."""
+        return Objective(logits, None)
 
-    def local_loss(self, ctx: ClientContext, params: Dict[str, torch.Tensor], logits: torch.Tensor,
-                   features: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-        """Extra loss terms added to the mean cross-entropy (scalar), or None."""
-        return None
-
-    def transform_grads(self, ctx: ClientContext, k: int, params: Dict[str, torch.Tensor],
-                        grads: Dict[str, torch.Tensor]) -> None:
-        """Modify gradients IN PLACE before masking, clipping and the SGD step (SCAFFOLD's correction).
-        In the vectorised executor ``grads`` and ``ctx.state`` carry a leading client dim [C, ...]."""
-
-    def update_mask(self, ctx: ClientContext, k: int) -> Optional[Sequence[bool]]:
-        """Per parameter tensor (ParamSpec order): may it move at local step k? None = all may."""
-        return None
+    def local_step(self, ctx: ClientContext, k: int, params: Dict[str, torch.Tensor],
+                   grads: Dict[str, torch.Tensor]) -> None:
+        """Modify the gradients (name -> tensor) of local step k (1-indexed) IN PLACE before masking, clipping and the
+        SGD step (SCAFFOLD's correction). In the vectorised executor ``params``, ``grads`` and ``ctx.state`` carry a
+        leading client dim [C, ...] and ``ctx`` is the chunk's (``client_id`` -1)."""
 
     def finish_client(self, ctx: ClientContext, update: ClientUpdate) -> ClientUpdate:
-        """Turn the raw local result into the message (and update ``ctx.state`` in place)."""
+        """Client final: turn the raw local result (``update.delta`` [d]) into the message (parts in
+        ``update.extra``, counted in ``update.sent``) and update ``ctx.state`` in place."""
         return update
 
     # ------------------------------------------------------------------ server side
-    def aggregation_weights(self, updates: List[ClientUpdate]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def pseudo_gradient(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
-                        updates: List[ClientUpdate]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """The aggregator: the server's update direction D [d] from the round's messages (FedAvg: the weighted
-        mean of the Delta_i) and the rule's new server state (SCAFFOLD's c). A server optimiser
-        (:mod:`.serveropt`, ``algorithm.server_opt``) turns D into the new model; the plain server step is
-        ``theta <- theta + eta_g D`` (:meth:`aggregate`). Rules whose server step is not a step along one
-        direction (FedDyn, FedExP, FedDC, FedBCGD) override :meth:`aggregate` instead and have none."""
-        raise NotImplementedError(f"{self.describe()} has no pseudo-gradient (it does not take algorithm.server_opt)")
-
     def aggregate(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
-                  updates: List[ClientUpdate]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """Return the new global model [d] and the new server state: by default the plain server step
-        ``theta <- theta + eta_g D`` on :meth:`pseudo_gradient` (``self.eta_g``, 1 if the rule has none)."""
-        direction, state = self.pseudo_gradient(rctx, server_state, updates)
-        return rctx.global_flat + getattr(self, "eta_g", 1.0) * direction, state
+                  updates: List[ClientUpdate]) -> ServerStep:
+        """The server's round from the |S| messages: the new model [d] and state, the pseudo-gradient D [d] (None
+        when the step is not along one direction), the round's metrics and the model to evaluate (:class:`ServerStep`;
+        :func:`plain_step` makes ``theta + eta_g D``)."""
+        raise NotImplementedError(f"{self.describe()} has no aggregate")
 
+    def post_training(self, post: "PostTraining") -> Optional[torch.Tensor]:
+        """After the last round: an improved model [d] to evaluate and keep (CCVR), or None."""
+        return None
+
+    # ------------------------------------------------------------------ declarations (no engine hooks)
     def comm_floats(self, d: int) -> Tuple[float, float]:
         """The closed form of the floats sent (up, down) per participating client per round (docs/algorithms.md,
         Communication accounting); the engine counts what is actually sent (``ClientUpdate.sent`` and the
         broadcast), tests compare the two where the closed form is exact."""
         return float(d), float(d)
 
-    def eval_flat(self, server_state: Dict[str, torch.Tensor], global_flat: torch.Tensor) -> torch.Tensor:
-        """The model [d] to evaluate after a round (default: the broadcast global model)."""
-        return global_flat
-
-    def round_metrics(self, rctx: RoundContext, server_state: Dict[str, torch.Tensor],
-                      updates: List[ClientUpdate]) -> Dict[str, float]:
-        """Extra per-round metrics logged with step = round (e.g. FedExP's eta_g)."""
-        return {}
-
-    def post_training(self, post: "PostTraining") -> Optional[torch.Tensor]:
-        """After the last round: an improved model [d] to evaluate and keep (CCVR), or None."""
-        return None
-
     def schedule_rows(self, num_steps: Sequence[int]) -> Optional[List[Dict[str, float]]]:
-        """A table describing what the algorithm does over local steps (FedBug: units per step), or None."""
+        """A table describing what the rule does over local steps (FedBug: units per step), or None."""
         return None
 
-    def describe(self) -> str:
-        return self.name
+    def shown(self) -> Tuple[Tuple[str, Any], ...]:
+        """The (key, value text) pairs :meth:`describe` shows after the name (key "" for a bare item)."""
+        return ()
+
+    def describe(self) -> Description:
+        return Description(self.name, self.shown())
 
 
 @dataclass
@@ -240,84 +358,110 @@ class PostTraining:
     num_classes: int
 
 
+#: What a :class:`Wrapper` forwards to its base: the hooks and the declarations that are methods.
+FORWARDED: Tuple[str, ...] = HOOKS + ("comm_floats", "schedule_rows")
+
+
+def _forward(hook: str) -> Callable:
+    def forward(self, *args, **kwargs):
+        return getattr(self.base, hook)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = hook
+    forward.__doc__ = f"The base's :meth:`Algorithm.{hook}` (forwarded by :class:`Wrapper`)."
+    return forward
+
+
 class Wrapper(Algorithm):
-    """An algorithm that wraps a base algorithm; every hook defaults to the base's."""
+    """An algorithm that wraps a base algorithm: every hook of :data:`HOOKS` (and ``comm_floats``,
+    ``schedule_rows``) is the base's unless the wrapper's class defines it, by construction (the forwarding methods
+    are generated from :data:`FORWARDED`). ``own_needs``: the services the wrapper itself asks for, combined with the
+    base's; ``describe`` shows the wrapper around its base's description."""
+
+    own_needs: Needs = Needs()
 
     def __init__(self, base: Algorithm):
         self.base = base
 
     @property
-    def vectorizable(self) -> bool:  # type: ignore[override]
-        return type(self).wrapper_vectorizable and self.base.vectorizable
-
-    wrapper_vectorizable = True
-
-    @property
-    def needs_full_gradient(self) -> bool:  # type: ignore[override]
-        return self.base.needs_full_gradient
-
-    @property
-    def needs_anchor_gradient(self) -> bool:  # type: ignore[override]
-        return self.base.needs_anchor_gradient
+    def needs(self) -> Needs:  # type: ignore[override]
+        return self.base.needs.combine(type(self).own_needs)
 
     @property
     def compressed_extras(self) -> Tuple[str, ...]:  # type: ignore[override]
         return self.base.compressed_extras
 
-    @property
-    def forward_of(self) -> Tuple[str, ...]:  # type: ignore[override]
-        return self.base.forward_of
+    def describe(self) -> Description:
+        return Description(self.name, self.shown(), self.base.describe())
 
-    def describe(self) -> str:
-        return f"{self.name}({self.base.describe()})"
 
-    def init_server_state(self, global_flat):
-        return self.base.init_server_state(global_flat)
+for _hook in FORWARDED:
+    setattr(Wrapper, _hook, _forward(_hook))
+del _hook
+
+
+class Transform:
+    """A message transform: what a client uploads passes through an ordered list of them after the rule's
+    ``finish_client`` (``algorithm.transforms``, first to last; Top-k, QSGD, ...). Each has its own parameters, may
+    keep its own client state (keys it adds to the client's state, e.g. Top-k's error-feedback residual [d]),
+    rewrites the message's count (``update.sent``: communication stays measured from what is sent) and may report
+    round metrics. It is no rule and has no engine hook: :class:`Transformed` applies it inside the stack.
+    """
+
+    name = "transform"
+
+    def init_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The transform's part of a client's initial state (keys of its own), {} for none."""
+        return {}
+
+    def apply(self, ctx: ClientContext, update: ClientUpdate, inner: Algorithm) -> ClientUpdate:
+        """The message after the transform: ``update`` is what ``inner`` (the rule and the earlier transforms)
+        uploads; ``ctx.state`` holds the transform's state. Rewrite ``update.sent`` for what it changes."""
+        return update
+
+    def round_metrics(self, rnd: int) -> Dict[str, float]:
+        """Metrics of round ``rnd`` over the clients it transformed (e.g. the mean residual norm)."""
+        return {}
+
+    def comm_floats(self, inner: Algorithm, d: int) -> Tuple[float, float]:
+        """The closed form of (up, down) floats per client and round once the transform acts on ``inner``'s."""
+        return inner.comm_floats(d)
+
+    def shown(self) -> Tuple[Tuple[str, Any], ...]:
+        return ()
+
+
+class Transformed(Wrapper):
+    """A rule (or an already transformed one) whose message passes through ``transform``: the composition that puts
+    a :class:`Transform` into the stack, so the engine applies transforms through the ordinary hooks and knows no
+    transform. ``Transformed(Transformed(rule, topk), qsgd)`` is ``algorithm.transforms=[topk,qsgd]``."""
+
+    def __init__(self, base: Algorithm, transform: Transform):
+        super().__init__(base)
+        self.transform = transform
+        self.name = transform.name
+
+    def shown(self):
+        return self.transform.shown()
 
     def init_client_state(self, global_flat):
-        return self.base.init_client_state(global_flat)
-
-    def local_loss(self, ctx, params, logits, features, y):
-        return self.base.local_loss(ctx, params, logits, features, y)
-
-    def transform_grads(self, ctx, k, params, grads):
-        self.base.transform_grads(ctx, k, params, grads)
-
-    def broadcast(self, server_state):
-        return self.base.broadcast(server_state)
-
-    def client_begin(self, ctx, probe):
-        self.base.client_begin(ctx, probe)
-
-    def train_logits(self, ctx, logits):
-        return self.base.train_logits(ctx, logits)
-
-    def post_training(self, post):
-        return self.base.post_training(post)
-
-    def update_mask(self, ctx, k):
-        return self.base.update_mask(ctx, k)
+        state = self.base.init_client_state(global_flat)
+        own = self.transform.init_state(global_flat)
+        if not own:
+            return state
+        clash = set(own) & set(state or {})
+        if clash:
+            raise ValueError(f"{self.name}: the rule already keeps a client state {sorted(clash)[0]!r}")
+        return {**(state or {}), **own}
 
     def finish_client(self, ctx, update):
-        return self.base.finish_client(ctx, update)
-
-    def aggregation_weights(self, updates):
-        return self.base.aggregation_weights(updates)
-
-    def pseudo_gradient(self, rctx, server_state, updates):
-        return self.base.pseudo_gradient(rctx, server_state, updates)
+        return self.transform.apply(ctx, self.base.finish_client(ctx, update), self.base)
 
     def aggregate(self, rctx, server_state, updates):
-        return self.base.aggregate(rctx, server_state, updates)
+        step = self.base.aggregate(rctx, server_state, updates)
+        own = self.transform.round_metrics(rctx.round)
+        if own:
+            step.metrics = {**step.metrics, **own}
+        return step
 
     def comm_floats(self, d):
-        return self.base.comm_floats(d)
-
-    def eval_flat(self, server_state, global_flat):
-        return self.base.eval_flat(server_state, global_flat)
-
-    def round_metrics(self, rctx, server_state, updates):
-        return self.base.round_metrics(rctx, server_state, updates)
-
-    def schedule_rows(self, num_steps):
-        return self.base.schedule_rows(num_steps)
+        return self.transform.comm_floats(self.base, d)

@@ -79,9 +79,6 @@ class CCVR(Wrapper):
         self.virtual_per_class = int(virtual_per_class)
         self.epochs, self.lr, self.batch_size = int(epochs), float(lr), int(batch_size)
 
-    def describe(self) -> str:
-        return f"ccvr({self.base.describe()})"
-
     def post_training(self, post):
         inner = self.base.post_training(post)
         flat = inner if inner is not None else post.global_flat

@@ -1,9 +1,10 @@
 """Uplink compression baselines: Top-k with error feedback, QSGD and FedPAQ (docs/algorithms.md,
 Top-k, QSGD, FedPAQ).
 
-Both compressors are wrappers that act only in ``finish_client``: the base algorithm trains and
-finishes the client as usual (its ``finish_client`` runs FIRST, on the raw update), then the
-model update Delta_i it returns is replaced by its compressed version before it is "sent". The
+Both compressors are message transforms (:class:`~fl_core.algorithms.base.Transform`, ``algorithm.transforms``, applied
+first to last; ``[topk, qsgd]`` quantises the sparsified update): the rule trains and finishes the client as usual
+(its ``finish_client`` runs FIRST, on the raw update), then the model update Delta_i it returns is replaced by its
+compressed version before it is "sent". The
 server rule is the base's, applied to the compressed deltas. Everything else the base uploads
 (``update.extra``: SCAFFOLD's Delta c, FedNova's a_i, ...) is sent uncompressed and counted as such,
 except what the base lists in ``compressed_extras`` (FedBCGD+'s block of Delta c), which QSGD
@@ -47,9 +48,9 @@ that uploads more than d sends the extra floats (SCAFFOLD's Delta c) uncompresse
 FedPAQ (Reisizadeh et al. 2020, "FedPAQ: A Communication-Efficient Federated Learning Method with
 Periodic Averaging and Quantization") = local SGD with partial participation + Q_s on the model
 update + uniform averaging, theta <- theta + (1/|S|) sum_i Q_s(Delta_i): FedAvg(uniform) wrapped in
-QSGD (conf/algorithm/fedpaq.yaml), not a class of its own.
+QSGD (conf/algorithm/fedpaq.yaml: ``transforms: [qsgd]``), not a class of its own.
 
-Per round the wrappers log ``topk_residual_norm`` (mean ||e_i|| after the round over its clients;
+Per round the transforms log ``topk_residual_norm`` (mean ||e_i|| after the round over its clients;
 with error feedback) and ``qsgd_rel_error`` (mean ||Q(Delta_i) - Delta_i|| / ||Delta_i||).
 """
 
@@ -62,7 +63,7 @@ from typing import Dict, List, Optional, Tuple
 from ..lazy import lazy_import
 from ..schema import checked, param, when
 from ..seeding import torch_generator
-from .base import Algorithm, ClientContext, ClientUpdate, Wrapper
+from .base import Algorithm, ClientContext, ClientUpdate, Transform
 from .registry import Rule, register
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -73,10 +74,10 @@ class CompressionParams:
     """``algorithm.compression``: shared by Top-k and QSGD."""
 
     topk_ratio: float = param(0.1, "Top-k: share of the entries sent (values + indices)", gt=0, le=1,
-                              when=when("algorithm.wrappers", "topk"))
+                              when=when("algorithm.transforms", "topk"))
     qsgd_levels: int = param(16, "QSGD / FedPAQ: s quantisation levels", ge=1, integer=True,
-                             when=when("algorithm.wrappers", "qsgd"))
-    error_feedback: bool = param(True, "Top-k: keep the residual on the client", when=when("algorithm.wrappers", "topk"))
+                             when=when("algorithm.transforms", "qsgd"))
+    error_feedback: bool = param(True, "Top-k: keep the residual on the client", when=when("algorithm.transforms", "topk"))
 
 
 # ----------------------------------------------------------------------------- QSGD
@@ -184,44 +185,34 @@ def _payload(base: Algorithm, d: int) -> Tuple[float, float]:
     return base_up, 0.0
 
 
-class TopK(Wrapper):
+class TopK(Transform):
     """Top-k sparsification of the uploaded delta, with client-side error feedback (module docstring)."""
 
     name = "topk"
-    wrapper_vectorizable = True  # acts only in finish_client, outside vmap
     STATE_KEY = "residual"
 
-    def __init__(self, base: Algorithm, ratio: float, error_feedback: bool = True, seed: int = 0):
-        super().__init__(base)
+    def __init__(self, ratio: float, error_feedback: bool = True, seed: int = 0):
         self.ratio = float(checked(CompressionParams, "algorithm.compression", topk_ratio=float(ratio)).topk_ratio)
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)  # unused (Top-k is deterministic); kept for a uniform signature
         self._stats = _RoundStats()
 
-    def describe(self) -> str:
-        return f"topk[{self.ratio:g},{'ef' if self.error_feedback else 'no_ef'}]({self.base.describe()})"
+    def shown(self):
+        return (("", f"{self.ratio:g}"), ("", "ef" if self.error_feedback else "no_ef"))
 
-    def k(self, d: int) -> int:
-        """The closed form's k for a model of d entries: ratio times the base's mean delta payload (d, or the mean
-        block for FedBCGD). Each client uses ratio times its own payload (``finish_client``)."""
-        m, _ = _payload(self.base, d)
+    def k(self, inner: Algorithm, d: int) -> int:
+        """The closed form's k for a model of d entries: ratio times ``inner``'s mean delta payload (d, or the mean
+        block for FedBCGD). Each client uses ratio times its own payload (:meth:`apply`)."""
+        m, _ = _payload(inner, d)
         return topk_k(max(1, int(round(m))), self.ratio)
 
-    def init_client_state(self, global_flat):
-        """The base's state plus, with error feedback, the residual e_i = 0 [d] (no state is kept without it)."""
-        state = self.base.init_client_state(global_flat)
-        if not self.error_feedback:
-            return state
-        state = dict(state or {})
-        if self.STATE_KEY in state:
-            raise ValueError(f"topk: the base algorithm already keeps a client state {self.STATE_KEY!r}")
-        state[self.STATE_KEY] = torch.zeros_like(global_flat)
-        return state
+    def init_state(self, global_flat):
+        """With error feedback, the residual e_i = 0 [d] (no state is kept without it)."""
+        return {self.STATE_KEY: torch.zeros_like(global_flat)} if self.error_feedback else {}
 
-    def finish_client(self, ctx: ClientContext, update: ClientUpdate) -> ClientUpdate:
-        update = self.base.finish_client(ctx, update)
+    def apply(self, ctx: ClientContext, update: ClientUpdate, inner: Algorithm) -> ClientUpdate:
         delta = update.delta
-        # k = ratio x this client's model-update payload as its base sends it (d, or its block for FedBCGD)
+        # k = ratio x this client's model-update payload as its rule sends it (d, or its block for FedBCGD)
         k = topk_k(max(1, int(round(update.sent["delta"]))), self.ratio)
         if not self.error_feedback:
             return dataclasses.replace(update, delta=topk_dense(delta, k),
@@ -236,39 +227,33 @@ class TopK(Wrapper):
         self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(residual)))
         return dataclasses.replace(update, delta=sent, sent={**update.sent, "delta": topk_floats(k)})
 
-    def comm_floats(self, d: int) -> Tuple[float, float]:
-        _, extra = _payload(self.base, d)
-        return topk_floats(self.k(d)) + extra, float(self.base.comm_floats(d)[1])
+    def comm_floats(self, inner: Algorithm, d: int) -> Tuple[float, float]:
+        _, extra = _payload(inner, d)
+        return topk_floats(self.k(inner, d)) + extra, float(inner.comm_floats(d)[1])
 
-    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        out = dict(self.base.round_metrics(rctx, server_state, updates))
-        m = self._stats.mean(rctx.round)
-        if m is not None:
-            out["topk_residual_norm"] = m
-        return out
+    def round_metrics(self, rnd: int) -> Dict[str, float]:
+        m = self._stats.mean(rnd)
+        return {} if m is None else {"topk_residual_norm": m}
 
 
-class QSGD(Wrapper):
+class QSGD(Transform):
     """QSGD quantisation (s levels) of the uploaded delta; FedPAQ = FedAvg(uniform) + QSGD (module docstring)."""
 
     name = "qsgd"
-    wrapper_vectorizable = True  # acts only in finish_client, outside vmap
 
-    def __init__(self, base: Algorithm, levels: int, seed: int = 0):
-        super().__init__(base)
+    def __init__(self, levels: int, seed: int = 0):
         self.levels = int(checked(CompressionParams, "algorithm.compression", qsgd_levels=levels).qsgd_levels)
         self.seed = int(seed)
         self._stats = _RoundStats()
 
-    def describe(self) -> str:
-        return f"qsgd[s={self.levels}]({self.base.describe()})"
+    def shown(self):
+        return (("s", self.levels),)
 
     def generator(self, run_seed: int, rnd: int, client_id: int) -> torch.Generator:
         """The generator of client ``client_id``'s draws in round ``rnd`` of the run with seed ``run_seed``."""
         return torch_generator("qsgd", int(run_seed), self.seed, int(rnd), int(client_id))
 
-    def finish_client(self, ctx: ClientContext, update: ClientUpdate) -> ClientUpdate:
-        update = self.base.finish_client(ctx, update)
+    def apply(self, ctx: ClientContext, update: ClientUpdate, inner: Algorithm) -> ClientUpdate:
         delta = update.delta
         q, _ = qsgd(delta, self.levels, self.generator(getattr(ctx.round, "seed", 0), ctx.round.round,
                                                              ctx.client_id))
@@ -276,42 +261,39 @@ class QSGD(Wrapper):
         if norm > 0:
             self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(q - delta)) / norm)
         extra = dict(update.extra)
-        for key in self.base.compressed_extras:  # FedBCGD+'s Delta c: a message of its own
+        for key in inner.compressed_extras:  # FedBCGD+'s Delta c: a message of its own
             extra[key], _ = qsgd(update.extra[key], self.levels,
                                  torch_generator("qsgd", int(getattr(ctx.round, "seed", 0)), self.seed,
                                                  int(ctx.round.round), int(ctx.client_id), key))
         sent = dict(update.sent)  # each quantised message costs qsgd_floats of its payload (a block: its size)
-        for key in ("delta", *self.base.compressed_extras):
+        for key in ("delta", *inner.compressed_extras):
             sent[key] = qsgd_floats(sent.get(key, float(update.delta.numel())), self.levels)
         return dataclasses.replace(update, delta=q, extra=extra, sent=sent)
 
-    def comm_floats(self, d: int) -> Tuple[float, float]:
+    def comm_floats(self, inner: Algorithm, d: int) -> Tuple[float, float]:
         """Each quantised message (the delta and every ``compressed_extras`` vector) costs qsgd_floats(m);
-        anything else the base sends is uncompressed."""
-        m, extra = _payload(self.base, d)
-        msgs = 1 + len(self.base.compressed_extras)
-        return msgs * qsgd_floats(m, self.levels) + extra - (msgs - 1) * m, float(self.base.comm_floats(d)[1])
+        anything else ``inner`` sends is uncompressed."""
+        m, extra = _payload(inner, d)
+        msgs = 1 + len(inner.compressed_extras)
+        return msgs * qsgd_floats(m, self.levels) + extra - (msgs - 1) * m, float(inner.comm_floats(d)[1])
 
-    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        out = dict(self.base.round_metrics(rctx, server_state, updates))
-        m = self._stats.mean(rctx.round)
-        if m is not None:
-            out["qsgd_rel_error"] = m
-        return out
+    def round_metrics(self, rnd: int) -> Dict[str, float]:
+        m = self._stats.mean(rnd)
+        return {} if m is None else {"qsgd_rel_error": m}
 
 
 register(Rule(
-    name="topk", kind="wrapper", label="Top-k", citation="Aji & Heafield, EMNLP 2017; error feedback: Stich et al., "
+    name="topk", kind="transform", label="Top-k", citation="Aji & Heafield, EMNLP 2017; error feedback: Stich et al., "
                                                          "NeurIPS 2018",
     summary="upload only the k largest entries of the update (values + indices), keep the rest as a residual",
     params=CompressionParams, section="compression", neutral=("algorithm.compression.topk_ratio=1",),
-    build=lambda base, p, ctx: TopK(base, p.topk_ratio, p.error_feedback)))
+    build=lambda p, ctx: TopK(p.topk_ratio, p.error_feedback)))
 
 register(Rule(
-    name="qsgd", kind="wrapper", label="QSGD", citation="Alistarh et al., NeurIPS 2017, Sec. 3.1",
+    name="qsgd", kind="transform", label="QSGD", citation="Alistarh et al., NeurIPS 2017, Sec. 3.1",
     summary="unbiased stochastic quantisation of the update to s levels (FedPAQ = FedAvg(uniform) + QSGD)",
     params=CompressionParams, section="compression",
-    build=lambda base, p, ctx: QSGD(base, p.qsgd_levels)))
+    build=lambda p, ctx: QSGD(p.qsgd_levels)))
 
 
 __all__ = ["qsgd", "qsgd_bits", "qsgd_floats", "topk", "topk_k", "topk_dense", "topk_floats", "TopK", "QSGD"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import List
 
 from ..lazy import lazy_import
-from .base import Algorithm, ClientUpdate
+from .base import Algorithm, ClientUpdate, plain_step
 from .registry import Rule, register
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -43,6 +43,12 @@ class FedAvg(Algorithm):
         p = self.aggregation_weights(updates).to(rctx.global_flat.device, rctx.global_flat.dtype)
         deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
         return p @ deltas, server_state
+
+    def aggregate(self, rctx, server_state, updates):
+        """The plain server step theta + eta_g D on :meth:`pseudo_gradient` (D goes with it, for a server
+        optimiser)."""
+        direction, state = self.pseudo_gradient(rctx, server_state, updates)
+        return plain_step(rctx, direction, state, self.eta_g)
 
 
 register(Rule(

@@ -57,7 +57,7 @@ import numpy as np
 from ..lazy import lazy_import
 from ..schema import ConfigError, check_choice, checked, param, when
 from ..seeding import derive_seed, torch_generator
-from .base import Algorithm
+from .base import Algorithm, Needs, ServerStep
 from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 from .scaffold import MOMENTUM_WHY, add_drift_correction
 
@@ -258,8 +258,8 @@ class FedBCGD(Algorithm):
         self.shared_floats = int(self.shared_mask.sum())
         self._assign_cache: Tuple[Optional[tuple], List[List[int]]] = (None, [])
 
-    def describe(self) -> str:
-        return f"fedbcgd[N={self.num_blocks},lambda={self.lam:g}]"
+    def shown(self):
+        return (("N", self.num_blocks), ("lambda", f"{self.lam:g}"))
 
     def _owners(self, rctx) -> List[List[int]]:
         key = (rctx.seed, rctx.round, rctx.sampled)
@@ -274,12 +274,14 @@ class FedBCGD(Algorithm):
     def init_server_state(self, global_flat):
         return {"v": torch.zeros_like(global_flat)}
 
-    def update_mask(self, ctx, k):
+    def client_begin(self, ctx, probe):
+        """With freezing, only the client's block (and the shared tensors) move at every step (``ctx.step_mask``)."""
         if not self.freezing:
-            return None
+            return
         j = self._block_of(ctx.round, ctx.client_id)
         allowed = set(self.block_params[j]) | set(self.shared_params)
-        return [i in allowed for i in range(len(ctx.round.spec.names))]
+        mask = [i in allowed for i in range(len(ctx.round.spec.names))]
+        ctx.step_mask = lambda k: mask
 
     def finish_client(self, ctx, update):
         j = self._block_of(ctx.round, ctx.client_id)
@@ -302,7 +304,7 @@ class FedBCGD(Algorithm):
             shared = self.shared_mask.to(dev)
             step = torch.where(shared, torch.stack(list(by_client.values())).mean(0), step)
         v = self.lam * server_state["v"] + step
-        return rctx.global_flat + v, {"v": v}
+        return ServerStep(rctx.global_flat + v, {"v": v})
 
     def comm_floats(self, d):
         """(up, down) floats per participating client per round: ((d - #x_s)/N + #x_s, d). The uplink is the
@@ -349,12 +351,12 @@ class FedBCGDPlus(FedBCGD):
         checked(FedBCGDParams, "algorithm.fedbcgd", plus_variant=variant)
         super().__init__(spec, blocks, shared, lam=lam, momentum=momentum, freezing=freezing, dealing=dealing)
         self.variant = variant
-        self.needs_full_gradient = self.needs_anchor_gradient = variant == "paper"
+        self.needs = Needs(full_gradient=variant == "paper", anchor_gradient=variant == "paper")
         # QSGD (compression.py) quantises these uploads too, each as a message of its own
         self.compressed_extras = ("delta_c",)
 
-    def describe(self) -> str:
-        return f"fedbcgd_plus[{self.variant},N={self.num_blocks},lambda={self.lam:g}]"
+    def shown(self):
+        return (("", self.variant), ("N", self.num_blocks), ("lambda", f"{self.lam:g}"))
 
     def init_server_state(self, global_flat):
         return {"v": torch.zeros_like(global_flat), "c": torch.zeros_like(global_flat)}
@@ -367,7 +369,7 @@ class FedBCGDPlus(FedBCGD):
     def broadcast(self, server_state):
         return {"c": server_state["c"]}
 
-    def transform_grads(self, ctx, k, params, grads):
+    def local_step(self, ctx, k, params, grads):
         if self.variant == "paper":  # the SVRG term first: g(y; xi) - g(x; xi) + g_full
             full = ctx.round.spec.views(ctx.full_grad)
             for n, g in grads.items():
@@ -396,8 +398,8 @@ class FedBCGDPlus(FedBCGD):
         return update
 
     def aggregate(self, rctx, server_state, updates):
-        new, state = super().aggregate(rctx, server_state, updates)
-        c = server_state["c"]
+        result = super().aggregate(rctx, server_state, updates)
+        state, c = result.state, server_state["c"]
         if self.variant == "paper":
             c = c + torch.stack([u.extra["delta_c"] for u in updates]).sum(0) / rctx.num_clients
         else:
@@ -412,7 +414,7 @@ class FedBCGDPlus(FedBCGD):
                 step = torch.where(self.shared_mask.to(dev), torch.stack(list(by_client.values())).mean(0), step)
             c = c + (len(updates) / rctx.num_clients) * step
         state["c"] = c
-        return new, state
+        return result
 
     def comm_floats(self, d):
         up, _ = super().comm_floats(d)

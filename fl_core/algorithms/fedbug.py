@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from dataclasses import dataclass
 
 from ..schema import ConfigError, checked, param, when
-from .base import Algorithm, ClientContext, InfeasibleSetting, Wrapper
+from .base import Algorithm, ClientContext, InfeasibleSetting, ServerStep, Wrapper
 from .registry import Rule, register
 
 STRATEGIES = ("bottom_up", "top_down", "fixed_last", "fixed_last_two")
@@ -103,10 +103,9 @@ class FedBug(Wrapper):
         self.schedule = schedule
         self.strategy = strategy
 
-    def describe(self) -> str:
-        what = f"P={self.gu_percentage:g}" if self.strategy in ("bottom_up", "top_down") else ""
-        tag = what if self.strategy == "bottom_up" else ",".join(x for x in (self.strategy, what) if x)
-        return f"fedbug[{tag}]({self.base.describe()})"
+    def shown(self):
+        what = (("P", f"{self.gu_percentage:g}"),) if self.strategy in ("bottom_up", "top_down") else ()
+        return what if self.strategy == "bottom_up" else (("", self.strategy),) + what
 
     def trainable_units(self, k: int, num_steps: int) -> range:
         """Indices of the units that may move at local step k (1-indexed) of K_i = ``num_steps``."""
@@ -118,29 +117,39 @@ class FedBug(Wrapper):
         m = unfrozen_units(k, num_steps, M, self.gu_percentage, self.schedule)
         return range(0, m) if self.strategy == "bottom_up" else range(M - m, M)
 
-    def update_mask(self, ctx: ClientContext, k: int) -> Optional[List[bool]]:
-        base_mask = self.base.update_mask(ctx, k)
+    def client_begin(self, ctx: ClientContext, probe) -> None:
+        """The base's client init, then ``ctx.step_mask``: the units of :meth:`trainable_units` at step k, and the
+        base's own mask if it sets one."""
+        self.base.client_begin(ctx, probe)
         if self.gu_percentage == 0.0 and self.strategy in ("bottom_up", "top_down"):
-            return base_mask
-        units = self.trainable_units(k, int(ctx.num_steps))
-        mask = [u in units for u in self.unit_of]
-        if base_mask is not None:
-            mask = [a and b for a, b in zip(mask, base_mask)]
-        return mask
+            return
+        base_mask, num_steps = ctx.step_mask, int(ctx.num_steps)
+
+        def step_mask(k: int) -> List[bool]:
+            units = self.trainable_units(k, num_steps)
+            mask = [u in units for u in self.unit_of]
+            inner = base_mask(k) if base_mask is not None else None
+            if inner is not None:
+                mask = [a and b for a, b in zip(mask, inner)]
+            return mask
+
+        ctx.step_mask = step_mask
 
     def _profile(self, K: int):
         counts = [len(self.trainable_units(k, K)) for k in range(1, K + 1)]
         full = next((k for k, c in enumerate(counts, 1) if c == self.num_units), K + 1)
         return counts, full - 1
 
-    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        out = dict(self.base.round_metrics(rctx, server_state, updates))
+    def aggregate(self, rctx, server_state, updates) -> ServerStep:
+        """The base's server step; its metrics with the round's unfreezing profile added."""
+        step = self.base.aggregate(rctx, server_state, updates)
+        out = step.metrics = dict(step.metrics)
         profiles = [self._profile(u.num_steps) for u in updates if u.num_steps > 0]
         if profiles:
             out["fedbug_gu_steps_mean"] = sum(p[1] for p in profiles) / len(profiles)
             out["fedbug_trainable_share"] = (sum(sum(c) / (len(c) * self.num_units) for c, _ in profiles)
                                              / len(profiles))
-        return out
+        return step
 
     def schedule_rows(self, num_steps: Sequence[int]):
         """Trainable units at every local step for each step count K_i in ``num_steps``."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..lazy import lazy_import
 from ..schema import checked, param
-from .base import Algorithm
+from .base import Algorithm, Objective, ServerStep
 from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -37,8 +37,8 @@ class FedDC(Algorithm):
     def __init__(self, alpha: float = 0.01):
         self.alpha = float(checked(FedDCParams, "algorithm.feddc", alpha=alpha).alpha)
 
-    def describe(self) -> str:
-        return f"feddc[alpha={self.alpha:g}]"
+    def shown(self):
+        return (("alpha", f"{self.alpha:g}"),)
 
     def init_server_state(self, global_flat):
         return {"g": torch.zeros_like(global_flat), "h_sum": torch.zeros_like(global_flat)}
@@ -49,7 +49,7 @@ class FedDC(Algorithm):
     def broadcast(self, server_state):
         return {"g": server_state["g"]}
 
-    def local_loss(self, ctx, params, logits, features, y):
+    def local_objective(self, ctx, params, logits, features, y):
         spec = ctx.round.spec
         anchor = ctx.round.global_params()
         h = spec.views(ctx.state["h"])
@@ -57,7 +57,7 @@ class FedDC(Algorithm):
         alpha_i = self.alpha * ctx.round.mean_client_size / ctx.num_samples
         quad = sum(((p - anchor[n] + h[n]) ** 2).sum() for n, p in params.items())
         lin = sum((p * corr[n]).sum() for n, p in params.items())
-        return 0.5 * alpha_i * quad + lin
+        return Objective(logits, 0.5 * alpha_i * quad + lin)
 
     def finish_client(self, ctx, update):
         ctx.state["h"] = ctx.state["h"] + update.delta
@@ -75,7 +75,7 @@ class FedDC(Algorithm):
         h_sum = server_state["h_sum"] + deltas.sum(0)
         g = server_state["g"] + torch.stack([u.extra["delta_g"] for u in updates]).sum(0) / rctx.num_clients
         new = rctx.global_flat + deltas.mean(0) + h_sum / rctx.num_clients
-        return new, {"g": g, "h_sum": h_sum}
+        return ServerStep(new, {"g": g, "h_sum": h_sum})
 
     def comm_floats(self, d):
         return 2.0 * d, 2.0 * d

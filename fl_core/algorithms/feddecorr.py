@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..lazy import lazy_import
 from ..schema import checked, param
+from .base import Objective
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -59,13 +60,13 @@ class FedDecorr(FedAvg):
         super().__init__(aggregation, eta_g)
         self.beta = float(checked(FedDecorrParams, "algorithm.feddecorr", beta=beta).beta)
 
-    def describe(self) -> str:
-        return f"feddecorr[beta={self.beta:g}]"
+    def shown(self):
+        return (("beta", f"{self.beta:g}"),)
 
-    def local_loss(self, ctx, params, logits, features, y):
+    def local_objective(self, ctx, params, logits, features, y):
         if self.beta == 0.0:
-            return None
-        return self.beta * decorrelation_loss(features, ctx.sample_weight)
+            return Objective(logits)
+        return Objective(logits, self.beta * decorrelation_loss(features, ctx.sample_weight))
 
 
 register(Rule(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..lazy import lazy_import
 from ..schema import checked, param
-from .base import Algorithm
+from .base import Algorithm, Objective, ServerStep
 from .registry import Rule, register
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -45,8 +45,8 @@ class FedDyn(Algorithm):
         self.adaptive_alpha = adaptive_alpha
         self.eval_model = eval_model
 
-    def describe(self) -> str:
-        return f"feddyn[alpha={self.alpha:g}]"
+    def shown(self):
+        return (("alpha", f"{self.alpha:g}"),)
 
     def client_alpha(self, ctx):
         """alpha_i = alpha * mean_n / n_i (adaptive) or alpha; works for ints and 0-d tensors."""
@@ -60,12 +60,12 @@ class FedDyn(Algorithm):
     def init_client_state(self, global_flat):
         return {"hist": torch.zeros_like(global_flat)}
 
-    def local_loss(self, ctx, params, logits, features, y):
+    def local_objective(self, ctx, params, logits, features, y):
         anchor = ctx.round.global_params()
         hist = ctx.round.spec.views(ctx.state["hist"])
         lin = sum((p * hist[n]).sum() for n, p in params.items())
         quad = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
-        return self.client_alpha(ctx) * (lin + 0.5 * quad)
+        return Objective(logits, self.client_alpha(ctx) * (lin + 0.5 * quad))
 
     def finish_client(self, ctx, update):
         ctx.state["hist"] = ctx.state["hist"] + update.delta
@@ -75,10 +75,7 @@ class FedDyn(Algorithm):
         deltas = torch.stack([u.delta for u in updates])  # [|S|, d]
         sel = rctx.global_flat + deltas.mean(0)
         h = server_state["h"] - (self.alpha / rctx.num_clients) * deltas.sum(0)
-        return sel - h / self.alpha, {"h": h, "sel": sel}
-
-    def eval_flat(self, server_state, global_flat):
-        return server_state["sel"] if self.eval_model == "sel" else global_flat
+        return ServerStep(sel - h / self.alpha, {"h": h, "sel": sel}, evaluate=sel if self.eval_model == "sel" else None)
 
 
 register(Rule(

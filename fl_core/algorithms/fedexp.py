@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..lazy import lazy_import
 from ..schema import ConfigError, checked, param, when
+from .base import ServerStep
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -55,8 +56,8 @@ class FedExP(FedAvg):
         self.eps_decay = float(eps_decay)
         self.average_last_two = average_last_two and variant == "official"
 
-    def describe(self) -> str:
-        return f"fedexp[{self.variant}]"
+    def shown(self):
+        return (("", self.variant),)
 
     def init_server_state(self, global_flat):
         return {"eps": torch.tensor(self.eps0, dtype=torch.float64), "prev": global_flat.clone(),
@@ -84,15 +85,10 @@ class FedExP(FedAvg):
         new = rctx.global_flat + eta * mean
         state = {"eps": server_state["eps"] * self.eps_decay ** 2, "prev": rctx.global_flat.clone(),
                  "eta_g": torch.tensor(eta, dtype=torch.float64), "round": server_state["round"] + 1}
-        return new, state
-
-    def eval_flat(self, server_state, global_flat):
-        if not self.average_last_two or int(server_state["round"]) <= 1:
-            return global_flat
-        return 0.5 * (server_state["prev"] + global_flat)
-
-    def round_metrics(self, rctx, server_state, updates):
-        return {"fedexp_eta_g": float(server_state["eta_g"])}
+        # the model evaluated: the mean of the last two iterates (from round 2 on), or the new one
+        last_two = self.average_last_two and int(state["round"]) > 1
+        return ServerStep(new, state, metrics={"fedexp_eta_g": float(state["eta_g"])},
+                          evaluate=0.5 * (state["prev"] + new) if last_two else None)
 
 
 register(Rule(

@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..lazy import lazy_import
 from ..schema import checked, param
+from .base import Objective
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -43,13 +44,13 @@ class FedRS(FedAvg):
         super().__init__(aggregation, eta_g)
         self.alpha = float(checked(FedRSParams, "algorithm.fedrs", alpha=alpha).alpha)
 
-    def describe(self):
-        return f"fedrs[alpha={self.alpha:g}]"
+    def shown(self):
+        return (("alpha", f"{self.alpha:g}"),)
 
-    def train_logits(self, ctx, logits):
+    def local_objective(self, ctx, params, logits, features, y):
         present = ctx.label_counts > 0  # [C] (from the whole local set, not the batch)
         scale = torch.where(present, torch.ones_like(logits[0]), torch.full_like(logits[0], self.alpha))
-        return logits * scale
+        return Objective(logits * scale)
 
 
 class FedLC(FedAvg):
@@ -61,8 +62,8 @@ class FedLC(FedAvg):
         self.tau = float(tau)
         self.missing = missing
 
-    def describe(self):
-        return f"fedlc[tau={self.tau:g}]"
+    def shown(self):
+        return (("tau", f"{self.tau:g}"),)
 
     def calibration(self, label_counts: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The subtracted term tau * n_c^(-1/4) per class [C] (EXCLUDED_LOGIT for excluded classes), in ``dtype``
@@ -73,10 +74,10 @@ class FedLC(FedAvg):
         safe = self.tau * n.clamp_min(1.0) ** -0.25
         return torch.where(n > 0, safe, torch.full_like(safe, EXCLUDED_LOGIT))
 
-    def train_logits(self, ctx, logits):
+    def local_objective(self, ctx, params, logits, features, y):
         if self.tau == 0.0:
-            return logits
-        return logits - self.calibration(ctx.label_counts, logits.dtype)
+            return Objective(logits)
+        return Objective(logits - self.calibration(ctx.label_counts, logits.dtype))
 
 
 register(Rule(

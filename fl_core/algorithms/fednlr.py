@@ -75,9 +75,6 @@ class FedNLR(Wrapper):
         self._stats: Dict[int, List[Tuple[float, float]]] = {}
         self._round = None
 
-    def describe(self) -> str:
-        return f"fednlr({self.base.describe()})"
-
     def client_begin(self, ctx, probe):
         means, spatial = probe()
         counts = [M * (hw if (self.neuron_count == "channels_x_hw" and kind == "conv") else 1)
@@ -99,14 +96,16 @@ class FedNLR(Wrapper):
         ctx.lr_scale = scales
         self.base.client_begin(ctx, probe)
 
-    def round_metrics(self, rctx, server_state, updates):
-        out = dict(self.base.round_metrics(rctx, server_state, updates))
+    def aggregate(self, rctx, server_state, updates):
+        """The base's server step; its metrics with the round's mu_l and mean T_l per layer added."""
+        step = self.base.aggregate(rctx, server_state, updates)
+        out = step.metrics = dict(step.metrics)
         for l, vals in sorted(self._stats.items()):
             out[f"fednlr_mu_l{l}"] = vals[0][0]
             finite = [T for _, T in vals if math.isfinite(T)]
             if finite:
                 out[f"fednlr_T_l{l}"] = sum(finite) / len(finite)
-        return out
+        return step
 
 
 register(Rule(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..lazy import lazy_import
 from ..schema import ConfigError, checked, fmt, param
+from .base import Objective, ServerStep
 from .fedavg import FedAvg
 from .fedprox import proximal_term
 from .registry import Rule, refuse_local_adam, register
@@ -66,8 +67,8 @@ class FedNova(FedAvg):
                               "proximal term, not both (Wang et al. 2020); set train.momentum=0 or "
                               "algorithm.fednova.mu=0")
 
-    def local_loss(self, ctx, params, logits, features, y):
-        return None if self.mu == 0.0 else proximal_term(ctx, params, self.mu)
+    def local_objective(self, ctx, params, logits, features, y):
+        return Objective(logits, None if self.mu == 0.0 else proximal_term(ctx, params, self.mu))
 
     def finish_client(self, ctx, update):
         a = normalizer(update.num_steps, ctx.round.lr, self.mu, self.rho)
@@ -90,8 +91,10 @@ class FedNova(FedAvg):
         return tau_eff * mean, server_state
 
     def aggregate(self, rctx, server_state, updates):
-        tau_eff, mean = self._normalised(updates)  # (eta_g tau_eff) as one scalar, as Eq. (7) is written
-        return rctx.global_flat + self.eta_g * tau_eff * mean, server_state
+        """theta + (eta_g tau_eff) sum_i p_i d_i ((eta_g tau_eff) as one scalar, as Eq. (7) is written); the
+        direction a server optimiser takes is :meth:`pseudo_gradient`'s."""
+        tau_eff, mean = self._normalised(updates)
+        return ServerStep(rctx.global_flat + self.eta_g * tau_eff * mean, server_state, tau_eff * mean)
 
     def comm_floats(self, d):
         return float(d) + 1.0, float(d)

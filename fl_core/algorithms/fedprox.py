@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schema import checked, param
+from .base import Objective
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -31,12 +32,12 @@ class FedProx(FedAvg):
         super().__init__(aggregation, eta_g)
         self.mu = float(checked(FedProxParams, "algorithm.fedprox", mu=mu).mu)
 
-    def local_loss(self, ctx, params, logits, features, y):
+    def local_objective(self, ctx, params, logits, features, y):
         if self.mu == 0.0:
-            return None
+            return Objective(logits)
         # Frozen parameters (FedBug) equal the anchor exactly, so summing over all of them adds 0
         # and keeps the hook free of per-tensor flags (it also runs under torch.func.vmap).
-        return proximal_term(ctx, params, self.mu)
+        return Objective(logits, proximal_term(ctx, params, self.mu))
 
 
 register(Rule(

@@ -53,6 +53,7 @@ from ..lazy import lazy_import
 from ..params import flatten_params
 from ..schema import ConfigError, checked, param
 from ..seeding import derive_seed
+from .base import Needs, Objective
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -173,7 +174,7 @@ class Moon(FedAvg):
     """
 
     name = "moon"
-    forward_of = (GLOBAL, PREVIOUS)
+    needs = Needs(forward_of=(GLOBAL, PREVIOUS))
 
     def __init__(self, mu: float = 1.0, tau: float = 0.5, aggregation: str = "weighted", eta_g: float = 1.0,
                  first_previous: str = "official", projection_dim: int = 0, model: Optional[torch.nn.Module] = None):
@@ -190,10 +191,10 @@ class Moon(FedAvg):
         # a scratch copy for the clients' initial networks (official), made after the head is attached
         self._scratch = copy.deepcopy(model) if (model is not None and self.first_previous == "official") else None
 
-    def describe(self) -> str:
-        extra = f",P={self.projection_dim}" if self.projection_dim else ""
-        extra += ",first_previous=global" if self.first_previous == "global" else ""
-        return f"moon[mu={self.mu:g},tau={self.tau:g}{extra}]"
+    def shown(self):
+        return ((("mu", f"{self.mu:g}"), ("tau", f"{self.tau:g}"))
+                + ((("P", self.projection_dim),) if self.projection_dim else ())
+                + ((("first_previous", "global"),) if self.first_previous == "global" else ()))
 
     def init_client_state(self, global_flat):
         if self.first_previous == "global":
@@ -213,9 +214,9 @@ class Moon(FedAvg):
         seed = derive_seed("moon-init", int(ctx.round.seed), int(ctx.client_id))
         state["prev"] = initial_vector(self._scratch, seed).to(state["prev"].device, state["prev"].dtype)
 
-    def local_loss(self, ctx, params, logits, features, y):
+    def local_objective(self, ctx, params, logits, features, y):
         if self.mu == 0.0:
-            return None
+            return Objective(logits)
         out = ctx.reference_outputs
         z, z_glob = features, out[GLOBAL][1]
         no_negative = self.first_previous == "official" and ctx.round.round <= 1  # the authors' empty pool
@@ -228,7 +229,7 @@ class Moon(FedAvg):
         per_sample = contrastive_loss(z, z_glob, z_prev, self.tau)
         w = ctx.sample_weight  # vectorised executor: 0 marks padding samples
         mean = per_sample.mean() if w is None else (per_sample * w).sum() / w.sum().clamp_min(1.0)
-        return self.mu * mean
+        return Objective(logits, self.mu * mean)
 
     def finish_client(self, ctx, update):
         ctx.state["prev"] = ctx.round.global_flat + update.delta  # the model this client trained

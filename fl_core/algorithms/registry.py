@@ -14,9 +14,11 @@ Everything that lists rules is derived from here, so adding a rule is its file, 
 A rule declares which of the shared keys ``algorithm.aggregation``, ``algorithm.eta_g`` and ``algorithm.server_opt``
 it honours; a value it would ignore is refused with one line (no key is accepted and then ignored).
 
-Three kinds of rule compose into one stack: a ``base`` (``algorithm.name``: trains the clients and aggregates), a
+Four kinds of entry compose into one stack: a ``base`` (``algorithm.name``: trains the clients and aggregates), a
 ``server`` optimiser (``algorithm.server_opt``: the server step on the base's pseudo-gradient; ``sgd`` is the base's
-own) and any number of ``wrapper`` rules (``algorithm.wrappers``, innermost first).
+own), any number of ``wrapper`` rules (``algorithm.wrappers``, innermost first) and any number of message
+``transform`` entries (``algorithm.transforms``, applied to the upload first to last after the rule's
+``finish_client``: Top-k, QSGD; :class:`~fl_core.algorithms.base.Transform`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..params import ParamSpec
+from .base import Transformed
 from ..schema import ConfigError, check_choice, check_fields, check_finite, check_range, describe_range, fmt
 
 AGGREGATIONS = ("weighted", "uniform")
@@ -87,13 +90,13 @@ class Rule:
     Attributes:
         name: the config value (``algorithm.name=<name>`` for a base, ``algorithm.server_opt=<name>`` for a server
             optimiser, ``algorithm.wrappers=[<name>]`` for a wrapper).
-        kind: ``base`` (trains the clients and aggregates), ``server`` (the server step on a base's pseudo-gradient)
-            or ``wrapper`` (wraps any base and changes some parts).
+        kind: ``base`` (trains the clients and aggregates), ``server`` (the server step on a base's pseudo-gradient),
+            ``wrapper`` (wraps any base and changes some parts) or ``transform`` (a message transform of the upload).
         label: the name the papers use (``FedProx``), shown in reports and plots.
         citation: the source of the update rule (paper, venue, equation or algorithm).
         summary: one line: what the rule does.
-        build: base: ``build(params, ctx) -> Algorithm``; server and wrapper: ``build(base, params, ctx) -> Algorithm``,
-            with
+        build: base: ``build(params, ctx) -> Algorithm``; server and wrapper: ``build(base, params, ctx) -> Algorithm``;
+            transform: ``build(params, ctx) -> Transform``; with
             ``params`` the rule's section (``algorithm.<section>``; None without one) and ``ctx`` a
             :class:`BuildContext`.
         params: the dataclass of the rule's parameters (fields made with :func:`fl_core.schema.param`), or None.
@@ -151,7 +154,7 @@ class Rule:
         return self.preset or self.name
 
 
-KINDS = ("base", "server", "wrapper")
+KINDS = ("base", "server", "wrapper", "transform")
 NO_SERVER_OPT = "sgd"  # algorithm.server_opt of the base's own server step
 
 
@@ -225,9 +228,11 @@ def _key(a: Any, key: str, default: Any = None) -> Any:
 
 def stack(a: Any) -> List[str]:
     """The rule names of the ``algorithm`` node ``a`` (a dict, DictConfig or dataclass): the base, the server
-    optimiser unless it is ``sgd`` (the base's own step), then the wrappers innermost first."""
+    optimiser unless it is ``sgd`` (the base's own step), the wrappers innermost first, then the transforms in the
+    order they apply."""
     opt = _key(a, "server_opt") or NO_SERVER_OPT
-    return [_key(a, "name")] + ([opt] if opt != NO_SERVER_OPT else []) + list(_key(a, "wrappers") or [])
+    return ([_key(a, "name")] + ([opt] if opt != NO_SERVER_OPT else []) + list(_key(a, "wrappers") or [])
+            + list(_key(a, "transforms") or []))
 
 
 def trim_sections(a: Dict[str, Any]) -> Dict[str, Any]:
@@ -261,8 +266,14 @@ def check_algorithm(a: Any) -> None:
     if a.server_opt not in names("server"):
         raise ConfigError(f"algorithm.server_opt must be one of {', '.join(names('server'))}, got {a.server_opt!r}")
     for i, w in enumerate(a.wrappers):
+        if w in names("transform"):
+            raise ConfigError(f"algorithm.wrappers[{i}]={w} is a message transform: give it in algorithm.transforms "
+                              f"(e.g. algorithm.transforms=[{w}]), not in algorithm.wrappers")
         if w not in names("wrapper"):
             raise ConfigError(f"algorithm.wrappers[{i}] must be one of {', '.join(names('wrapper'))}, got {w!r}")
+    for i, t in enumerate(_key(a, "transforms") or []):
+        if t not in names("transform"):
+            raise ConfigError(f"algorithm.transforms[{i}] must be one of {', '.join(names('transform'))}, got {t!r}")
     if a.aggregation is not None:
         check_choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
     if a.eta_g is not None:
@@ -320,6 +331,8 @@ def how_to_use(section: str) -> str:
             own = f"algorithm.name={r.name}"
         elif r.kind == "server":
             own = f"algorithm.server_opt={r.name}"
+        elif r.kind == "transform":
+            own = f"algorithm.transforms=[{r.name}]"
         else:
             own = f"algorithm.wrappers=[{r.name}]"
         hints.append(f"algorithm={r.preset_name} (or {own})")
@@ -365,7 +378,10 @@ def build(a: Any, spec: ParamSpec, model: Any = None, momentum: float = 0.0, opt
     algo = base.build(section(base), ctx)
     for name in stack(a)[1:]:
         rule = _RULES[name]
-        algo = rule.build(algo, section(rule), ctx)
+        if rule.kind == "transform":
+            algo = Transformed(algo, rule.build(section(rule), ctx))
+        else:
+            algo = rule.build(algo, section(rule), ctx)
     return algo
 
 
@@ -374,7 +390,8 @@ def help_lines() -> List[str]:
     out = []
     for kind, title in (("base", "algorithm.name (base rules)"),
                         ("server", "algorithm.server_opt (server optimiser over a base with a pseudo-gradient)"),
-                        ("wrapper", "algorithm.wrappers (wrap any base)")):
+                        ("wrapper", "algorithm.wrappers (wrap any base)"),
+                        ("transform", "algorithm.transforms (message transforms of the upload, applied in order)")):
         out.append(f"  {title}:")
         for r in rules(kind):
             out.append(f"    {r.name:<13} {r.label}: {r.summary}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..lazy import lazy_import
 from ..schema import checked, param
-from .base import Algorithm
+from .base import Algorithm, plain_step
 from .registry import Rule, refuse_local_adam, refuse_local_momentum, register
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
@@ -61,7 +61,7 @@ class Scaffold(Algorithm):
     def broadcast(self, server_state):
         return {"c": server_state["c"]}
 
-    def transform_grads(self, ctx, k, params, grads):
+    def local_step(self, ctx, k, params, grads):
         add_drift_correction(ctx, grads)
 
     def finish_client(self, ctx, update):
@@ -81,6 +81,10 @@ class Scaffold(Algorithm):
         deltas = torch.stack([u.delta for u in updates])
         dc = torch.stack([u.extra["delta_c"] for u in updates]).sum(0)
         return deltas.mean(0), {"c": server_state["c"] + dc / rctx.num_clients}
+
+    def aggregate(self, rctx, server_state, updates):
+        direction, state = self.pseudo_gradient(rctx, server_state, updates)
+        return plain_step(rctx, direction, state, getattr(self, "eta_g", 1.0))
 
     def comm_floats(self, d):
         return 2.0 * d, 2.0 * d

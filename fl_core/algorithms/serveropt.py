@@ -50,7 +50,7 @@ from typing import Dict, Optional, Tuple
 
 from ..lazy import lazy_import
 from ..schema import ConfigError, checked, param, when
-from .base import Algorithm, Wrapper
+from .base import Algorithm, Description, ServerStep, Wrapper
 from .fedavg import FedAvg
 from .registry import Rule, register
 
@@ -186,9 +186,10 @@ class ServerOptimized(Wrapper):
         self.opt = opt
         self.name = opt.preset if base.describe() == "fedavg" else opt.name
 
-    def describe(self) -> str:
-        own = f"{self.name}[{self.opt.params_text()}]"
-        return own if self.name == self.opt.preset else f"{own}({self.base.describe()})"
+    def describe(self) -> Description:
+        shown = tuple(tuple(item.split("=", 1)) if "=" in item else ("", item)
+                      for item in self.opt.params_text().split(",") if item)
+        return Description(self.name, shown, None if self.name == self.opt.preset else self.base.describe())
 
     def init_server_state(self, global_flat):
         state = dict(self.base.init_server_state(global_flat))
@@ -199,18 +200,15 @@ class ServerOptimized(Wrapper):
     def aggregate(self, rctx, server_state, updates):
         own = {k: v for k, v in server_state.items() if not k.startswith(OPT_PREFIX)}
         opt = {k[len(OPT_PREFIX):]: v for k, v in server_state.items() if k.startswith(OPT_PREFIX)}
-        direction, own = self.base.pseudo_gradient(rctx, own, updates)
+        base = self.base.aggregate(rctx, own, updates)
+        if base.direction is None:
+            raise NotImplementedError(f"{self.base.describe()} has no pseudo-gradient (it does not take "
+                                      "algorithm.server_opt)")
         g = rctx.global_flat
-        new, opt = self.opt.step(g, direction.to(g.device, g.dtype), opt)
+        new, opt = self.opt.step(g, base.direction.to(g.device, g.dtype), opt)
         opt["update_norm"] = torch.linalg.vector_norm(new - g)
-        return new, {**own, **{OPT_PREFIX + k: v for k, v in opt.items()}}
-
-    def pseudo_gradient(self, rctx, server_state, updates):
-        raise NotImplementedError(f"{self.describe()} already has a server optimiser")
-
-    def round_metrics(self, rctx, server_state, updates) -> Dict[str, float]:
-        return {**self.base.round_metrics(rctx, server_state, updates),
-                "server_update_norm": float(server_state[OPT_PREFIX + "update_norm"])}
+        return ServerStep(new, {**base.state, **{OPT_PREFIX + k: v for k, v in opt.items()}},
+                          metrics={**base.metrics, "server_update_norm": float(opt["update_norm"])})
 
 
 # the published FedAvg + server optimiser rules, as Python presets (conf/algorithm/<name>.yaml are the config ones)

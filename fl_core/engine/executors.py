@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -30,16 +30,23 @@ def overrides(algo: Algorithm, hook: str) -> bool:
     return getattr(type(algo), hook) is not getattr(Algorithm, hook)
 
 
-def extra_loss(algo: Algorithm, model: torch.nn.Module, ctx: ClientContext, params: Dict[str, torch.Tensor],
-               logits: torch.Tensor, features: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-    """What a local step adds to the cross-entropy, the one place both executors (and the full-batch and anchor
-    gradients) take it from: the rule's ``local_loss`` plus the model's ``penalty(params)`` (a term of the parameters
-    alone, e.g. a regulariser; :class:`~fl_core.models.base.FLModel`); None when neither adds anything."""
-    extra = algo.local_loss(ctx, params, logits, features, y)
+def step_loss(algo: Algorithm, model: torch.nn.Module, ctx: ClientContext, params: Dict[str, torch.Tensor],
+              logits: torch.Tensor, features: torch.Tensor, y: torch.Tensor,
+              weight: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The local objective of one batch, composed in this one place for both executors, the full-batch and the anchor
+    gradients: (total, ce) with ce the mean cross-entropy on the rule's logits (``algo.local_objective``) and total =
+    ce + the rule's extra terms + the model's ``penalty(params)`` (a term of the parameters alone, e.g. a regulariser;
+    :class:`~fl_core.models.base.FLModel`). ``weight`` [B] (vectorised executor): per-sample weights, 0 for padding;
+    the mean is then over the weighted samples."""
+    ce_logits, extra = algo.local_objective(ctx, params, logits, features, y)
+    if weight is None:
+        ce = F.cross_entropy(ce_logits, y)
+    else:
+        ce = (F.cross_entropy(ce_logits, y, reduction="none") * weight).sum() / weight.sum().clamp_min(1.0)
     penalty = model.penalty(params) if hasattr(model, "penalty") else None
-    if penalty is None:
-        return extra
-    return penalty if extra is None else extra + penalty
+    if penalty is not None:
+        extra = penalty if extra is None else extra + penalty
+    return (ce if extra is None else ce + extra), ce
 
 
 class NonFiniteLossError(RuntimeError):
@@ -171,10 +178,9 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
                   chunk: int = 1024) -> torch.Tensor:
     """Gradient [d] of the client's mean training loss over ALL its samples at the model's current parameters.
 
-    The loss is the one a local step minimises (cross-entropy on ``algo.train_logits`` plus
-    :func:`extra_loss`), computed in train mode without augmentation, in chunks of ``chunk`` samples
+    The loss is the one a local step minimises (:func:`step_loss`), computed in train mode without augmentation, in chunks of ``chunk`` samples
     weighted by their size (so the result is the gradient of the mean over the n_i samples; the extra
-    loss is added per chunk with the same weights). Rules ask for it with ``needs_full_gradient`` (a
+    loss is added per chunk with the same weights). Rules ask for it with ``Needs.full_gradient`` (a
     variance-reduced local step uses it as its control variate). An empty client gets zeros.
     """
     named = list(model.named_parameters())
@@ -186,9 +192,7 @@ def full_gradient(model: torch.nn.Module, algo: Algorithm, ctx: ClientContext, x
     for s in range(0, n, chunk):
         xb, yb = x[s:s + chunk], y[s:s + chunk]
         logits, feats = model.forward_features(xb)
-        loss = F.cross_entropy(algo.train_logits(ctx, logits), yb)
-        extra = extra_loss(algo, model, ctx, params, logits, feats, yb)
-        total = loss if extra is None else loss + extra
+        total, _ = step_loss(algo, model, ctx, params, logits, feats, yb)
         (total * (yb.numel() / n)).backward()
     out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in named])
     for _, p in named:
@@ -277,7 +281,7 @@ class Executor:
     @torch.no_grad()
     def forward_at(self, spec, flat: torch.Tensor, x: torch.Tensor):
         """(logits, features) of the model with parameters ``flat`` [d] on ``x`` [B, ...] (eval mode, no gradient;
-        the model's own parameters are untouched): the executor service behind ``Algorithm.forward_of``."""
+        the model's own parameters are untouched): the executor service behind ``Needs.forward_of``."""
         training = self.model.training
         self.model.eval()
         try:
@@ -288,11 +292,11 @@ class Executor:
 
     def reference_outputs(self, ctx: ClientContext, x: torch.Tensor):
         """``ctx.reference_outputs`` of this step's batch ``x``: entry -> (logits, features) for every entry of
-        ``algo.forward_of`` (:func:`reference_vector`), or None when the rule names none."""
-        if not self.algo.forward_of:
+        ``algo.needs.forward_of`` (:func:`reference_vector`), or None when the rule names none."""
+        forward_of = self.algo.needs.forward_of
+        if not forward_of:
             return None
-        return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x)
-                for e in self.algo.forward_of}
+        return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x) for e in forward_of}
 
     def epochs_of(self, rctx: RoundContext, cid: int) -> int:
         """Client ``cid``'s local epochs in round ``rctx``: the round's plan (``rctx.epochs``) or E."""
@@ -369,9 +373,10 @@ class SequentialExecutor(Executor):
         load_flat(model, rctx.global_flat)
         algo.client_begin(ctx, self.probe(ctx.client_id))
         idx = data.indices[ctx.client_id]
-        if algo.needs_full_gradient:
+        needs = algo.needs
+        if needs.full_gradient:
             ctx.full_grad = full_gradient(model, algo, ctx, data.x[idx], data.y[idx])
-        anchor = self._anchor_model(rctx) if algo.needs_anchor_gradient else None
+        anchor = self._anchor_model(rctx) if needs.anchor_gradient else None
         model.train()
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
@@ -380,7 +385,7 @@ class SequentialExecutor(Executor):
         moments: Dict[str, Dict[str, torch.Tensor]] = {}  # Adam's state: new for every client and round
         loss_sum = torch.zeros((), dtype=data.x.dtype, device=data.x.device)
         for k, pos in enumerate(batches, start=1):
-            mask = algo.update_mask(ctx, k)
+            mask = ctx.step_mask(k) if ctx.step_mask is not None else None
             for j, (_, p) in enumerate(named):
                 p.requires_grad_(True if mask is None else bool(mask[j]))
             b = idx[pos.to(idx.device)]
@@ -390,16 +395,14 @@ class SequentialExecutor(Executor):
                 x = augment.apply(x, aug, self.crop_padding)
             ctx.reference_outputs = self.reference_outputs(ctx, x)
             logits, feats = model.forward_features(x)
-            loss = F.cross_entropy(algo.train_logits(ctx, logits), y)
-            extra = extra_loss(algo, model, ctx, params, logits, feats, y)
-            total = loss if extra is None else loss + extra
+            total, loss = step_loss(algo, model, ctx, params, logits, feats, y)
             for _, p in named:
                 p.grad = None
             total.backward()
             trainable = [p for _, p in named if p.grad is not None]
             if anchor is not None:
                 ctx.anchor_grads = self._anchor_grads(anchor, ctx, x, y)
-            algo.transform_grads(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
+            algo.local_step(ctx, k, params, {n: p.grad for n, p in named if p.grad is not None})
             if self.grad_clip is not None and trainable:
                 torch.nn.utils.clip_grad_norm_(trainable, self.grad_clip)
             if self.optimizer == "adam":
@@ -429,9 +432,7 @@ class SequentialExecutor(Executor):
         """Gradient of the step's training loss on batch (x, y) at the received model, by parameter name."""
         named = list(anchor.named_parameters())
         logits, feats = anchor.forward_features(x)
-        loss = F.cross_entropy(self.algo.train_logits(ctx, logits), y)
-        extra = extra_loss(self.algo, anchor, ctx, dict(named), logits, feats, y)
-        total = loss if extra is None else loss + extra
+        total, _ = step_loss(self.algo, anchor, ctx, dict(named), logits, feats, y)
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
         return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(named, grads)}
 
@@ -490,10 +491,7 @@ class VectorizedExecutor(Executor):
         ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                             num_steps=client["num_steps"], label_counts=client["label_counts"],
                             state=client["state"], sample_weight=w, reference_outputs=client.get("reference_outputs"))
-        ce = F.cross_entropy(self.algo.train_logits(ctx, logits), y, reduction="none")
-        loss = (ce * w).sum() / w.sum().clamp_min(1.0)
-        extra = extra_loss(self.algo, self.model, ctx, params, logits, feats, y)
-        total = loss if extra is None else loss + extra
+        total, loss = step_loss(self.algo, self.model, ctx, params, logits, feats, y, weight=w)
         return total, loss.detach()
 
     def run_round(self, rctx: RoundContext, client_ids: Sequence[int], store: ClientStateStore) -> List[ClientUpdate]:
@@ -546,7 +544,7 @@ class VectorizedExecutor(Executor):
         [C, B, K], features [C, B, f]), each client's from its own vector (the global one is shared)."""
         rctx = batched_ctx.round
         out = {}
-        for e in self.algo.forward_of:
+        for e in self.algo.needs.forward_of:
             vec = reference_vector(e, rctx, batched_ctx.state)
             if vec.dim() == 1:  # one vector for all clients
                 out[e] = torch.func.vmap(lambda xb, v=vec: self.forward_at(rctx.spec, v, xb))(x)
@@ -558,10 +556,11 @@ class VectorizedExecutor(Executor):
         data, algo, dev = self.data, self.algo, self.data.x.device
         ctxs = self.client_contexts(rctx, ids, store)
         C = len(ctxs)
+        needs = algo.needs
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
-        for ctx in ctxs if overrides(algo, "client_begin") or algo.needs_full_gradient else ():
+        for ctx in ctxs if overrides(algo, "client_begin") or needs.full_gradient else ():
             algo.client_begin(ctx, self.probe(ctx.client_id))
-            if algo.needs_full_gradient:
+            if needs.full_gradient:
                 ix = data.indices[ctx.client_id]
                 ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
         g = rctx.global_params()
@@ -585,10 +584,10 @@ class VectorizedExecutor(Executor):
         batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                                     num_steps=client["num_steps"], label_counts=client["label_counts"],
                                     state=client["state"])
-        if algo.needs_full_gradient:
+        if needs.full_gradient:
             batched_ctx.full_grad = torch.stack([c.full_grad for c in ctxs])  # [C, d]
         anchor = ({n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape) for n in self._names}
-                  if algo.needs_anchor_gradient else None)
+                  if needs.anchor_gradient else None)
         loss_sum = torch.zeros(C, dtype=dtype, device=dev)
         # momentum buffers [C, *shape], new for every chunk and round; a zero buffer makes the first step's
         # rho * 0 + d_p = d_p, the sequential executor's buf = d_p
@@ -597,18 +596,18 @@ class VectorizedExecutor(Executor):
         # Adam's moments [C, *shape] and step counts [C] per tensor, new for every chunk and round
         moments = {n: (torch.zeros_like(params[n]), torch.zeros_like(params[n]),
                        torch.zeros(C, dtype=torch.long, device=dev)) for n in self._names} if adam else {}
-        masked = overrides(algo, "update_mask")
+        masked = any(c.step_mask is not None for c in ctxs)
         for k in range(kmax):
             b = pos[:, k]
             x, y = data.x[b], data.y[b]  # [C, B, ...]
             if self.augmentation != "none":
                 aug = augment.stack([self.augment_params(rctx, ctx.client_id, k + 1) for ctx in ctxs])
                 x = augment.apply(x, aug, self.crop_padding)
-            if algo.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
+            if needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
                 client["reference_outputs"] = self._stacked_reference_outputs(batched_ctx, x)
             grads, loss = self._grad_fn(params, x, y, w[:, k], client, rctx)
             active = k < steps  # [C]
-            masks = [algo.update_mask(ctx, k + 1) for ctx in ctxs] if masked else [None]
+            masks = [c.step_mask(k + 1) if c.step_mask is not None else None for c in ctxs] if masked else [None]
             if all(m is None for m in masks):  # every tensor of every client may move: the mask is `active`
                 mask = active[:, None].expand(C, len(self._names))
             else:
@@ -616,7 +615,7 @@ class VectorizedExecutor(Executor):
                 mask &= active[:, None]  # [C, P]
             if anchor is not None:
                 batched_ctx.anchor_grads, _ = self._grad_fn(anchor, x, y, w[:, k], client, rctx)
-            algo.transform_grads(batched_ctx, k + 1, params, grads)
+            algo.local_step(batched_ctx, k + 1, params, grads)
             if self.grad_clip is not None:
                 sq = torch.stack([grads[n].pow(2).flatten(1).sum(1) for n in self._names], 1)  # [C, P]
                 norm = (sq * mask).sum(1).sqrt()

@@ -10,8 +10,8 @@ device, while the chunk trains (s bytes per float, d parameters):
   output);
 - its local optimiser's state: momentum buffers ``s d`` (``train.momentum`` > 0) or Adam's two moments ``2 s d``
   (``train.optimizer=adam``);
-- the vectors the rule asks the executor for: the full-batch gradient (``needs_full_gradient``; each client's and
-  their stack, ``2 s d``), the anchor gradient (``needs_anchor_gradient``, ``s d``) and per-element step sizes (a
+- the vectors the rule asks the executor for: the full-batch gradient (``Needs.full_gradient``; each client's and
+  their stack, ``2 s d``), the anchor gradient (``Needs.anchor_gradient``, ``s d``) and per-element step sizes (a
   rule that defines ``client_begin`` may set them, ``s d``);
 - its state (``init_client_state``'s tensors, ``state`` bytes) twice: each client's copy on the device and their
   stack;
@@ -122,10 +122,10 @@ def vectorized_memory(*, d: int, float_bytes: int, round_clients: int, max_paral
 
 def extra_vectors(algo, momentum: float, optimizer: str) -> int:
     """v: the [d] vectors per client the vectorised executor keeps besides parameters and gradients, from the local
-    optimiser (momentum 1, Adam 2) and the services the rule declares (``needs_full_gradient`` 2,
-    ``needs_anchor_gradient`` 1, a ``client_begin`` hook 1: it may set per-element step sizes)."""
+    optimiser (momentum 1, Adam 2) and the services the rule declares (``Needs.full_gradient`` 2,
+    ``Needs.anchor_gradient`` 1, a ``client_begin`` hook 1: it may set per-element step sizes)."""
     v = 2 if optimizer == "adam" else (1 if momentum else 0)
-    v += 2 * bool(algo.needs_full_gradient) + bool(algo.needs_anchor_gradient) + overrides(algo, "client_begin")
+    v += 2 * bool(algo.needs.full_gradient) + bool(algo.needs.anchor_gradient) + overrides(algo, "client_begin")
     return int(v)
 
 

@@ -74,7 +74,7 @@ class RunFailed(RuntimeError):
 @dataclass
 class RunResult:
     history: List[Dict[str, float]]  # one row per round: round, test_acc, test_loss, train_loss, ...
-    final_flat: torch.Tensor  # [d] final model as evaluated (algo.eval_flat: the global model for most rules)
+    final_flat: torch.Tensor  # [d] final model as evaluated (ServerStep.evaluate: the global model for most rules)
     state_dict: Dict[str, torch.Tensor]
     resumed_from: int = 0  # round of the checkpoint the run resumed from (0: fresh)
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -258,6 +258,11 @@ class Simulator:
         return {"round": 0, "global": g, "server": self.algo.init_server_state(g), "clients": {},
                 "history": [], "comm_up": 0.0, "comm_down": 0.0, "logger": None}
 
+    @staticmethod
+    def _eval_model(st: dict) -> torch.Tensor:
+        """The model [d] evaluated after the last round: the rule's (``ServerStep.evaluate``) or the global one."""
+        return st["global"] if st.get("eval") is None else st["eval"]
+
     def _save(self, st: dict, store: ClientStateStore) -> None:
         if self.checkpoint_path is None:
             return
@@ -267,6 +272,7 @@ class Simulator:
                       "server": {k: v.cpu() for k, v in st["server"].items()},
                       "clients": store.state_dict(), "history": st["history"],
                       "comm_up": st["comm_up"], "comm_down": st["comm_down"],
+                      "eval": None if st.get("eval") is None else st["eval"].cpu(),
                       "logger": self.logger.state(), "torch_rng": torch.get_rng_state()},
                      self.checkpoint_path)
         self._saved = True
@@ -291,6 +297,8 @@ class Simulator:
             return None
         ck["global"] = ck["global"].to(self.device)
         ck["server"] = {k: v.to(self.device) for k, v in ck["server"].items()}
+        if ck.get("eval") is not None:
+            ck["eval"] = ck["eval"].to(self.device)
         torch.set_rng_state(ck.pop("torch_rng"))
         return ck
 
@@ -344,7 +352,8 @@ class Simulator:
                                     epochs=dict(work.epochs) if work else {})
                 updates = self.executor.run_round(rctx, clients, store)
                 diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
-                st["global"], st["server"] = self.algo.aggregate(rctx, st["server"], updates)
+                step = self.algo.aggregate(rctx, st["server"], updates)
+                st["global"], st["server"], st["eval"] = step.model, step.state, step.evaluate
                 # what was sent, per participating client: the mean upload over the round's sampled clients (their
                 # messages, ClientUpdate.sent; a dropped straggler sends nothing) and the broadcast (the model and
                 # the rule's extra vectors)
@@ -361,7 +370,7 @@ class Simulator:
                 }
                 if self.count_stragglers:
                     row["stragglers"] = len(work.stragglers)
-                row.update(self.algo.round_metrics(rctx, st["server"], updates))
+                row.update(step.metrics)
                 row.update(diag)
                 if hasattr(self.model, "objective_metrics"):  # the model's own, e.g. f(x_r) - f* of a convex problem
                     row.update(self.model.objective_metrics(self.spec.views(st["global"])))
@@ -371,7 +380,7 @@ class Simulator:
                     row.update(neuron_drift(self.model, load_flat, rctx.global_flat, updates, data.label_counts,
                                             self.x_test[:n], self.y_test[:n], data.num_classes))
                 if r % self.eval_every == 0 or r == self.rounds:
-                    load_flat(self.model, self.algo.eval_flat(st["server"], st["global"]))
+                    load_flat(self.model, self._eval_model(st))
                     row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size,
                                         self.client_label_counts))
                     if not math.isfinite(row["test_loss"]):
@@ -393,7 +402,7 @@ class Simulator:
             self.logger.close("FAILED", str(err))
             self.discard_checkpoint()
             raise RunFailed(str(err), st["history"]) from None
-        final = self.algo.eval_flat(st["server"], st["global"])
+        final = self._eval_model(st)
         data = getattr(self.executor, "data", None)
         post = self.algo.post_training(PostTraining(self.model, final, self.spec, data, self.seed,
                                                     getattr(data, "num_classes", 0)))
