@@ -79,7 +79,7 @@ class PostgresServer:
         """
         cmd = self._as_server_user(args)
         try:
-            res = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=timeout)
+            res = subprocess.run(cmd, cwd=self.root, capture_output=True, check=False, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as err:
             raise PostgresError(f"{' '.join(cmd)}: no exit within {timeout:g} s\n{err.stdout or ''}{err.stderr or ''}")
         if res.returncode != 0:

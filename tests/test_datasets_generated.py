@@ -165,7 +165,7 @@ def test_the_cli_refuses_bad_generator_arguments_with_exit_2(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pipeline.train", "dataset=synthetic", "dataset.beta=-1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, check=False, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: dataset.beta must be >= 0, got -1"
     assert list(tmp_path.iterdir()) == []
 

@@ -183,7 +183,8 @@ def test_a_read_only_results_folder_is_one_line(tmp_path, monkeypatch, capsys):
 def _unshare_mount_works() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"], capture_output=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"], capture_output=True,
+                           check=False)
     return probe.returncode == 0
 
 
@@ -197,7 +198,7 @@ def test_a_real_read_only_mount_is_one_line(tmp_path):
     cmd = (f"mount -t tmpfs -o ro tmpfs {ro} && exec {sys.executable} -m pipeline.train {' '.join(SINGLE)} "
            f"results_dir={ro}/results")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          check=False, timeout=300)
     assert proc.returncode == envfail.EXIT_STATUS, proc.stderr[-2000:]
     assert _lines(proc.stderr) == [f"error: results folder {ro}/results cannot be created: {ro} is not writable "
                                    "(read-only file system); choose another results_dir=..., then run the same "
@@ -538,7 +539,7 @@ def _launch(launcher, args, cwd: Path, fault: str, timeout=300):
     cmd = [*launcher, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "pipeline.train", *args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, check=False, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
 

@@ -59,7 +59,7 @@ def _env(tmp: Path, fault: str | None = None) -> dict:
 
 def _subprocess(tmp: Path, args, fault=None):
     return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=tmp, env=_env(tmp, fault),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, check=False, text=True, timeout=300)
 
 
 def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = None) -> int:

@@ -227,7 +227,7 @@ def test_four_machines_run_one_study_through_postgres_and_one_tracking_server(po
 
     # one machine, once all are done: the same command with --n-trials 0 tests the best and ends the parent run
     final = subprocess.run(sweep_command(space, storage, out, "--n-trials", "0"), cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=WORKERS_DONE_S)
+                           capture_output=True, check=False, text=True, timeout=WORKERS_DONE_S)
     assert final.returncode == 0, final.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["trials"], summary["running"], summary["failed"]) == (n, 0, 0)
