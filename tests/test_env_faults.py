@@ -72,7 +72,8 @@ def test_the_chain_is_searched_but_not_through_from_none():
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # torch.save
+            # torch.save: an implicit chain (__context__, not __cause__), the path this test covers
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
         wrapped = err
     assert envfail.classify(wrapped).cause == "is out of space (no space left on device)"
@@ -111,7 +112,7 @@ def test_writing_names_the_file_of_a_wrapped_os_error(tmp_path):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("unexpected pos 704 vs 598")
+            raise RuntimeError("unexpected pos 704 vs 598")  # noqa: B904 (an implicit chain, as torch.save's)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "a.tmp")
     with pytest.raises(ValueError), envfail.writing(tmp_path / "a.tmp"):
         raise ValueError("not the environment")
@@ -354,7 +355,7 @@ def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (open until os._exit below)
             from pipeline.train import main
 
             code = main(args)
