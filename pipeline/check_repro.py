@@ -41,7 +41,7 @@ def committed(path: Path, rev: str = "HEAD") -> Optional[Dict]:
     """``path`` (relative to the repository root, or absolute inside it) as committed at ``rev``; None if absent."""
     top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
     rel = path.resolve().relative_to(Path(top.stdout.strip()).resolve())
-    shown = subprocess.run(["git", "show", f"{rev}:{rel.as_posix()}"], capture_output=True, text=True)
+    shown = subprocess.run(["git", "show", f"{rev}:{rel.as_posix()}"], capture_output=True, check=False, text=True)
     return json.loads(shown.stdout) if shown.returncode == 0 else None
 
 

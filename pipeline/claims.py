@@ -120,64 +120,94 @@ def known_metric(name: str) -> bool:
     return name in METRICS or bool(LAYER_COSINE.fullmatch(name))
 
 
+def _bad(where: str, key: str, problem: str) -> ClaimsError:
+    """The one-line error of ``key`` in the claim at ``where``."""
+    return ClaimsError(f"{where}: {key}: {problem}")
+
+
+def _check_keys(raw: dict, where: str, seen: set) -> None:
+    """No unknown key, every required one a non-empty string, an id of the allowed characters not used before."""
+    unknown = sorted(str(k) for k in raw if k not in REQUIRED + OPTIONAL)
+    if unknown:
+        raise _bad(where, unknown[0], f"unknown key (allowed: {', '.join(REQUIRED + OPTIONAL)})")
+    for key in REQUIRED:
+        if key not in raw or raw[key] is None:
+            raise _bad(where, key, "missing")
+        if not isinstance(raw[key], str) or not raw[key].strip():
+            raise _bad(where, key, f"must be a non-empty string, got {raw[key]!r}")
+    if not _ID.fullmatch(raw["id"]):
+        raise _bad(where, "id", "may hold letters, digits, '_' and '-' only")
+    if raw["id"] in seen:
+        raise _bad(where, "id", "used by an earlier claim of the file (ids are unique)")
+
+
+def _check_compared(raw: dict, where: str, experiments: Sequence[str]) -> None:
+    """expect, metric and a; then b and value as expect needs (:func:`_check_value`, :func:`_check_pair`)."""
+    expect = raw["expect"]
+    if expect not in EXPECTS:
+        raise _bad(where, "expect", f"{expect!r} is not one of {', '.join(EXPECTS)}")
+    if not known_metric(raw["metric"]):
+        raise _bad(where, "metric", f"{raw['metric']!r} is not a per-seed metric (one of {', '.join(METRICS)}, or "
+                                    "cos_<layer>)")
+    known = set(experiments)
+    if raw["a"] not in known:
+        raise _bad(where, "a", f"{raw['a']!r} is not an experiment of the study's params.yaml")
+    if expect == "value":
+        _check_value(raw, where)
+    else:
+        _check_pair(raw, where, known)
+
+
+def _check_value(raw: dict, where: str) -> None:
+    """expect: value: no b, and a finite published value."""
+    if raw.get("b") is not None:
+        raise _bad(where, "b", "not with expect: value (a's mean is compared with the published value)")
+    if not _is_number(raw.get("value")):
+        raise _bad(where, "value", f"expect: value needs a finite number, got {raw.get('value')!r}")
+
+
+def _check_pair(raw: dict, where: str, known: set) -> None:
+    """expect: a comparison of a with b: b another experiment of the grid, and no value."""
+    b = raw.get("b")
+    if b is None:
+        raise _bad(where, "b", f"missing (expect: {raw['expect']} compares a with b)")
+    if not isinstance(b, str) or b not in known:
+        raise _bad(where, "b", f"{b!r} is not an experiment of the study's params.yaml")
+    if b == raw["a"]:
+        raise _bad(where, "b", "the same experiment as a")
+    if raw.get("value") is not None:
+        raise _bad(where, "value", "only with expect: value")
+
+
+def _check_tolerance_and_needs(raw: dict, where: str) -> None:
+    """A tolerance (>= 0; required by similar and value) and a needs that names a dataset, where given."""
+    tol = raw.get("tolerance")
+    if tol is None and raw["expect"] in ("similar", "value"):
+        raise _bad(where, "tolerance",
+                   f"missing (expect: {raw['expect']} needs the allowed gap, in the metric's units)")
+    if tol is not None and (not _is_number(tol) or tol < 0):
+        raise _bad(where, "tolerance", f"must be a number >= 0, got {tol!r}")
+    needs = raw.get("needs")
+    if needs is not None and needs not in DATASETS:
+        raise _bad(where, "needs", f"{needs!r} is not a dataset (one of {', '.join(DATASETS)})")
+
+
 def _claim(path: Path, i: int, raw, experiments: Sequence[str], seen: set) -> Claim:
-    """One entry of the ``claims`` list, checked (see :func:`load_claims`)."""
+    """One entry of the ``claims`` list, checked (see :func:`load_claims`): its keys, what it compares, its
+    tolerance and dataset, in that order."""
     if not isinstance(raw, dict):
         raise ClaimsError(f"{path}: claims[{i}]: must be a mapping of keys (id, claim, source, ...), got {raw!r}")
     cid = raw.get("id")
     where = f"{path}: claim {cid!r}" if isinstance(cid, str) and cid else f"{path}: claims[{i}]"
-
-    def bad(key: str, problem: str):
-        return ClaimsError(f"{where}: {key}: {problem}")
-
-    unknown = sorted(str(k) for k in raw if k not in REQUIRED + OPTIONAL)
-    if unknown:
-        raise bad(unknown[0], f"unknown key (allowed: {', '.join(REQUIRED + OPTIONAL)})")
-    for key in REQUIRED:
-        if key not in raw or raw[key] is None:
-            raise bad(key, "missing")
-        if not isinstance(raw[key], str) or not raw[key].strip():
-            raise bad(key, f"must be a non-empty string, got {raw[key]!r}")
-    if not _ID.fullmatch(cid):
-        raise bad("id", "may hold letters, digits, '_' and '-' only")
-    if cid in seen:
-        raise bad("id", "used by an earlier claim of the file (ids are unique)")
-    expect = raw["expect"]
-    if expect not in EXPECTS:
-        raise bad("expect", f"{expect!r} is not one of {', '.join(EXPECTS)}")
-    if not known_metric(raw["metric"]):
-        raise bad("metric", f"{raw['metric']!r} is not a per-seed metric (one of {', '.join(METRICS)}, or "
-                            "cos_<layer>)")
-    known = set(experiments)
-    if raw["a"] not in known:
-        raise bad("a", f"{raw['a']!r} is not an experiment of the study's params.yaml")
-    b = raw.get("b")
-    if expect == "value":
-        if b is not None:
-            raise bad("b", "not with expect: value (a's mean is compared with the published value)")
-        if not _is_number(raw.get("value")):
-            raise bad("value", f"expect: value needs a finite number, got {raw.get('value')!r}")
-    else:
-        if b is None:
-            raise bad("b", f"missing (expect: {expect} compares a with b)")
-        if not isinstance(b, str) or b not in known:
-            raise bad("b", f"{b!r} is not an experiment of the study's params.yaml")
-        if b == raw["a"]:
-            raise bad("b", "the same experiment as a")
-        if raw.get("value") is not None:
-            raise bad("value", "only with expect: value")
-    tol = raw.get("tolerance")
-    if tol is None and expect in ("similar", "value"):
-        raise bad("tolerance", f"missing (expect: {expect} needs the allowed gap, in the metric's units)")
-    if tol is not None and (not _is_number(tol) or tol < 0):
-        raise bad("tolerance", f"must be a number >= 0, got {tol!r}")
-    needs = raw.get("needs")
-    if needs is not None and needs not in DATASETS:
-        raise bad("needs", f"{needs!r} is not a dataset (one of {', '.join(DATASETS)})")
+    _check_keys(raw, where, seen)
+    _check_compared(raw, where, experiments)
+    _check_tolerance_and_needs(raw, where)
     seen.add(cid)
+    tol = raw.get("tolerance")
     return Claim(id=cid, claim=raw["claim"].strip(), source=raw["source"].strip(), metric=raw["metric"],
-                 a=raw["a"], expect=expect, b=b, value=None if raw.get("value") is None else float(raw["value"]),
-                 tolerance=None if tol is None else float(tol), needs=needs)
+                 a=raw["a"], expect=raw["expect"], b=raw.get("b"),
+                 value=None if raw.get("value") is None else float(raw["value"]),
+                 tolerance=None if tol is None else float(tol), needs=raw.get("needs"))
 
 
 def load_claims(path: Path, experiments: Sequence[str]) -> List[Claim]:

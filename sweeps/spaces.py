@@ -224,11 +224,16 @@ def _number(where: str, name: str, value: Any) -> float:
         raise SpaceError(f"{where}: {name} must be a number, got {value!r}") from None
 
 
-def _parse_param(where: str, key: str, spec: Any) -> Param:
+def _check_param_key(where: str, key: Any) -> None:
+    """The key of a parameter: a config key, not one the sweep fixes."""
     if not _KEY.match(str(key)):
         raise SpaceError(f"{where}: {key!r} is not a config key (e.g. train.lr or algorithm)")
     if override_key(str(key)) in FIXED_KEYS:
         raise SpaceError(f"{where}: {override_key(str(key))} is fixed by the sweep and cannot be searched")
+
+
+def _param_kind(where: str, spec: Any) -> str:
+    """The ``type`` of a parameter's mapping, whose other fields are those of that type."""
     if not isinstance(spec, dict):
         raise SpaceError(f"{where}: must be a mapping like {{type: float, low: 0.0, high: 1.0}}, got {spec!r}")
     kind = spec.get("type")
@@ -238,17 +243,25 @@ def _parse_param(where: str, key: str, spec: Any) -> Param:
     if unknown:
         raise SpaceError(f"{where}: unknown field {unknown[0]!r} for type {kind} "
                          f"(allowed: {', '.join(sorted(_SPEC_KEYS[kind]))})")
-    if kind == "categorical":
-        choices = spec.get("choices")
-        if not isinstance(choices, list) or not choices:
-            raise SpaceError(f"{where}.choices must be a non-empty list, got {choices!r}")
-        for c in choices:
-            if not (c is None or isinstance(c, (bool, int, float, str))):
-                raise SpaceError(f"{where}.choices: {c!r} is not a scalar (write a list as a string, e.g. "
-                                 f"'[fednlr,fedbug]')")
-        if len(set(map(repr, choices))) != len(choices):
-            raise SpaceError(f"{where}.choices has duplicates: {choices!r}")
-        return Param(str(key), kind, choices=tuple(choices))
+    return kind
+
+
+def _parse_choices(where: str, spec: Dict[str, Any]) -> Tuple[Any, ...]:
+    """The ``choices`` of a categorical: a non-empty list of distinct scalars."""
+    choices = spec.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise SpaceError(f"{where}.choices must be a non-empty list, got {choices!r}")
+    for c in choices:
+        if not (c is None or isinstance(c, (bool, int, float, str))):
+            raise SpaceError(f"{where}.choices: {c!r} is not a scalar (write a list as a string, e.g. "
+                             f"'[fednlr,fedbug]')")
+    if len(set(map(repr, choices))) != len(choices):
+        raise SpaceError(f"{where}.choices has duplicates: {choices!r}")
+    return tuple(choices)
+
+
+def _parse_range(where: str, key: str, kind: str, spec: Dict[str, Any]) -> Param:
+    """A float or int parameter: low < high (integers for an int), log, then step (:func:`_parse_step`)."""
     for name in ("low", "high"):
         if name not in spec:
             raise SpaceError(f"{where}: {name} is missing")
@@ -262,6 +275,11 @@ def _parse_param(where: str, key: str, spec: Any) -> Param:
         raise SpaceError(f"{where}.log must be true or false, got {log!r}")
     if log and low <= 0:
         raise SpaceError(f"{where}: a log scale needs low > 0, got {spec['low']!r}")
+    return Param(key, kind, low, high, log, _parse_step(where, kind, spec, log))
+
+
+def _parse_step(where: str, kind: str, spec: Dict[str, Any], log: bool) -> Optional[float]:
+    """The optional ``step`` of a float or int parameter: positive (an integer for an int), not with log."""
     step = spec.get("step")
     if step is not None:
         step = _number(where, "step", step)
@@ -270,7 +288,17 @@ def _parse_param(where: str, key: str, spec: Any) -> Param:
                              f"got {spec['step']!r}")
         if log:
             raise SpaceError(f"{where}: step and log cannot be combined (Optuna)")
-    return Param(str(key), kind, low, high, log, step)
+    return step
+
+
+def _parse_param(where: str, key: str, spec: Any) -> Param:
+    """One entry of ``params``: its key (:func:`_check_param_key`), its type (:func:`_param_kind`), then the
+    fields of that type (:func:`_parse_choices`, :func:`_parse_range`)."""
+    _check_param_key(where, key)
+    kind = _param_kind(where, spec)
+    if kind == "categorical":
+        return Param(str(key), kind, choices=_parse_choices(where, spec))
+    return _parse_range(where, str(key), kind, spec)
 
 
 def _parse_overrides(where: str, value: Any) -> List[str]:
@@ -348,6 +376,18 @@ def load_space(ref: str) -> Space:
     """
     path = space_path(ref)
     shown = display_path(path)
+    raw = _read_space(path, shown)
+    base = _parse_overrides(f"{shown}: base", raw.get("base"))
+    params = _parse_params(f"{shown}: params", raw.get("params"))
+    if not params:
+        raise SpaceError(f"{shown}: params is empty (nothing to search)")
+    conditional = _parse_conditional(shown, raw.get("conditional") or {}, params)
+    desc = str(raw.get("description") or "").strip()
+    return Space(path.stem, path, desc, base, params, conditional)
+
+
+def _read_space(path: Path, shown: str) -> Dict[str, Any]:
+    """The YAML mapping of a space file, with known top-level keys only (``shown``: its path in messages)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -369,14 +409,14 @@ def load_space(ref: str) -> Space:
     if unknown:
         raise SpaceError(f"{shown}: unknown top-level key {unknown[0]!r} (allowed: description, base, params, "
                          "conditional)")
-    base = _parse_overrides(f"{shown}: base", raw.get("base"))
-    params = _parse_params(f"{shown}: params", raw.get("params"))
-    if not params:
-        raise SpaceError(f"{shown}: params is empty (nothing to search)")
-    conditional: Dict[str, Dict[Any, Branch]] = {}
-    cond = raw.get("conditional") or {}
+    return raw
+
+
+def _parse_conditional(shown: str, cond: Any, params: Dict[str, Param]) -> Dict[str, Dict[Any, Branch]]:
+    """The ``conditional`` section: for a categorical of ``params``, a branch per value (:func:`_parse_branch`)."""
     if not isinstance(cond, dict):
         raise SpaceError(f"{shown}: conditional must map a categorical of params to its values, got {cond!r}")
+    conditional: Dict[str, Dict[Any, Branch]] = {}
     seen: Dict[str, Param] = dict(params)
     for key, branches in cond.items():
         where = f"{shown}: conditional.{key}"
@@ -386,25 +426,30 @@ def load_space(ref: str) -> Space:
         if not isinstance(branches, dict):
             raise SpaceError(f"{where} must map values of {key} to {{base: [...], params: {{...}}}}")
         conditional[str(key)] = {}
-        for value, br in branches.items():
+        for value, raw_branch in branches.items():
             bwhere = f"{where}.{value}"
             if value not in p.choices:
                 raise SpaceError(f"{bwhere}: {value!r} is not one of the choices of {key} {list(p.choices)}")
-            br = br or {}
-            if not isinstance(br, dict) or set(br) - {"base", "params"}:
-                raise SpaceError(f"{bwhere}: a branch holds only base and params, got {br!r}")
-            branch = Branch(_parse_overrides(f"{bwhere}.base", br.get("base")),
-                            _parse_params(f"{bwhere}.params", br.get("params")))
-            for k, bp in branch.params.items():
-                if k in params:
-                    raise SpaceError(f"{bwhere}.params.{k}: already a top-level parameter")
-                if k in seen and seen[k] != bp:  # Optuna: one name, one distribution
-                    raise SpaceError(f"{bwhere}.params.{k}: defined differently in another branch "
-                                     "(a parameter name must keep one distribution)")
-                seen[k] = bp
-            conditional[str(key)][value] = branch
-    desc = str(raw.get("description") or "").strip()
-    return Space(path.stem, path, desc, base, params, conditional)
+            conditional[str(key)][value] = _parse_branch(bwhere, raw_branch, params, seen)
+    return conditional
+
+
+def _parse_branch(bwhere: str, raw_branch: Any, params: Dict[str, Param], seen: Dict[str, Param]) -> Branch:
+    """One branch of ``conditional`` (its base and params); a parameter new to the space, or with the distribution
+    it has in the other branches (``seen``, which it joins)."""
+    br = raw_branch or {}
+    if not isinstance(br, dict) or set(br) - {"base", "params"}:
+        raise SpaceError(f"{bwhere}: a branch holds only base and params, got {br!r}")
+    branch = Branch(_parse_overrides(f"{bwhere}.base", br.get("base")),
+                    _parse_params(f"{bwhere}.params", br.get("params")))
+    for k, bp in branch.params.items():
+        if k in params:
+            raise SpaceError(f"{bwhere}.params.{k}: already a top-level parameter")
+        if k in seen and seen[k] != bp:  # Optuna: one name, one distribution
+            raise SpaceError(f"{bwhere}.params.{k}: defined differently in another branch "
+                             "(a parameter name must keep one distribution)")
+        seen[k] = bp
+    return branch
 
 
 def check_space(space: Space, overrides: Sequence[str]) -> Any:

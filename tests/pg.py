@@ -79,9 +79,10 @@ class PostgresServer:
         """
         cmd = self._as_server_user(args)
         try:
-            res = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, timeout=timeout)
+            res = subprocess.run(cmd, cwd=self.root, capture_output=True, check=False, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as err:
-            raise PostgresError(f"{' '.join(cmd)}: no exit within {timeout:g} s\n{err.stdout or ''}{err.stderr or ''}")
+            raise PostgresError(f"{' '.join(cmd)}: no exit within {timeout:g} s\n"
+                                f"{err.stdout or ''}{err.stderr or ''}") from err
         if res.returncode != 0:
             raise PostgresError(f"{' '.join(cmd)}: exit status {res.returncode}\n{res.stdout}{res.stderr}\n"
                                 f"{self.log_tail()}")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _run(args, cwd, env_extra=None):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          check=False, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -85,7 +85,7 @@ def test_help_cfg_and_info_load_no_torch_mlflow_or_matplotlib(tmp_path, module, 
     """The commands that print and exit import none of the heavy libraries (a run imports them where it uses them):
     structural, so it holds on any machine however loaded."""
     proc = subprocess.run([sys.executable, "-c", _LOADED, module, *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          check=False, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
     assert list(tmp_path.iterdir()) == []

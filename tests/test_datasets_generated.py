@@ -111,14 +111,14 @@ def test_beta_is_a_standard_deviation_and_iid_shares_one_rule():
     assert len(big) >= 20
     mean_gap = {name: np.mean([np.abs(d[i][0].mean(0)).mean() for i in big]) for name, d in
                 (("noniid", noniid), ("iid", iid))}
-    assert mean_gap["iid"] < 0.1 < 0.5 < mean_gap["noniid"]  # |v_k| entries ~0.8 on average vs 0
+    assert mean_gap["iid"] < 0.1 and mean_gap["noniid"] > 0.5  # |v_k| entries ~0.8 on average vs 0
 
     def label_tv(devs):  # mean total-variation distance of the big devices' label histograms to the pooled one
         hists = np.array([np.bincount(devs[i][1], minlength=10) / len(devs[i][1]) for i in big])
         pooled = hists.mean(0)
         return np.mean(0.5 * np.abs(hists - pooled).sum(1))
 
-    assert label_tv(iid) < 0.1 < 0.3 < label_tv(noniid)
+    assert label_tv(iid) < 0.1 and label_tv(noniid) > 0.3
 
 
 def test_natural_partition_is_the_devices():
@@ -165,7 +165,7 @@ def test_the_cli_refuses_bad_generator_arguments_with_exit_2(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pipeline.train", "dataset=synthetic", "dataset.beta=-1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, check=False, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: dataset.beta must be >= 0, got -1"
     assert list(tmp_path.iterdir()) == []
 

@@ -21,7 +21,7 @@ BIN = Path(sys.executable).parent
 
 
 def _sh(args, cwd, env):
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, check=False, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr
 

@@ -72,7 +72,8 @@ def test_the_chain_is_searched_but_not_through_from_none():
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # torch.save
+            # torch.save: an implicit chain (__context__, not __cause__), the path this test covers
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
         wrapped = err
     assert envfail.classify(wrapped).cause == "is out of space (no space left on device)"
@@ -111,7 +112,7 @@ def test_writing_names_the_file_of_a_wrapped_os_error(tmp_path):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("unexpected pos 704 vs 598")
+            raise RuntimeError("unexpected pos 704 vs 598")  # noqa: B904 (an implicit chain, as torch.save's)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "a.tmp")
     with pytest.raises(ValueError), envfail.writing(tmp_path / "a.tmp"):
         raise ValueError("not the environment")
@@ -183,7 +184,8 @@ def test_a_read_only_results_folder_is_one_line(tmp_path, monkeypatch, capsys):
 def _unshare_mount_works() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"], capture_output=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"], capture_output=True,
+                           check=False)
     return probe.returncode == 0
 
 
@@ -197,7 +199,7 @@ def test_a_real_read_only_mount_is_one_line(tmp_path):
     cmd = (f"mount -t tmpfs -o ro tmpfs {ro} && exec {sys.executable} -m pipeline.train {' '.join(SINGLE)} "
            f"results_dir={ro}/results")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          check=False, timeout=300)
     assert proc.returncode == envfail.EXIT_STATUS, proc.stderr[-2000:]
     assert _lines(proc.stderr) == [f"error: results folder {ro}/results cannot be created: {ro} is not writable "
                                    "(read-only file system); choose another results_dir=..., then run the same "
@@ -353,7 +355,7 @@ def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (open until os._exit below)
             from pipeline.train import main
 
             code = main(args)
@@ -538,7 +540,7 @@ def _launch(launcher, args, cwd: Path, fault: str, timeout=300):
     cmd = [*launcher, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "pipeline.train", *args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, check=False, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
 

@@ -59,7 +59,7 @@ def _env(tmp: Path, fault: str | None = None) -> dict:
 
 def _subprocess(tmp: Path, args, fault=None):
     return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=tmp, env=_env(tmp, fault),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, check=False, text=True, timeout=300)
 
 
 def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = None) -> int:
@@ -75,7 +75,8 @@ def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = Non
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if stderr else devnull, 2)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture of this process
+            # not pytest's capture of this process; open until os._exit below
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             from pipeline.train import main
 
             code = main(args)

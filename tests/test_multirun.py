@@ -30,7 +30,7 @@ def _run(args, cwd):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
     return subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          check=False, text=True, timeout=600)
 
 
 def _metrics(tmp_path):

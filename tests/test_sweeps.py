@@ -76,7 +76,7 @@ def _one_line_error(capsys) -> str:
 
 
 def test_help_lists_the_options():
-    res = subprocess.run([sys.executable, str(ROOT / "sweeps" / "tune.py"), "--help"], capture_output=True,
+    res = subprocess.run([sys.executable, str(ROOT / "sweeps" / "tune.py"), "--help"], capture_output=True, check=False,
                          text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr
     for opt in ("--space", "--n-trials", "--timeout", "--workers", "--storage", "--study-name", "--sampler",
@@ -350,7 +350,7 @@ def test_study_prunes_survives_divergence_resumes_and_its_best_yaml_reproduces(s
     # the trials ran with 1 torch thread (--threads); 2 threads change the losses by ~1e-7: the command pins it
     assert command == f"OMP_NUM_THREADS=1 python -m pipeline.train --grid t_best_val --params {best_yaml.resolve()}"
     res = subprocess.run([sys.executable] + command.split()[2:], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, check=False, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     metrics = json.loads((sandbox / "results" / "t_best_val" / "metrics.json").read_text())
     assert metrics["final_acc_mean"] == pytest.approx(summary["best"]["val_acc"], abs=1e-9)

@@ -308,7 +308,8 @@ def test_the_screenshot_script_stops_in_one_line_without_chromium(tmp_path):
 
     out = tmp_path / "shot.png"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ui_screenshot.py"), "--chromium",
-                           str(tmp_path / "no-chromium"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "no-chromium"), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'no-chromium'} not found: install it (Debian: apt-get install -y chromium) or give "
