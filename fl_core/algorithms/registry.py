@@ -254,13 +254,9 @@ def stack_sections(stack: List[str]) -> List[str]:
     return out
 
 
-def check_algorithm(a: Any) -> None:
-    """Check the ``algorithm`` node ``a``: the stack's names, every section's fields, and that the base honours
-    the shared keys it is given.
-
-    Raises:
-        ConfigError: one line naming the offending key.
-    """
+def _check_stack_names(a: Any) -> None:
+    """The stack's names: ``algorithm.name`` a base, ``server_opt`` a server optimiser, every wrapper a wrapper (a
+    transform given there is pointed at ``algorithm.transforms``), every transform a transform."""
     if a.name not in names("base"):
         raise ConfigError(f"algorithm.name must be one of {', '.join(names('base'))}, got {a.name!r}")
     if a.server_opt not in names("server"):
@@ -274,6 +270,16 @@ def check_algorithm(a: Any) -> None:
     for i, t in enumerate(_key(a, "transforms") or []):
         if t not in names("transform"):
             raise ConfigError(f"algorithm.transforms[{i}] must be one of {', '.join(names('transform'))}, got {t!r}")
+
+
+def check_algorithm(a: Any) -> None:
+    """Check the ``algorithm`` node ``a``: the stack's names, every section's fields, and that the base honours
+    the shared keys it is given.
+
+    Raises:
+        ConfigError: one line naming the offending key.
+    """
+    _check_stack_names(a)
     if a.aggregation is not None:
         check_choice("algorithm.aggregation", a.aggregation, AGGREGATIONS)
     if a.eta_g is not None:
