@@ -240,7 +240,10 @@ def trim_sections(a: Dict[str, Any]) -> Dict[str, Any]:
     the shared keys and what the stack reads, i.e. what determines a run's numbers (MLflow params, fingerprints)."""
     names = stack(a)
     keep = set(stack_sections(names)) | set(names)
-    return {k: v for k, v in a.items() if not isinstance(v, dict) or k in keep}
+    # an empty ``transforms`` (no message transform, the default) is left out: the key came after the first
+    # fingerprints were written, and a run without transforms keeps its fingerprint and MLflow params
+    return {k: v for k, v in a.items()
+            if (not isinstance(v, dict) or k in keep) and not (k == "transforms" and not v)}
 
 
 def stack_sections(stack: List[str]) -> List[str]:
