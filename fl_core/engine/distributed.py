@@ -61,8 +61,8 @@ AGAIN = "then run the same torchrun command again to resume from rank 0's last c
 def world() -> Tuple[int, int, int]:
     """(rank, world size K, local rank) from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); (0, 1, 0)
     without it."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def rank_device(device: torch.device) -> torch.device:

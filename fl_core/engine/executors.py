@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -440,6 +441,27 @@ class SequentialExecutor(Executor):
 EXECUTORS = {"sequential": SequentialExecutor}
 
 
+@dataclass
+class _Chunk:
+    """One chunk of clients in :class:`VectorizedExecutor`, stacked [C, ...] while its local steps run."""
+
+    rctx: RoundContext
+    ctxs: List[ClientContext]
+    params: Dict[str, torch.Tensor]  # the clients' parameters [C, *shape]
+    lr_scale: Dict[str, torch.Tensor]  # step-size multipliers [C, *shape] of the tensors some client scales
+    steps: torch.Tensor  # K_i [C]
+    client: Dict[str, Any]  # per-client values vmap slices: num_samples, num_steps, label_counts, state, ...
+    pos: torch.Tensor  # batch positions [C, Kmax, B] (:meth:`VectorizedExecutor._schedule`)
+    w: torch.Tensor  # sample weights [C, Kmax, B], 0 = padding
+    kmax: int
+    batched_ctx: ClientContext  # the hooks' context of all C clients at once
+    anchor: Optional[Dict[str, torch.Tensor]]  # the received parameters [C, *shape] (needs.anchor_gradient)
+    loss_sum: torch.Tensor  # [C]
+    bufs: Dict[str, torch.Tensor]  # momentum buffers [C, *shape]
+    moments: Dict[str, tuple]  # Adam's (m, v, step count [C]) per tensor
+    masked: bool  # some client has a step mask
+
+
 class VectorizedExecutor(Executor):
     """Trains the sampled clients of a round together: one ``torch.func.vmap``'ed grad step per local step.
 
@@ -553,25 +575,32 @@ class VectorizedExecutor(Executor):
         return out
 
     def _train_chunk(self, rctx: RoundContext, ids: List[int], store: ClientStateStore) -> List[ClientUpdate]:
-        data, algo, dev = self.data, self.algo, self.data.x.device
+        """Train the clients ``ids`` together: begin them, stack them, run local steps 1..Kmax, finish them."""
         ctxs = self.client_contexts(rctx, ids, store)
-        C = len(ctxs)
-        needs = algo.needs
+        self._begin_clients(rctx, ctxs)
+        chunk = self._stack_chunk(rctx, ctxs)
+        for k in range(chunk.kmax):
+            self._chunk_step(chunk, k)
+        return self._finish_chunk(chunk, store)
+
+    def _begin_clients(self, rctx: RoundContext, ctxs: List[ClientContext]) -> None:
+        """Each client's ``client_begin`` at the received model, and its full local gradient where the rule needs it."""
+        data, algo, needs = self.data, self.algo, self.algo.needs
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
         for ctx in ctxs if overrides(algo, "client_begin") or needs.full_gradient else ():
             algo.client_begin(ctx, self.probe(ctx.client_id))
             if needs.full_gradient:
                 ix = data.indices[ctx.client_id]
                 ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
+
+    def _stack_chunk(self, rctx: RoundContext, ctxs: List[ClientContext]) -> _Chunk:
+        """The chunk's starting point stacked [C, ...]: the received parameters, step-size multipliers, per-client
+        values, batch schedule, anchor and optimiser state."""
+        data, needs, dev = self.data, self.algo.needs, self.data.x.device
+        C = len(ctxs)
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
-        lr_scale = {}  # per-client step-size multipliers stacked [C, *shape]; 1 where a client has none
-        scaled = any(c.lr_scale for c in ctxs)
-        for n in self._names if scaled else ():
-            if any(c.lr_scale and n in c.lr_scale for c in ctxs):
-                ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=dev)
-                lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale else ones)
-                                           .to(g[n].dtype).expand(g[n].shape) for c in ctxs])
+        lr_scale = self._stacked_lr_scale(ctxs, g)
         steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
         # per-client values as stacked tensors [C, ...] (vmap hands each client its slice)
         dtype = data.x.dtype
@@ -592,71 +621,128 @@ class VectorizedExecutor(Executor):
         # momentum buffers [C, *shape], new for every chunk and round; a zero buffer makes the first step's
         # rho * 0 + d_p = d_p, the sequential executor's buf = d_p
         bufs = {n: torch.zeros_like(params[n]) for n in self._names} if self.momentum else {}
-        adam = self.optimizer == "adam"
         # Adam's moments [C, *shape] and step counts [C] per tensor, new for every chunk and round
         moments = {n: (torch.zeros_like(params[n]), torch.zeros_like(params[n]),
-                       torch.zeros(C, dtype=torch.long, device=dev)) for n in self._names} if adam else {}
-        masked = any(c.step_mask is not None for c in ctxs)
-        for k in range(kmax):
-            b = pos[:, k]
-            x, y = data.x[b], data.y[b]  # [C, B, ...]
-            if self.augmentation != "none":
-                aug = augment.stack([self.augment_params(rctx, ctx.client_id, k + 1) for ctx in ctxs])
-                x = augment.apply(x, aug, self.crop_padding)
-            if needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
-                client["reference_outputs"] = self._stacked_reference_outputs(batched_ctx, x)
-            grads, loss = self._grad_fn(params, x, y, w[:, k], client, rctx)
-            active = k < steps  # [C]
-            masks = [c.step_mask(k + 1) if c.step_mask is not None else None for c in ctxs] if masked else [None]
-            if all(m is None for m in masks):  # every tensor of every client may move: the mask is `active`
-                mask = active[:, None].expand(C, len(self._names))
+                       torch.zeros(C, dtype=torch.long, device=dev)) for n in self._names} \
+            if self.optimizer == "adam" else {}
+        return _Chunk(rctx=rctx, ctxs=ctxs, params=params, lr_scale=lr_scale, steps=steps, client=client, pos=pos,
+                      w=w, kmax=kmax, batched_ctx=batched_ctx, anchor=anchor, loss_sum=loss_sum, bufs=bufs,
+                      moments=moments, masked=any(c.step_mask is not None for c in ctxs))
+
+    def _stacked_lr_scale(self, ctxs: List[ClientContext], g: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per-client step-size multipliers stacked [C, *shape] for the tensors some client scales; 1 where a
+        client has none."""
+        lr_scale = {}
+        scaled = any(c.lr_scale for c in ctxs)
+        for n in self._names if scaled else ():
+            if any(c.lr_scale and n in c.lr_scale for c in ctxs):
+                ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=self.data.x.device)
+                lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale else ones)
+                                           .to(g[n].dtype).expand(g[n].shape) for c in ctxs])
+        return lr_scale
+
+    def _chunk_step(self, chunk: _Chunk, k: int) -> None:
+        """Local step k + 1 of every client: its batch, the gradients under vmap, the step mask, the rule's
+        ``local_step``, clipping and the masked update; adds the step's loss of the clients still training."""
+        rctx, wk = chunk.rctx, chunk.w[:, k]
+        x, y = self._step_batch(chunk, k)
+        grads, loss = self._grad_fn(chunk.params, x, y, wk, chunk.client, rctx)
+        active = k < chunk.steps  # [C]
+        mask = self._step_mask(chunk, k, active)
+        if chunk.anchor is not None:
+            chunk.batched_ctx.anchor_grads, _ = self._grad_fn(chunk.anchor, x, y, wk, chunk.client, rctx)
+        self.algo.local_step(chunk.batched_ctx, k + 1, chunk.params, grads)
+        coef = self._clip_coefficients(grads, mask) if self.grad_clip is not None else None
+        self._masked_update(chunk, grads, mask, coef)
+        chunk.loss_sum += torch.where(active, loss, torch.zeros_like(loss))
+
+    def _step_batch(self, chunk: _Chunk, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every client's mini-batch of step k + 1, (x [C, B, ...], y [C, B]), augmented; sets the reference
+        outputs the rule reads on it."""
+        b = chunk.pos[:, k]
+        x, y = self.data.x[b], self.data.y[b]  # [C, B, ...]
+        if self.augmentation != "none":
+            aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1) for ctx in chunk.ctxs])
+            x = augment.apply(x, aug, self.crop_padding)
+        if self.algo.needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
+            chunk.client["reference_outputs"] = self._stacked_reference_outputs(chunk.batched_ctx, x)
+        return x, y
+
+    def _step_mask(self, chunk: _Chunk, k: int, active: torch.Tensor) -> torch.Tensor:
+        """Which tensor of which client moves at step k + 1, [C, P]: the clients' step masks, and only clients
+        with steps left (``active`` [C])."""
+        C, P = len(chunk.ctxs), len(self._names)
+        masks = [c.step_mask(k + 1) if c.step_mask is not None else None for c in chunk.ctxs] if chunk.masked \
+            else [None]
+        if all(m is None for m in masks):  # every tensor of every client may move: the mask is `active`
+            return active[:, None].expand(C, P)
+        mask = torch.tensor([[True] * P if m is None else list(m) for m in masks], device=self.data.x.device)
+        mask &= active[:, None]  # [C, P]
+        return mask
+
+    def _clip_coefficients(self, grads: Dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Per-client gradient scale [C] of ``clip_grad_norm_`` over the client's trainable tensors."""
+        sq = torch.stack([grads[n].pow(2).flatten(1).sum(1) for n in self._names], 1)  # [C, P]
+        norm = (sq * mask).sum(1).sqrt()
+        return (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+
+    def _masked_update(self, chunk: _Chunk, grads: Dict[str, torch.Tensor], mask: torch.Tensor,
+                       coef: Optional[torch.Tensor]) -> None:
+        """Every tensor's SGD or Adam step where ``mask`` [C, P] lets it move (clipped by ``coef`` [C] if given)."""
+        C = len(chunk.ctxs)
+        for j, n in enumerate(self._names):
+            p, gr = chunk.params[n], grads[n]
+            shape = (C,) + (1,) * (p.dim() - 1)
+            if coef is not None:
+                gr = gr * coef.view(shape)
+            d_p = gr + self.weight_decay * p if self.weight_decay else gr
+            moves = mask[:, j].view(shape)
+            if self.optimizer == "adam":
+                step = self._adam_step(chunk, n, d_p, mask[:, j], moves, shape)
             else:
-                mask = torch.tensor([[True] * len(self._names) if m is None else list(m) for m in masks], device=dev)
-                mask &= active[:, None]  # [C, P]
-            if anchor is not None:
-                batched_ctx.anchor_grads, _ = self._grad_fn(anchor, x, y, w[:, k], client, rctx)
-            algo.local_step(batched_ctx, k + 1, params, grads)
-            if self.grad_clip is not None:
-                sq = torch.stack([grads[n].pow(2).flatten(1).sum(1) for n in self._names], 1)  # [C, P]
-                norm = (sq * mask).sum(1).sqrt()
-                coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for j, n in enumerate(self._names):
-                p, gr = params[n], grads[n]
-                shape = (C,) + (1,) * (p.dim() - 1)
-                if self.grad_clip is not None:
-                    gr = gr * coef.view(shape)
-                d_p = gr + self.weight_decay * p if self.weight_decay else gr
-                moves = mask[:, j].view(shape)
-                if adam:  # adam_step per client; a masked client keeps its moments and its step count
-                    m, v, t = moments[n]
-                    b1, b2 = ADAM_BETAS
-                    t = t + mask[:, j]
-                    m = torch.where(moves, torch.lerp(m, d_p, 1 - b1), m)
-                    v = torch.where(moves, v * b2 + (1 - b2) * d_p * d_p, v)
-                    moments[n] = (m, v, t)
-                    tf = t.clamp_min(1).to(p.dtype).view(shape)
-                    step = m / (v.sqrt() / (1 - b2 ** tf).sqrt() + ADAM_EPS) * (rctx.lr / (1 - b1 ** tf))
-                    if n in lr_scale:
-                        step = step * lr_scale[n]
-                    params[n] = torch.where(moves, p - step, p)
-                    continue
-                if self.momentum:  # a masked (frozen, or finished) client's buffer stays as it is
-                    bufs[n] = d_p = torch.where(moves, self.momentum * bufs[n] + d_p, bufs[n])
-                if n in lr_scale:
-                    d_p = d_p * lr_scale[n]
-                params[n] = torch.where(moves, p - rctx.lr * d_p, p)
-            loss_sum += torch.where(active, loss, torch.zeros_like(loss))
-        flat = torch.cat([params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
+                step = self._sgd_step(chunk, n, d_p, moves)
+            chunk.params[n] = torch.where(moves, p - step, p)
+
+    def _adam_step(self, chunk: _Chunk, n: str, d_p: torch.Tensor, mask_j: torch.Tensor, moves: torch.Tensor,
+                   shape: Tuple[int, ...]) -> torch.Tensor:
+        """:func:`adam_step` per client for tensor ``n``: its step [C, *shape]; a masked client keeps its moments
+        and its step count."""
+        m, v, t = chunk.moments[n]
+        b1, b2 = ADAM_BETAS
+        t = t + mask_j
+        m = torch.where(moves, torch.lerp(m, d_p, 1 - b1), m)
+        v = torch.where(moves, v * b2 + (1 - b2) * d_p * d_p, v)
+        chunk.moments[n] = (m, v, t)
+        tf = t.clamp_min(1).to(chunk.params[n].dtype).view(shape)
+        step = m / (v.sqrt() / (1 - b2 ** tf).sqrt() + ADAM_EPS) * (chunk.rctx.lr / (1 - b1 ** tf))
+        if n in chunk.lr_scale:
+            step = step * chunk.lr_scale[n]
+        return step
+
+    def _sgd_step(self, chunk: _Chunk, n: str, d_p: torch.Tensor, moves: torch.Tensor) -> torch.Tensor:
+        """:func:`sgd_step` per client for tensor ``n``: its step [C, *shape]; a masked (frozen, or finished)
+        client's momentum buffer stays as it is."""
+        if self.momentum:
+            chunk.bufs[n] = d_p = torch.where(moves, self.momentum * chunk.bufs[n] + d_p, chunk.bufs[n])
+        if n in chunk.lr_scale:
+            d_p = d_p * chunk.lr_scale[n]
+        return chunk.rctx.lr * d_p
+
+    def _finish_chunk(self, chunk: _Chunk, store: ClientStateStore) -> List[ClientUpdate]:
+        """The clients' updates (delta, mean loss over their steps; the rule's ``finish_client``), their states
+        stored; a non-finite loss raises :class:`NonFiniteLossError`."""
+        ctxs, rctx, C = chunk.ctxs, chunk.rctx, len(chunk.ctxs)
+        flat = torch.cat([chunk.params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
         deltas = flat - rctx.global_flat
-        mean = loss_sum / steps.clamp_min(1)
+        mean = chunk.loss_sum / chunk.steps.clamp_min(1)
         bad = torch.nonzero(~torch.isfinite(mean)).flatten().tolist()
         if bad:
             raise NonFiniteLossError(f"non-finite training loss ({float(mean[bad[0]])}) in round {rctx.round}, "
                                      f"client {ctxs[bad[0]].client_id}")
         updates = [ClientUpdate(ctx.client_id, ctx.num_samples, ctx.num_steps, delta, loss)
                    for ctx, delta, loss in zip(ctxs, deltas.unbind(0), mean.tolist())]
-        if overrides(algo, "finish_client"):
-            updates = [algo.finish_client(ctx, up) for ctx, up in zip(ctxs, updates)]
+        if overrides(self.algo, "finish_client"):
+            updates = [self.algo.finish_client(ctx, up) for ctx, up in zip(ctxs, updates)]
         for ctx in ctxs:
             if ctx.state is not None:
                 store.put(ctx.client_id, ctx.state)

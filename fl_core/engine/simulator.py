@@ -10,14 +10,12 @@ resumed from a checkpoint ends with exactly the parameters of an uninterrupted r
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +27,7 @@ from ..seeding import derive_seed
 from . import diskstate, gcpause
 from .diagnostics import client_loss_trace, layer_cosine
 from .executors import NonFiniteLossError
-from .localwork import LocalWork, plan_round
+from .localwork import LocalWork, RoundWork, plan_round
 from .probes import neuron_drift
 from .state import ClientStateStore, ParamSpec, flatten_params, load_flat
 
@@ -78,12 +76,6 @@ class RunResult:
     state_dict: Dict[str, torch.Tensor]
     resumed_from: int = 0  # round of the checkpoint the run resumed from (0: fresh)
     extra: Dict[str, Any] = field(default_factory=dict)
-
-
-def config_fingerprint(sections: Dict[str, Any]) -> str:
-    """Short hash of the config sections that determine the result (names checkpoints)."""
-    blob = json.dumps(sections, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def client_accuracy(correct_per_class, count_per_class, client_label_counts) -> torch.Tensor:
@@ -334,74 +326,135 @@ class Simulator:
             return self._run()
 
     def _run(self) -> RunResult:
+        """Resume (or start), run rounds ``st["round"] + 1 .. R``, then the post-training step and the result."""
         resumed_from = self.restore()
         st, self._restored = self._restored, None
         store = self._open_store(st)
         self.logger.open(st.get("logger"))
-        d = self.spec.d
         try:
             for r in range(st["round"] + 1, self.rounds + 1):
-                t0 = time.perf_counter()
-                lr = self.lr * self.lr_decay ** (r - 1)
-                sampled = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r).tolist()
-                work = plan_round(self.local_work, self.seed, r, sampled) if self.local_work else None
-                clients = list(work.train) if work else sampled
-                rctx = RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
-                                    num_clients=self.num_clients, mean_client_size=self.mean_client_size,
-                                    sampled=tuple(clients), seed=self.seed, extra=self.algo.broadcast(st["server"]),
-                                    epochs=dict(work.epochs) if work else {})
-                updates = self.executor.run_round(rctx, clients, store)
-                diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
-                step = self.algo.aggregate(rctx, st["server"], updates)
-                st["global"], st["server"], st["eval"] = step.model, step.state, step.evaluate
-                # what was sent, per participating client: the mean upload over the round's sampled clients (their
-                # messages, ClientUpdate.sent; a dropped straggler sends nothing) and the broadcast (the model and
-                # the rule's extra vectors)
-                st["comm_up"] += sum(u.up_floats() for u in updates) / len(sampled)
-                st["comm_down"] += d + sum(float(v.numel()) for v in rctx.extra.values())
-                steps = [u.num_steps for u in updates]
-                row: Dict[str, float] = {
-                    "round": r,
-                    "train_loss": sum(u.train_loss for u in updates) / len(updates),
-                    "lr": lr, "num_clients": len(updates),
-                    "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
-                    "local_steps_mean": sum(steps) / len(steps), "local_steps_min": min(steps),
-                    "local_steps_max": max(steps),
-                }
-                if self.count_stragglers:
-                    row["stragglers"] = len(work.stragglers)
-                row.update(step.metrics)
-                row.update(diag)
-                if hasattr(self.model, "objective_metrics"):  # the model's own, e.g. f(x_r) - f* of a convex problem
-                    row.update(self.model.objective_metrics(self.spec.views(st["global"])))
-                if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):
-                    n = self.neuron_drift_samples
-                    data = self.executor.data
-                    row.update(neuron_drift(self.model, load_flat, rctx.global_flat, updates, data.label_counts,
-                                            self.x_test[:n], self.y_test[:n], data.num_classes))
-                if r % self.eval_every == 0 or r == self.rounds:
-                    load_flat(self.model, self._eval_model(st))
-                    row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size,
-                                        self.client_label_counts))
-                    if not math.isfinite(row["test_loss"]):
-                        raise NonFiniteLossError(f"non-finite test loss in round {r}")
-                row["round_time_s"] = time.perf_counter() - t0
-                st["history"].append(row)
-                st["round"] = r
-                self.logger.log_round(r, {k: v for k, v in row.items() if k != "round"})
-                if self.checkpoint_every and r % self.checkpoint_every == 0 and r < self.rounds:
-                    self.logger.flush()
-                    self._save(st, store)
-                for cb in self.callbacks:
-                    cb(r, row)
+                self._round(r, st, store)
                 if r == resumed_from + 1:  # the first round imported what it uses: freeze it too
                     gcpause.refreeze()
         except NonFiniteLossError as err:
-            getattr(store, "close", lambda: None)()
-            self.logger.flush()
-            self.logger.close("FAILED", str(err))
-            self.discard_checkpoint()
+            self._close_failed(store, str(err))
             raise RunFailed(str(err), st["history"]) from None
+        return self._finish(st, store, resumed_from)
+
+    def _round(self, r: int, st: dict, store: ClientStateStore) -> None:
+        """Round r: sample, broadcast, train, aggregate, the round's row (metrics, evaluation), log, checkpoint."""
+        t0 = time.perf_counter()
+        lr = self.lr * self.lr_decay ** (r - 1)
+        sampled, work, clients = self._sample(r)
+        rctx = self._broadcast(r, lr, st, clients, work)
+        updates = self.executor.run_round(rctx, clients, store)
+        diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
+        step = self._aggregate(rctx, st, updates, len(sampled))
+        row = self._round_row(r, lr, st, updates, work, step, diag)
+        self._probe_row(row, st, rctx, updates)
+        self._evaluate_round(r, st, row)
+        self._record_round(r, st, store, row, t0)
+
+    def _sample(self, r: int) -> Tuple[List[int], Optional[RoundWork], List[int]]:
+        """The clients sampled in round r, the round's local-work plan (None without one) and the clients that
+        train (the sampled ones less dropped stragglers)."""
+        sampled = sample_clients(self.num_clients, self.participation, self.sampler, self.seed, r).tolist()
+        work = plan_round(self.local_work, self.seed, r, sampled) if self.local_work else None
+        clients = list(work.train) if work else sampled
+        return sampled, work, clients
+
+    def _broadcast(self, r: int, lr: float, st: dict, clients: List[int], work: Optional[RoundWork]) -> RoundContext:
+        """What the clients of round r receive: the global model and the rule's broadcast (``algo.broadcast``)."""
+        return RoundContext(round=r, lr=lr, lr0=self.lr, global_flat=st["global"], spec=self.spec,
+                            num_clients=self.num_clients, mean_client_size=self.mean_client_size,
+                            sampled=tuple(clients), seed=self.seed, extra=self.algo.broadcast(st["server"]),
+                            epochs=dict(work.epochs) if work else {})
+
+    def _aggregate(self, rctx: RoundContext, st: dict, updates, num_sampled: int):
+        """The rule's server step over ``updates`` into ``st`` (global model, server state, evaluated model) and
+        the round's communication; returns the step (its ``metrics``)."""
+        step = self.algo.aggregate(rctx, st["server"], updates)
+        st["global"], st["server"], st["eval"] = step.model, step.state, step.evaluate
+        # what was sent, per participating client: the mean upload over the round's sampled clients (their
+        # messages, ClientUpdate.sent; a dropped straggler sends nothing) and the broadcast (the model and
+        # the rule's extra vectors)
+        st["comm_up"] += sum(u.up_floats() for u in updates) / num_sampled
+        st["comm_down"] += self.spec.d + sum(float(v.numel()) for v in rctx.extra.values())
+        return step
+
+    def _round_row(self, r: int, lr: float, st: dict, updates, work: Optional[RoundWork], step,
+                   diag: Dict[str, float]) -> Dict[str, float]:
+        """The round's metrics: training loss, communication, local steps, stragglers, the step's and the
+        diagnostics'."""
+        steps = [u.num_steps for u in updates]
+        row: Dict[str, float] = {
+            "round": r,
+            "train_loss": sum(u.train_loss for u in updates) / len(updates),
+            "lr": lr, "num_clients": len(updates),
+            "comm_up_floats": st["comm_up"], "comm_down_floats": st["comm_down"],
+            "local_steps_mean": sum(steps) / len(steps), "local_steps_min": min(steps),
+            "local_steps_max": max(steps),
+        }
+        if self.count_stragglers:
+            row["stragglers"] = len(work.stragglers)
+        row.update(step.metrics)
+        row.update(diag)
+        return row
+
+    def _probe_row(self, row: Dict[str, float], st: dict, rctx: RoundContext, updates) -> None:
+        """Adds the model's objective metrics of the new global model and the neuron-drift probe where on."""
+        if hasattr(self.model, "objective_metrics"):  # the model's own, e.g. f(x_r) - f* of a convex problem
+            row.update(self.model.objective_metrics(self.spec.views(st["global"])))
+        if self.neuron_drift_samples and hasattr(self.model, "neuron_layers"):
+            n = self.neuron_drift_samples
+            data = self.executor.data
+            row.update(neuron_drift(self.model, load_flat, rctx.global_flat, updates, data.label_counts,
+                                    self.x_test[:n], self.y_test[:n], data.num_classes))
+
+    def _evaluate_round(self, r: int, st: dict, row: Dict[str, float]) -> None:
+        """Every ``eval_every`` rounds and at the last: the test metrics of the evaluated model into ``row``; a
+        non-finite test loss raises :class:`NonFiniteLossError`."""
+        if r % self.eval_every == 0 or r == self.rounds:
+            load_flat(self.model, self._eval_model(st))
+            row.update(evaluate(self.model, self.x_test, self.y_test, self.eval_batch_size,
+                                self.client_label_counts))
+            if not math.isfinite(row["test_loss"]):
+                raise NonFiniteLossError(f"non-finite test loss in round {r}")
+
+    def _record_round(self, r: int, st: dict, store: ClientStateStore, row: Dict[str, float], t0: float) -> None:
+        """Round r done: its row into the history and the logger, a checkpoint every ``checkpoint_every`` rounds
+        (not after the last), the callbacks."""
+        row["round_time_s"] = time.perf_counter() - t0
+        st["history"].append(row)
+        st["round"] = r
+        self.logger.log_round(r, {k: v for k, v in row.items() if k != "round"})
+        if self.checkpoint_every and r % self.checkpoint_every == 0 and r < self.rounds:
+            self.logger.flush()
+            self._save(st, store)
+        for cb in self.callbacks:
+            cb(r, row)
+
+    def _close_failed(self, store: ClientStateStore, reason: str) -> None:
+        """A failed run: close the store, the logger's run as FAILED with ``reason``, and drop the checkpoint."""
+        getattr(store, "close", lambda: None)()
+        self.logger.flush()
+        self.logger.close("FAILED", reason)
+        self.discard_checkpoint()
+
+    def _finish(self, st: dict, store: ClientStateStore, resumed_from: int) -> RunResult:
+        """After the last round: the post-training step, the logger flushed, the result (the store closed)."""
+        final = self._post_training(st)
+        self.logger.flush()
+        load_flat(self.model, final)
+        result = RunResult(st["history"], final.detach().cpu().clone(),
+                           {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                           resumed_from=resumed_from)
+        getattr(store, "close", lambda: None)()
+        return result
+
+    def _post_training(self, st: dict) -> torch.Tensor:
+        """The final model [d]: the rule's ``post_training`` result (evaluated and logged as ``post_*`` on the last
+        round's row, once) or the evaluated model of the last round."""
         final = self._eval_model(st)
         data = getattr(self.executor, "data", None)
         post = self.algo.post_training(PostTraining(self.model, final, self.spec, data, self.seed,
@@ -415,13 +468,7 @@ class Simulator:
             if "post_test_acc" not in last:
                 last.update(ev)
                 self.logger.log_round(int(last["round"]), ev)
-        self.logger.flush()
-        load_flat(self.model, final)
-        result = RunResult(st["history"], final.detach().cpu().clone(),
-                           {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                           resumed_from=resumed_from)
-        getattr(store, "close", lambda: None)()
-        return result
+        return final
 
     def discard_checkpoint(self) -> None:
         """Remove the checkpoint and its ``.prev`` (and a disk store's folder) once the run's result is safely
