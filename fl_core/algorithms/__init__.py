@@ -1,10 +1,15 @@
 """The rules. Each file describes and registers its rule(s) (:mod:`.registry`); ``build_algorithm`` turns an
 ``algorithm`` config node into a (possibly wrapped) Algorithm.
 
-The imports below load every rule file, in the order of the config's ``algorithm`` sections.
+The imports below load the rule files in the order of the config's ``algorithm`` sections (and of
+``fl-train --help``); :func:`_load_rule_files` then loads every other module of this package, so a new rule is its
+file, its yaml and its tests (docs/architecture.md, Adding a rule).
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from ..params import ParamSpec
 from . import registry
@@ -25,6 +30,16 @@ from .fedbcgd import FedBCGD, FedBCGDPlus, assign_blocks, block_partition
 from .compression import QSGD, TopK
 from .fedbug import FedBug, unfrozen_units
 from .moon import Moon, contrastive_loss
+
+
+def _load_rule_files() -> None:
+    """Import every module of this package not imported above (a new rule file registers itself on import),
+    in name order, so the registry and the config schema know it without an edit here."""
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        importlib.import_module(f"{__name__}.{module}")
+
+
+_load_rule_files()
 
 
 def prepare_model(cfg, model) -> None:
