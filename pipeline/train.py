@@ -673,7 +673,11 @@ def _history_columns(rows: List[Dict]) -> List[str]:
 
 
 def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
-    out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
+    from fl_core.algorithms import registry
+
+    # the description's text and its structure with the registry's labels (what the report's labels read)
+    out: Dict = {"experiment": name, "algorithm": algo_desc, "stack": registry.described(algo_desc),
+                 "dataset": cfg.dataset.name, "partition": pkey,
                  "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds),
                  "target_acc": float(cfg.train.target_acc), "final_window": int(cfg.train.final_window)}
     seeds = summarize_seeds(summaries, failures)
