@@ -23,14 +23,17 @@ RESULT_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "seed"
 
 
 def derive_name(cfg: Any) -> str:
-    """A readable default experiment name, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``."""
+    """A readable default experiment name from the rule stack, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``:
+    the base; a server optimiser over the reference base as its preset (FedAvg + adam is ``fedadam``), over another
+    base before it (``adam-fedprox``); each wrapper, innermost first, before what it wraps, with the parameters its
+    rule declares for names (:func:`fl_core.algorithms.registry.name_parts`); then the partition and the dataset."""
     a = cfg.algorithm
     algo = a.name
-    if a.server_opt != registry.NO_SERVER_OPT:  # FedAvg + adam is FedAdam; FedProx + adam: adam-fedprox
+    if a.server_opt != registry.NO_SERVER_OPT:
         opt = registry.get(a.server_opt)
-        algo = opt.preset_name if a.name == "fedavg" else f"{a.server_opt}-{algo}"
+        algo = opt.preset_name if a.name == registry.REFERENCE_BASE else f"{a.server_opt}-{algo}"
     for w in a.wrappers:
-        algo = f"{w}-p{a.fedbug.gu_percentage:g}-{algo}" if w == "fedbug" else f"{w}-{algo}"
+        algo = "-".join(registry.name_parts(a, w) + [algo])
     part = cfg.partition.name
     if part == "dirichlet":
         part += f"-a{cfg.partition.alpha:g}"

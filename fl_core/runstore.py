@@ -36,7 +36,7 @@ RECORD_VERSION = 1
 METRICS_FILE = "metrics.json"        # numbers a researcher compares (git-tracked, small)
 EXPERIMENT_FILE = "experiment.json"  # what ran: names, fingerprint, seeds, failures, per-seed summaries
 
-_INFO_KEYS = ("experiment", "algorithm", "dataset", "partition", "model", "fingerprint", "seeds_run",
+_INFO_KEYS = ("experiment", "algorithm", "stack", "dataset", "partition", "model", "fingerprint", "seeds_run",
               "failures", "per_seed")
 
 

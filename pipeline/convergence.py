@@ -7,7 +7,7 @@ and which method gets lowest (docs/algorithms.md, FedBCGD's convex problem; a mo
 
 Inputs, per experiment of the params file: ``<results>/<name>/runs.csv`` (``objective_gap`` and ``comm_up_floats``,
 per seed and round) and ``experiment.json`` (the algorithm). Methods are the experiments grouped by algorithm label
-(:func:`pipeline.labels.algorithm_label`); a method run at several settings (a learning-rate grid) is represented by
+(:func:`pipeline.labels.run_label`); a method run at several settings (a learning-rate grid) is represented by
 its experiment with the lowest mean final gap, as a paper tunes each method on its grid.
 
 Two criteria, each over the seeds every chosen experiment finished: the gap at the last round (the mean over seeds;
@@ -40,7 +40,7 @@ from fl_core.config import ConfigError
 from .figures import _legend_below, _new_figure, _tidy, method_styles, save_figure
 from .files import write_text
 from .grid import load_grid
-from .labels import _table, algorithm_label
+from .labels import _table, run_label
 from .results import load_experiments, numeric_columns, read_runs_rows
 
 GAP, UP = "objective_gap", "comm_up_floats"
@@ -85,7 +85,7 @@ def load_curves(params: Path, results: Path) -> List[Curve]:
         if GAP not in cols:
             raise ConfigError(f"experiments.{e.name}: runs.csv has no {GAP} column (the model logs none; use a model "
                               "with a known optimum, e.g. model=logreg_binary)")
-        method = algorithm_label(e.metrics.get("algorithm", e.name))
+        method = run_label(e.metrics) if e.metrics.get("stack") or e.metrics.get("algorithm") else e.name
         own = [o for o in e.overrides if not o.startswith("algorithm=")]
         c = Curve(e.name, method, method + (f" ({', '.join(own)})" if own else ""))
         for seed, by_round in cols[GAP].items():
@@ -227,7 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--params", type=Path, default=Path("params.yaml"))
     p.add_argument("--results", type=Path, default=Path("results"))
     p.add_argument("--out", type=Path, required=True, help="folder of the figure and the tables")
-    p.add_argument("--fastest", help="the method label the claim says converges fastest (e.g. FedBCGD+)")
+    p.add_argument("--fastest", help="the method label the claim says converges fastest (a row label of the tables, or its first "
+                        "word)")
     p.add_argument("--claim", default="the named method converges fastest", help="the claim, for the verdict line")
     args = p.parse_args(argv)
     try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import matplotlib
 import numpy as np
@@ -125,13 +125,14 @@ def partition_title(key: str, dataset: bool = True) -> str:
     return ", ".join(parts)
 
 
-def readable_title(experiment: str = "", algorithm: str = "", partition: str = "",
+def readable_title(experiment: str = "", algorithm: Any = "", partition: str = "",
                    seed: Optional[int] = None, failed: bool = False) -> str:
     """A figure title from the train stage's internal names.
 
-    ``readable_title("fedbug_dir", "fedbug[P=0.2](fedavg)", "digits-dirichlet-per_client-a0.3-n10-sgm0-s0",
-    seed=1)`` -> ``"FedBug P=0.2 (FedAvg) on digits, Dirichlet α=0.3, 10 clients\\nexperiment fedbug_dir,
-    seed 1"``. With ``failed``: ``"(FAILED)"`` after the seed, or ``"every seed FAILED"`` without one.
+    ``algorithm`` is the rule stack's :class:`~fl_core.algorithms.base.Description` (or its stored structure;
+    :func:`pipeline.labels.algorithm_label`): ``readable_title("fedbug_dir", algo.describe(),
+    "digits-dirichlet-per_client-a0.3-n10-sgm0-s0", seed=1)`` with FedBug P = 0.2 over FedAvg -> ``"FedBug P=0.2
+    (FedAvg) on digits, Dirichlet α=0.3, 10 clients\\nexperiment fedbug_dir, seed 1"``. With ``failed``: ``"(FAILED)"`` after the seed, or ``"every seed FAILED"`` without one.
     Every argument may be left out.
     """
     head = algorithm_label(algorithm) if algorithm else ""

@@ -10,6 +10,13 @@
       fedavg_iid: {algorithm: fedavg, partition: iid}   # Hydra overrides of this experiment
       fedbug20_dir: {algorithm: fedbug, algorithm.fedbug.gu_percentage: 0.2, partition: dirichlet}
 
+An optional ``report`` section holds what the report of a study adds: ``layouts``, the study's own table layouts,
+Python files beside the params file (paths relative to it), each with a function ``layout(experiments) -> list
+of markdown lines`` (:func:`pipeline.report.load_layouts`; FedBug's paper layout is ``studies/fedbug/layout.py``)::
+
+    report:
+      layouts: [layout.py]
+
 Shared sections become dotted value overrides (``train.rounds=40``); a ``name`` in the shared
 ``dataset``, ``partition`` or ``model`` section chooses that config group (``partition: {name: shards}``
 -> ``partition=shards``). Experiment entries may also choose config groups (``partition: dirichlet``);
@@ -18,7 +25,7 @@ experiment entries win over shared values and shared group choices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -59,6 +66,7 @@ class Grid:
     seeds: List[int]
     shared: List[str]  # overrides from the shared sections
     experiments: Dict[str, List[str]]  # name -> its own overrides
+    layouts: List[Path] = field(default_factory=list)  # report.layouts: the study's table layouts (Python files)
 
     def overrides(self, name: str, seed: int) -> List[str]:
         """All overrides of experiment ``name`` for ``seed`` (shared first, the experiment's after; a config
@@ -201,7 +209,33 @@ def load_grid(path: Path = Path("params.yaml")) -> Grid:
     for section in SHARED_SECTIONS:
         if section in raw and raw[section] is not None:
             shared.extend(_shared(section, raw[section]))
-    return Grid([int(s) for s in seeds], shared, experiments)
+    return Grid([int(s) for s in seeds], shared, experiments, _layouts(path, raw.get("report")))
+
+
+def _layouts(path: Path, report: Any) -> List[Path]:
+    """The files of ``report.layouts`` in the grid file ``path``, resolved against its folder.
+
+    Raises:
+        ConfigError: ``report`` is not a mapping, ``layouts`` not a list of file names, or a file that is not
+            there or not a Python file (one line naming the file and the key).
+    """
+    if report is None:
+        return []
+    if not isinstance(report, dict):
+        raise ConfigError(f"{path}: report must be a mapping, got {report!r}")
+    names = report.get("layouts") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{path}: report.layouts must be a list of Python files (relative to {path.name}), "
+                          f"got {names!r}")
+    out = []
+    for i, name in enumerate(names):
+        f = path.parent / name
+        if f.suffix != ".py":
+            raise ConfigError(f"{path}: report.layouts[{i}]={name} is not a Python file (.py)")
+        if not f.is_file():
+            raise ConfigError(f"{path}: report.layouts[{i}]={name}: file not found ({f.as_posix()})")
+        out.append(f)
+    return out
 
 
 # --------------------------------------------------------------------------- dvc.yaml sync

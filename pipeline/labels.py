@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from fl_core.algorithms import registry
 
@@ -20,33 +20,44 @@ def _algo_name(name: str) -> str:
     return registry.label(name)
 
 
-def _parse_algorithm(s: str) -> Optional[str]:
-    """``name[params](inner)`` -> readable label, or None if ``s`` does not have that shape."""
-    m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*(?:\((.*)\))?\s*", s)
-    if not m:
-        return None
-    name, params, inner = m.groups()
-    label = _algo_name(name)
-    if params:
-        label += " " + ", ".join(p.strip() for p in params.split(",") if p.strip())
-    if inner is not None:
-        inner_label = _parse_algorithm(inner)
-        if inner_label is None:
-            return None
-        label += f" ({inner_label})"
+def stack_label(stack: Dict[str, Any]) -> str:
+    """The label of a stored rule stack (``stack`` of ``experiment.json``: :func:`fl_core.algorithms.registry.
+    described`): each level's label (the stored one, else the registry's), its shown items (``key=value``, a bare
+    item as it is) after a space, the wrapped level in brackets: ``FedBug P=0.2 (FedAvg)``."""
+    label = str(stack.get("label") or _algo_name(str(stack.get("name", "?"))))
+    shown = [f"{k}={v}" if k else str(v) for k, v in (stack.get("shown") or [])]
+    if shown:
+        label += " " + ", ".join(shown)
+    inner = stack.get("inner")
+    if isinstance(inner, dict):
+        label += f" ({stack_label(inner)})"
     return label
 
 
-def algorithm_label(s: str) -> str:
-    """A readable algorithm label from the engine's description string.
+def algorithm_label(desc: Any) -> str:
+    """A readable algorithm label from a run's structured description.
 
-    ``"fedbug[P=0.2](fedavg)"`` -> ``"FedBug P=0.2 (FedAvg)"``, ``"fedprox"`` -> ``"FedProx"``.
-    Strings of another shape are returned unchanged.
+    ``desc`` is a stored stack (a dict, :func:`stack_label`) or a :class:`~fl_core.algorithms.base.Description`
+    (``fedbug[P=0.2](fedavg)`` -> ``"FedBug P=0.2 (FedAvg)"``). A plain string (the text of a results folder written
+    before runs stored their stack) is not parsed: a registered rule or preset name gives its label (``"fedprox"``
+    -> ``"FedProx"``), any other text is shown as it is.
     """
-    s = str(s or "").strip()
+    if isinstance(desc, dict):
+        return stack_label(desc)
+    structure = registry.described(desc)
+    if structure is not None:
+        return stack_label(structure)
+    s = str(desc or "").strip()
     if not s:
         return "?"
-    return _parse_algorithm(s) or s
+    return _algo_name(s)
+
+
+def run_label(metrics: Dict[str, Any]) -> str:
+    """The algorithm label of one experiment's results (merged ``metrics.json`` and ``experiment.json``): from its
+    ``stack``, or, in a folder written before runs stored it, from the ``algorithm`` text (:func:`algorithm_label`)."""
+    stack = (metrics or {}).get("stack")
+    return algorithm_label(stack if isinstance(stack, dict) else (metrics or {}).get("algorithm", ""))
 
 
 _PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
@@ -166,8 +177,13 @@ def _cell(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> str:
+    """A markdown table: ``header``, ``rows`` of cells (``|`` escaped) and one alignment per column (``l``, ``r``,
+    ``c``)."""
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
              "|" + "|".join({"l": ":---", "r": "---:", "c": ":---:"}[a] for a in align) + "|"]
     lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+_table = markdown_table  # the name the report's modules use

@@ -37,20 +37,21 @@ import argparse
 import csv
 import io
 import json
-import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from fl_core.algorithms import registry
 from fl_core.config import ConfigError
 
 from .files import write_text
 from .grid import Grid, load_grid
 # the labels and the loaded experiments live in modules of their own (the figures and the claims build on them);
 # the names stay importable from here
-from .labels import DASH, _algo_name, _cell, _num, _table, algorithm_label, dataset_label, partition_label  # noqa: F401
+from .labels import (DASH, _algo_name, _cell, _num, _table, algorithm_label, dataset_label,  # noqa: F401
+                     markdown_table, partition_label, run_label, stack_label)
 from .results import (Experiment, confidence_interval, final_acc_per_seed, load_experiments,  # noqa: F401
                       numeric_columns, paired_difference, paired_values, read_curves, read_runs_rows, sample_stats,
                       seed_values)
@@ -153,18 +154,25 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
     return rows, cols, cells
 
 
-def fedavg_references(exps: List[Experiment]) -> Dict[str, Experiment]:
-    """{partition column: the plain FedAvg experiment of that column}, where exactly one exists."""
+def reference_label() -> str:
+    """The row label of the rule every method is compared with (the registry's reference base: FedAvg)."""
+    return algorithm_label(registry.REFERENCE_BASE)
+
+
+def reference_experiments(exps: List[Experiment]) -> Dict[str, Experiment]:
+    """{partition column: the plain reference experiment of that column (FedAvg, :func:`reference_label`)}, where
+    exactly one exists."""
+    ref = reference_label()
     found: Dict[str, List[Experiment]] = {}
     for e in exps:
-        if not e.failed and e.row_label == "FedAvg":
+        if not e.failed and e.row_label == ref:
             found.setdefault(e.col_label, []).append(e)
     return {c: es[0] for c, es in found.items() if len(es) == 1}
 
 
 def differences(exps: List[Experiment]) -> Dict[str, Dict[str, float]]:
-    """{experiment name: :func:`paired_difference` to the FedAvg experiment of its partition column}."""
-    refs = fedavg_references(exps)
+    """{experiment name: :func:`paired_difference` to the reference (FedAvg) experiment of its partition column}."""
+    refs = reference_experiments(exps)
     out: Dict[str, Dict[str, float]] = {}
     for e in exps:
         ref = refs.get(e.col_label)
@@ -189,11 +197,12 @@ def differences_section(exps: List[Experiment]) -> List[str]:
         lo, hi = confidence_interval(d)
         ci = DASH if lo is None else f"[{lo:+.2f}, {hi:+.2f}]" + (" *" if lo > 0 or hi < 0 else "")
         rows.append([e.row_label, e.col_label, f"{d['mean']:+.2f} {PM} {d['std']:.2f}", str(d["n"]), ci])
-    out = ["## Difference to FedAvg", "",
-           "Final test accuracy minus FedAvg's on the same partition and the same seeds, in percentage points: "
+    ref = reference_label()
+    out = [f"## Difference to {ref}", "",
+           f"Final test accuracy minus {ref}'s on the same partition and the same seeds, in percentage points: "
            f"mean {PM} std over the paired seeds, and the 95% confidence interval of the mean difference "
            "(Student t over the seeds); * marks an interval that excludes 0.", ""]
-    out.append(_table(["algorithm", "partition", "vs FedAvg (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
+    out.append(_table(["algorithm", "partition", f"vs {ref} (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
     out.append("")
     return out
 
@@ -257,8 +266,9 @@ def _uplink_per_round(m: Dict) -> Optional[float]:
 
 
 def communication_layout(exps: List[Experiment]) -> List[str]:
-    """FedBCGD's table layout (its Tables 2-6): final accuracy with the uplink floats per client to reach
-    the target in brackets, e.g. ``55.70 ± 0.40 (77.0d)``, or ``(∞)`` when no seed reached it.
+    """Accuracy and communication in one table (the layout of FedBCGD's Tables 2-6): final accuracy with the
+    uplink floats per client to reach the target in brackets, e.g. ``55.70 ± 0.40 (77.0d)``, or ``(∞)`` when no
+    seed reached it.
 
     Shown only when the experiments upload different amounts per round (otherwise "rounds to target"
     already says it)."""
@@ -279,7 +289,7 @@ def communication_layout(exps: List[Experiment]) -> List[str]:
             out.append(f"{text} ({INF if floats == DASH else floats})")
         rows.append(out)
     target = _num(exps[0].metrics.get("target_acc")) if exps else None
-    return ["## Accuracy and uplink to target (FedBCGD layout)", "",
+    return ["## Accuracy and uplink to target", "",
             "Final test accuracy (%), mean \u00b1 std over seeds; in brackets the cumulative uplink floats per "
             "participating client, in units of the model size d, when the test accuracy first reached "
             + (f"{100 * target:g}%" if target is not None else "the target")
@@ -287,57 +297,39 @@ def communication_layout(exps: List[Experiment]) -> List[str]:
             _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
 
 
-def split_fedbug(algorithm: str) -> Tuple[str, str]:
-    """(row, column) of FedBug's paper layout: ``fedbug[P=0.2](feddyn[alpha=0.01])`` -> ("FedBug 20%", "FedDyn");
-    a plain base -> ("Vanilla", its name). Ablation strategies keep their name in the row."""
-    m = re.fullmatch(r"fedbug\[([^\]]*)\]\((.*)\)", str(algorithm or "").strip())
-    inner = m.group(2) if m else str(algorithm or "")
-    base = _algo_name(re.split(r"[\[(]", inner, maxsplit=1)[0])
-    if not m:
-        return "Vanilla", base
-    parts = [p.strip() for p in m.group(1).split(",") if p.strip()]
-    p_val = next((p[2:] for p in parts if p.startswith("P=")), None)
-    others = [p for p in parts if not p.startswith("P=")]
-    row = "FedBug" + (f" {', '.join(o.replace('_', '-') for o in others)}" if others else "")
-    if p_val is not None:
-        row += f" {100 * float(p_val):g}%"
-    return row, base
+_LAYOUTS: Dict[Path, Callable[[List[Experiment]], List[str]]] = {}
 
 
-def fedbug_layout(exps: List[Experiment]) -> List[str]:
-    """FedBug's table layout (its Tables 1-4): one table per partition, rows Vanilla / FedBug P,
-    columns the base algorithms; cells final accuracy mean +- std, the best per column in bold."""
-    if not any(str(e.metrics.get("algorithm", "")).startswith("fedbug[") for e in exps):
-        return []
-    out = ["## FedBug layout", "",
-           "As in the FedBug paper's tables: rows are the vanilla base and FedBug with GU percentage P, "
-           "columns the base algorithms; final test accuracy (%), mean \u00b1 std over seeds, best per "
-           "column in bold.", ""]
-    parts: List[str] = []
-    for e in exps:
-        if e.col_label not in parts:
-            parts.append(e.col_label)
+def load_layouts(paths: Sequence[Path]) -> List[Callable[[List[Experiment]], List[str]]]:
+    """The ``layout(experiments) -> markdown lines`` function of each of a study's layout files (``report.layouts``
+    of its params file, :attr:`pipeline.grid.Grid.layouts`), loaded once per file.
 
-    def row_key(r: str):
-        if r == "Vanilla":
-            return (0, 0.0, r)
-        m = re.search(r"([\d.]+)%$", r)
-        return (1 if not r.startswith("FedBug ") or m is None else 2, float(m.group(1)) if m else 0.0, r)
+    A layout gets the experiments with results (:class:`pipeline.results.Experiment`: ``row_label``, ``col_label``,
+    ``metrics`` with the run's ``stack``) and returns its section's lines (nothing when it has nothing to show);
+    it builds on :func:`comparison`, :func:`accuracy_cells`, :func:`pipeline.labels.markdown_table` and
+    :func:`pipeline.labels.stack_label`.
 
-    for part in parts:
-        cells: Dict[Tuple[str, str], Experiment] = {}
-        rows: List[str] = []
-        cols: List[str] = []
-        for e in exps:
-            if e.col_label != part:
-                continue
-            r, c = split_fedbug(e.metrics.get("algorithm", ""))
-            cells[(r, c)] = e
-            rows.append(r) if r not in rows else None
-            cols.append(c) if c not in cols else None
-        rows.sort(key=row_key)
-        table = accuracy_cells(rows, cols, cells)
-        out += [f"### {part}", "", _table([""] + cols, table, "l" + "r" * len(cols)), ""]
+    Raises:
+        ConfigError: a file that cannot be loaded or has no function ``layout`` (one line naming the file).
+    """
+    import importlib.util
+
+    out = []
+    for given in paths:
+        path = Path(given)
+        if path not in _LAYOUTS:
+            try:
+                spec = importlib.util.spec_from_file_location(f"_study_layout_{len(_LAYOUTS)}", path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            except Exception as err:  # noqa: BLE001  (a study's file: any failure is one line naming it)
+                raise ConfigError(f"{path}: cannot load the report layout ({type(err).__name__}: "
+                                  f"{' '.join(str(err).split())})") from None
+            fn = getattr(module, "layout", None)
+            if not callable(fn):
+                raise ConfigError(f"{path}: a report layout must define layout(experiments) -> list of markdown lines")
+            _LAYOUTS[path] = fn
+        out.append(_LAYOUTS[path])
     return out
 
 
@@ -436,7 +428,8 @@ def _how_to_read_section(ms: List[Dict], target: Optional[float]) -> List[str]:
             "- *final train loss*: mean training loss of the participating clients in the last round.",
             "- *uplink to target*: floats each participating client has uploaded (cumulative, mean over the "
             "seeds that reached the target) when the target is first reached, in units of the model size d "
-            "(FedAvg: 1d per round; FedBCGD about d/N; QSGD/Top-k as float equivalents).",
+            "(a client that uploads its whole model once per round: 1d per round; a rule that uploads part of "
+            "the model or a compressed update counts what it sends as float equivalents).",
             "- Curves: mean over seeds; the shaded band spans the minimum and maximum over seeds.",
             "- `summary.csv` holds the numbers of the first table as plain fractions.",
             ""]
@@ -488,7 +481,8 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     out += _experiments_section(exps, target)
     out += _comparison_section(exps)
     out += differences_section(exps)
-    out += fedbug_layout(exps)
+    for layout in load_layouts(grid.layouts):  # the study's own tables (report.layouts of its params file)
+        out += list(layout(exps))
     out += communication_layout(exps)
     out += _curves_section(curves_name)
     out += _how_to_read_section(ms, target)
@@ -588,6 +582,7 @@ def _main(argv: List[str]) -> int:
         if claims_path is None and default_claims_path(args.params).exists():
             claims_path = default_claims_path(args.params)
         claims = load_claims(claims_path, list(grid.experiments)) if claims_path is not None else None
+        load_layouts(grid.layouts)
     except (ConfigError, yaml.YAMLError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from fl_core.metrics import mean_std
 from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .grid import Grid
-from .labels import _num, algorithm_label, partition_label
+from .labels import _num, partition_label, run_label
 
 
 @dataclass
@@ -193,7 +193,7 @@ def _assign_labels(exps: List[Experiment]) -> None:
             col[k] = verbose[k] if unique else k
     for e in exps:
         e.col_label = col[str(e.metrics.get("partition", ""))]
-        e.row_label = algorithm_label(e.metrics.get("algorithm", ""))
+        e.row_label = run_label(e.metrics)
 
     def collisions() -> set:
         seen: Dict[Tuple[str, str], int] = {}

@@ -72,6 +72,7 @@ def usage() -> str:
         return "|".join(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
 
     rules = "\n".join("  " + line for line in registry.help_lines())
+    two = ",".join(r.preset_name for r in registry.rules("base")[:2])  # an example sweep over two presets
 
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
@@ -102,7 +103,7 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
   engine.kernels=native|portable (portable: the same numbers on every x86-64 CPU with AVX2; docs/reliability.md)
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
-Multirun (-m, --multirun): every other swept key (algorithm=fedavg,fedprox) gives one job, each job one
+Multirun (-m, --multirun): every other swept key (algorithm={two}) gives one job, each job one
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
@@ -673,7 +674,11 @@ def _history_columns(rows: List[Dict]) -> List[str]:
 
 
 def _experiment_summary(name, cfg, algo_desc, pkey, model_name, summaries, failures, model_d=None) -> Dict:
-    out: Dict = {"experiment": name, "algorithm": algo_desc, "dataset": cfg.dataset.name, "partition": pkey,
+    from fl_core.algorithms import registry
+
+    # the description's text and its structure with the registry's labels (what the report's labels read)
+    out: Dict = {"experiment": name, "algorithm": algo_desc, "stack": registry.described(algo_desc),
+                 "dataset": cfg.dataset.name, "partition": pkey,
                  "model": model_name, "model_d": model_d, "rounds": int(cfg.train.rounds),
                  "target_acc": float(cfg.train.target_acc), "final_window": int(cfg.train.final_window)}
     seeds = summarize_seeds(summaries, failures)
@@ -787,14 +792,22 @@ def _outcome(summary: Dict, cfg, grid: bool) -> int:
 
 
 HYDRA_HELP = """Hydra's override grammar, as fl-train reads it (https://hydra.cc/docs/advanced/override_grammar/basic/):
-  key=value              set a value: train.rounds=5, train.lr=0.05, algorithm.wrappers=[fedbug]
-  group=option           choose a config group file: algorithm=fedprox, dataset=mnist1d, model=m1d_cnn
+  key=value              set a value: train.rounds=5, train.lr=0.05, algorithm.wrappers=[{wrapper}]
+  group=option           choose a config group file: algorithm={base}, dataset=mnist1d, model=m1d_cnn
   +experiment=NAME       add a preset (conf/experiment/NAME.yaml) on top of the defaults
   +key=value / ~key      add a key the config does not have / delete one (fl-train refuses keys a run does not use)
   key=a,b / range(a,b)   a sweep: a seed list with seed=, one job per value with -m (--multirun)
   'key=${other.key}'     an OmegaConf interpolation (quote it for the shell)
 Options: --cfg [job|hydra|all] prints the composed config (job: fl-train's, hydra: Hydra's own node, all: both) and
 exits; --info prints the config search path, the chosen config groups and the composed config; --help lists the keys."""
+
+
+def hydra_help() -> str:
+    """``--hydra-help``: :data:`HYDRA_HELP` with example rules taken from the registry."""
+    from fl_core.algorithms import registry
+
+    return (HYDRA_HELP.replace("{wrapper}", registry.names("wrapper")[0])
+            .replace("{base}", registry.rules("base")[1].preset_name))
 
 
 def _cfg_option(argv: List[str]) -> tuple:
@@ -895,7 +908,7 @@ def _main(argv: List[str], from_command_line: bool) -> int:
 
         return multirun([a for a in argv if a not in ("-m", "--multirun")], train_one)
     if "--hydra-help" in argv:
-        print(HYDRA_HELP)
+        print(hydra_help())
         return 0
     show_cfg, argv = _cfg_option(argv)
     show_info = "--info" in argv

@@ -40,7 +40,7 @@ def studies_dir() -> Path:
 def _run_first(study: Optional[str]) -> str:
     """The tail of a "run a sweep first" line: a command that creates ``study`` (or an example study)."""
     if study is None:
-        return "run a sweep first, e.g. python sweeps/tune.py --space fedbug --n-trials 20"
+        return f"run a sweep first, e.g. python sweeps/tune.py --space {space_names()[0]} --n-trials 20"
     if study in space_names():
         return f"run a sweep first, e.g. python sweeps/tune.py --space {study} --n-trials 20"
     return f"run a sweep first, e.g. python sweeps/tune.py --space SPACE --study-name {study} --n-trials 20"

@@ -41,7 +41,7 @@ from sweeps.spaces import SpaceError, check_space, load_space, space_names
 
 
 _EPILOG = ("Examples:\n"
-           "  python sweeps/tune.py --space fedbug --n-trials 20\n"
+           "  python sweeps/tune.py --space SPACE --n-trials 20   (SPACE: a file of sweeps/spaces/ or a YAML path)\n"
            "  python sweeps/tune.py --space cross --n-trials 60 --workers 2 --objectives acc,uplink\n"
            "  python sweeps/tune.py --space lr --n-trials 30 --seeds 3 partition.alpha=0.1 train.rounds=40\n"
            "The sweep fixes dataset.validation_fraction, seed, engine.checkpoint_every, engine.progress and\n"

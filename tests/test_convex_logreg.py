@@ -365,8 +365,11 @@ def test_the_study_grid_composes():
 
 
 def _fake_results(tmp_path, gaps):
-    """A params file and results of experiments {name: (algorithm, lr, {seed: [(uplink, gap) per round]})}."""
+    """A params file and results of experiments {name: (algorithm, lr, {seed: [(uplink, gap) per round]})}; the
+    algorithm a rule name or a Description, stored with its structure as the train stage stores it."""
     import yaml
+
+    from fl_core.algorithms import registry
 
     exps = {name: {"algorithm": alg.split("[")[0], "train.lr": lr} for name, (alg, lr, _) in gaps.items()}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"seeds": [1, 2], "model": {"name": "logreg_binary"},
@@ -375,7 +378,8 @@ def _fake_results(tmp_path, gaps):
         d = tmp_path / "results" / name
         d.mkdir(parents=True)
         (d / "metrics.json").write_text(json.dumps({"seeds": sorted(per_seed)}))
-        (d / "experiment.json").write_text(json.dumps({"algorithm": alg, "model_d": 64}))
+        (d / "experiment.json").write_text(json.dumps({"algorithm": alg, "stack": registry.described(alg),
+                                                       "model_d": 64}))
         lines = ["seed,round,comm_up_floats,objective_gap"]
         lines += [f"{s},{r + 1},{up},{g}" for s, rows in per_seed.items() for r, (up, g) in enumerate(rows)]
         (d / "runs.csv").write_text("\n".join(lines) + "\n")
@@ -383,13 +387,14 @@ def _fake_results(tmp_path, gaps):
 
 
 def test_the_convergence_report_picks_each_methods_best_setting_and_judges_the_claim(tmp_path, capsys):
+    from fl_core.algorithms.base import Description
     from pipeline import convergence
 
     rows = lambda up, gaps: [(up * (r + 1), g) for r, g in enumerate(gaps)]  # noqa: E731
     params, results = _fake_results(tmp_path, {
         "a_slow": ("fedavg", 0.01, {1: rows(64, [0.5, 0.4, 0.3]), 2: rows(64, [0.5, 0.4, 0.35])}),
         "a_fast": ("fedavg", 0.1, {1: rows(64, [0.3, 0.1, 0.05]), 2: rows(64, [0.3, 0.12, 0.06])}),
-        "b": ("fedbcgd_plus[paper,N=5,lambda=0.8]", 0.1,
+        "b": (Description("fedbcgd_plus", [("", "paper"), ("N", 5), ("lambda", 0.8)]), 0.1,
               {1: rows(26, [0.4, 0.2, 0.1]), 2: rows(26, [0.4, 0.25, 0.08])}),
     })
     out = tmp_path / "out"

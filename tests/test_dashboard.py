@@ -169,7 +169,7 @@ def test_a_storage_that_does_not_exist_yet_is_one_line_and_is_not_created(tmp_pa
         assert dashboard.main(argv + ["--port", "0"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: no sweep storage at ") and shown in err and "\n" not in err, err
-        assert err.endswith("run a sweep first, e.g. python sweeps/tune.py --space fedbug --n-trials 20")
+        assert err.endswith("run a sweep first, e.g. python sweeps/tune.py --space cross --n-trials 20")
     assert list(tmp_path.iterdir()) == []  # neither the journal nor the SQLite file was created
 
     empty = tmp_path / "empty.db"  # a database without Optuna's tables
@@ -222,5 +222,5 @@ def test_make_dashboard_passes_storage_and_port(tmp_path):
                          check=False)
     assert res.returncode != 0
     assert res.stderr.splitlines()[0] == (f"error: no sweep storage at {missing} yet: run a sweep first, e.g. "
-                                          "python sweeps/tune.py --space fedbug --n-trials 20")
+                                          "python sweeps/tune.py --space cross --n-trials 20")
     assert not missing.exists()

@@ -219,8 +219,12 @@ def test_readable_titles():
     assert partition_title("cifar100-dirichlet-per_class-a0.5-n20-s0") == \
         "cifar100, Dirichlet \u03b1=0.5 (per class), 20 clients"
     assert partition_title("odd key") == "odd key"
-    assert readable_title("fedbug_dir", "fedbug[P=0.2](fedavg)", key, seed=1) == \
+    from fl_core.algorithms.base import Description
+
+    assert readable_title("fedbug_dir", Description("fedbug", [("P", 0.2)], Description("fedavg")), key, seed=1) == \
         "FedBug P=0.2 (FedAvg) on digits, Dirichlet \u03b1=0.3, 10 clients\nexperiment fedbug_dir, seed 1"
+    # text without its structure (a folder written before runs stored it) is shown as it is
+    assert readable_title("", "fedbug[P=0.2](fedavg)") == "fedbug[P=0.2](fedavg)"
     assert readable_title("x", "fedavg", "digits-iid-n20-sgm0-s0", failed=True) == \
         "FedAvg on digits, IID, 20 clients\nexperiment x, every seed FAILED"
     assert readable_title("x", seed=0, failed=True) == "experiment x, seed 0 (FAILED)"

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from fl_core.algorithms import registry
+from fl_core.algorithms.base import Description
 from pipeline.report import algorithm_label, main, partition_label
 
+ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"iid": "digits-iid-n20-sgm0-s0", "dir": "digits-dirichlet-per_client-a0.3-n20-sgm0-s0"}
-ALGOS = {"fedavg": "fedavg", "fedbug": "fedbug[P=0.2](fedavg)"}
+ALGOS = {"fedavg": Description("fedavg"), "fedbug": Description("fedbug", [("P", 0.2)], Description("fedavg"))}
 SEEDS = [1, 2]
 ROUNDS = 4
 # final test accuracy per (algorithm, partition) and seed
@@ -58,7 +61,8 @@ def _write_experiment(results: Path, algo: str, part: str) -> None:
     finals = FINAL[(algo, part)]
     rtts = [s["rounds_to_target"] for s in per_seed.values() if s["rounds_to_target"] is not None]
     metrics = {
-        "experiment": name, "algorithm": ALGOS[algo], "dataset": "digits", "partition": PARTS[part],
+        "experiment": name, "algorithm": ALGOS[algo], "stack": registry.described(ALGOS[algo]), "dataset": "digits",
+        "partition": PARTS[part],
         "model": "small_cnn", "rounds": ROUNDS, "target_acc": TARGET, "seeds": SEEDS, "failed_seeds": [],
         "final_acc_mean": statistics.mean(finals), "final_acc_std": statistics.stdev(finals),
         "best_acc_mean": statistics.mean(finals), "best_acc_std": statistics.stdev(finals),
@@ -102,8 +106,11 @@ def _table(md: str, heading: str):
 
 
 def test_labels():
-    assert algorithm_label("fedbug[P=0.2](fedavg)") == "FedBug P=0.2 (FedAvg)"
-    assert algorithm_label("fedprox") == "FedProx"
+    fedbug = Description("fedbug", [("P", 0.2)], Description("fedavg"))
+    assert algorithm_label(fedbug) == algorithm_label(registry.described(fedbug)) == "FedBug P=0.2 (FedAvg)"
+    assert algorithm_label("fedprox") == "FedProx"  # a bare registered name: its label
+    # text without structure (results written before runs stored their stack) is not parsed: shown as it is
+    assert algorithm_label("fedbug[P=0.2](fedavg)") == "fedbug[P=0.2](fedavg)"
     assert algorithm_label("odd thing(") == "odd thing("
     assert partition_label("digits-iid-n20-s0") == "IID"
     assert partition_label("digits-dirichlet-per_client-a0.3-n20-s0") == "Dirichlet α=0.3"
@@ -227,17 +234,13 @@ def test_bad_params_exit_2(tmp_path, capsys):
     assert err.startswith("error:") and "\n" not in err
 
 
-def test_split_fedbug_rows_and_columns():
-    from pipeline.report import split_fedbug
-
-    assert split_fedbug("fedbug[P=0.1](feddyn[alpha=0.01])") == ("FedBug 10%", "FedDyn")
-    assert split_fedbug("fedexp[official]") == ("Vanilla", "FedExP")
-    assert split_fedbug("fedbug[top_down,P=0.2](fedavg)") == ("FedBug top-down 20%", "FedAvg")
-    assert split_fedbug("fedbug[fixed_last](fedprox)") == ("FedBug fixed-last", "FedProx")
-
-
 def test_fedbug_layout_table(tree, capsys):
+    """The study's layout (studies/fedbug/layout.py) in the report of a grid that declares it, not in one that does
+    not (tests/test_study_layouts.py: the rows and columns)."""
     tmp, params, results = tree
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    assert "FedBug layout" not in (results / "report.md").read_text()
+    params.write_text(PARAMS + f"report: {{layouts: [{(ROOT / 'studies' / 'fedbug' / 'layout.py').as_posix()}]}}\n")
     assert main(["--params", str(params), "--results", str(results)]) == 0
     md = (results / "report.md").read_text()
     head, rows = _table(md, "### Dirichlet \u03b1=0.3")
@@ -288,7 +291,9 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
 def test_fedbcgd_plus_label():
     from pipeline.report import algorithm_label
 
-    assert algorithm_label("qsgd[s=16](fedbcgd_plus[code,N=3,lambda=0.8])") == "QSGD s=16 (FedBCGD+ code, N=3, lambda=0.8)"
+    desc = Description("qsgd", [("s", 16)], Description("fedbcgd_plus", [("", "code"), ("N", 3), ("lambda", 0.8)]))
+    assert str(desc) == "qsgd[s=16](fedbcgd_plus[code,N=3,lambda=0.8])"
+    assert algorithm_label(desc) == "QSGD s=16 (FedBCGD+ code, N=3, lambda=0.8)"
 
 
 def test_dataset_variants_are_columns_of_their_own():

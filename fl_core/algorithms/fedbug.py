@@ -166,5 +166,6 @@ register(Rule(
     name="fedbug", kind="wrapper", label="FedBug", citation="Kao & Wang, FedBug, Alg. 1 (line 7)",
     summary="bottom-up gradual unfreezing: during the first P * K_i local steps the units start training one by one",
     params=FedBugParams, neutral=("algorithm.fedbug.gu_percentage=0", "algorithm.fedbug.strategy=bottom_up"),
+    named=(("p", "gu_percentage"),),
     build=lambda base, p, ctx: FedBug(base, p.gu_percentage, list(ctx.spec.unit_of), ctx.spec.num_units,
                                       p.schedule, p.strategy)))

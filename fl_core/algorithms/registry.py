@@ -31,6 +31,9 @@ from .base import Transformed
 from ..schema import ConfigError, check_choice, check_fields, check_finite, check_range, describe_range, fmt
 
 AGGREGATIONS = ("weighted", "uniform")
+#: The base every other rule is compared with: the default ``reference`` of a rule's neutral setting and the
+#: reference column of the report ("Difference to <its label>").
+REFERENCE_BASE = "fedavg"
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ class Rule:
         own_aggregation: a base's own ``algorithm.aggregation`` given the ``algorithm`` node, where it depends on
             the rule's parameters (FedExP's ``fedbug_code`` variant averages uniformly); default: the first of
             ``aggregation``.
+        named: the rule's parameters that the default experiment name shows after the rule's name, as (prefix,
+            field of ``params``) pairs (FedBug: ``(("p", "gu_percentage"),)`` -> ``fedbug-p0.2-fedavg_...``;
+            :func:`name_parts`, :func:`fl_core.experiment.derive_name`).
         prepare_model: ``prepare_model(params, model)`` adds the parameters the rule trains besides the network's
             (MOON's projection head) to the model, before the parameter layout is taken and the stack is built
             (:func:`prepare_model`); None for rules that train the network as it is.
@@ -139,11 +145,12 @@ class Rule:
     eta_g: bool = True
     check: Optional[Callable[[Any, str], None]] = None
     neutral: Tuple[str, ...] = ()
-    reference: Tuple[str, ...] = ("algorithm.name=fedavg", "algorithm.aggregation=weighted")
+    reference: Tuple[str, ...] = (f"algorithm.name={REFERENCE_BASE}", "algorithm.aggregation=weighted")
     preset: Optional[str] = None
     default_eta_g: float = 1.0
     own_aggregation: Optional[Callable[[Any], str]] = None
     prepare_model: Optional[Callable[[Any, Any], None]] = None
+    named: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def config_section(self) -> Optional[str]:
@@ -212,6 +219,17 @@ def label(name: str) -> str:
     return r.label if r else name
 
 
+def described(desc: Any) -> Optional[Dict[str, Any]]:
+    """The structure of a rule stack's :class:`~fl_core.algorithms.base.Description` with each level's paper name:
+    ``{"name", "label", "shown": [[key, value], ...], "inner": the wrapped level's dict or None}`` (JSON-ready;
+    what a run stores as ``stack`` beside the description's text, and what the report's labels and a study's
+    layouts read). None for a plain string without structure."""
+    if not hasattr(desc, "shown"):
+        return None
+    return {"name": desc.name, "label": label(desc.name), "shown": [list(kv) for kv in desc.shown],
+            "inner": described(desc.inner) if desc.inner is not None else None}
+
+
 def sections() -> Dict[str, type]:
     """Config section -> parameter dataclass, in registration order."""
     out: Dict[str, type] = {}
@@ -233,6 +251,18 @@ def stack(a: Any) -> List[str]:
     opt = _key(a, "server_opt") or NO_SERVER_OPT
     return ([_key(a, "name")] + ([opt] if opt != NO_SERVER_OPT else []) + list(_key(a, "wrappers") or [])
             + list(_key(a, "transforms") or []))
+
+
+def name_parts(a: Any, name: str) -> List[str]:
+    """What rule ``name`` of the ``algorithm`` node ``a`` contributes to a default experiment name: its name, then
+    each of its :attr:`Rule.named` parameters as prefix and value (floats as ``%g``): ``["fedbug", "p0.2"]``."""
+    rule = _RULES[name]
+    sec = _key(a, rule.config_section) if rule.config_section else None
+    out = [name]
+    for prefix, field in rule.named:
+        value = _key(sec, field) if sec is not None else None
+        out.append(f"{prefix}{value:g}" if isinstance(value, float) else f"{prefix}{value}")
+    return out
 
 
 def trim_sections(a: Dict[str, Any]) -> Dict[str, Any]:
