@@ -254,7 +254,7 @@ def _parse_choices(where: str, spec: Dict[str, Any]) -> Tuple[Any, ...]:
     for c in choices:
         if not (c is None or isinstance(c, (bool, int, float, str))):
             raise SpaceError(f"{where}.choices: {c!r} is not a scalar (write a list as a string, e.g. "
-                             f"'[fednlr,fedbug]')")
+                             f"'[a,b]')")
     if len(set(map(repr, choices))) != len(choices):
         raise SpaceError(f"{where}.choices has duplicates: {choices!r}")
     return tuple(choices)
@@ -306,7 +306,7 @@ def _parse_overrides(where: str, value: Any) -> List[str]:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) and ("=" in v or v.startswith("~"))
                                               for v in value):
-        raise SpaceError(f"{where} must be a list of Hydra overrides like [algorithm=fedbug, train.rounds=20], "
+        raise SpaceError(f"{where} must be a list of Hydra overrides like [train.rounds=20, train.lr=0.05], "
                          f"got {value!r}")
     fixed = fixed_key_error(value, "base")
     if fixed:

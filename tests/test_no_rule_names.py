@@ -99,17 +99,9 @@ def test_the_check_sees_strings_and_identifiers_not_docstrings(tmp_path):
     assert got == ["m.py:4: fedbug", "m.py:6: fedprox"]
 
 
-# (file, word) still found: two examples in the messages of sweeps/spaces.py (a categorical choice written as a
-# list, a space's base overrides). Each entry must still be needed (the test fails on a stale one): remove it with
-# the message.
-KNOWN = {("sweeps/spaces.py", "fedbug"), ("sweeps/spaces.py", "fednlr")}
-
-
 def test_the_pipeline_and_the_sweeps_name_no_rule():
     words = rule_words()
     found = [hit for folder in FOLDERS for path in sorted((ROOT / folder).glob("*.py"))
              for hit in found_names(path, words)]
-    known = {(hit.split(":", 1)[0], hit.rsplit(": ", 1)[1]) for hit in found}
-    new = [hit for hit in found if (hit.split(":", 1)[0], hit.rsplit(": ", 1)[1]) not in KNOWN]
-    assert not new, "rule names in the pipeline or the sweeps (use the registry or the run's stack): " + "; ".join(new)
-    assert KNOWN <= known, f"no longer found, remove from KNOWN: {sorted(KNOWN - known)}"
+    assert not found, ("rule names in the pipeline or the sweeps (use the registry or the run's stack): "
+                       + "; ".join(found))
