@@ -2,8 +2,8 @@
 has a pseudo-gradient (docs/algorithms.md, Server optimisers; FedAvgM; FedAdam, FedYogi, FedAdagrad; Invariants 9).
 
 The rule's clients train as the rule says and its aggregator forms the pseudo-gradient ``Delta_bar`` [d]
-(:meth:`~.base.Algorithm.pseudo_gradient`: FedAvg's ``sum_{i in S} p_i Delta_i`` with p_i = n_i / n_S, or 1/|S| with
-``aggregation=uniform``; SCAFFOLD's mean Delta y; FedNova's tau_eff-scaled normalised mean). ``server_opt=sgd`` keeps
+(``ServerStep.direction`` of the rule's :meth:`~.base.Algorithm.aggregate`: FedAvg's ``sum_{i in S} p_i Delta_i``
+with p_i = n_i / n_S, or 1/|S| with ``aggregation=uniform``; SCAFFOLD's mean Delta y; FedNova's tau_eff-scaled normalised mean). ``server_opt=sgd`` keeps
 the plain step ``x <- x + eta_g Delta_bar``; the others feed Delta_bar to a stateful server rule. Over FedAvg they
 are the published rules FedAvgM, FedAdam, FedYogi and FedAdagrad (conf/algorithm/<name>.yaml are those presets);
 over FedProx, SCAFFOLD, FedNova, MOON, ... they compose the same way (``algorithm=fedprox algorithm.server_opt=adam``).
