@@ -373,7 +373,7 @@ class TrackingConfig:
     experiment: str = param("fl-pipeline", "MLflow experiment")
     log_every: int = param(10, "flush buffered per-round metrics every this many rounds", ge=1)
     log_model: bool = param(True, "each seed's final model as an MLflow model (mlflow.pytorch, name 'model'; the "
-                            "parent's tag fl.best_model_uri names the best seed's)")
+                            "parent's tag fl.best_model_uri names the best seed's)", when=when("tracking.enabled", True))
     neuron_drift_samples: int = param(0, "> 0: per-round neuron-drift probe on this many test samples (FedNLR "
                                       "sec. 4)", ge=0)
     layer_cosine: bool = param(False, "per-round cosine similarity of client updates per layer, mean over client "
@@ -381,7 +381,8 @@ class TrackingConfig:
     client_loss_trace: int = param(0, "> 0: log the local training loss of clients 0..n-1 every round they train",
                                    ge=0)
     detail_metrics: bool = param(False, "also log the per-client and per-layer values (client_loss/<i>, cos_<layer>, "
-                                 "*_l<layer>) to MLflow as detail/<key>; they are always in details/seed_<s>.csv")
+                                 "*_l<layer>) to MLflow as detail/<key>; they are always in details/seed_<s>.csv",
+                                 when=when("tracking.enabled", True))
 
 
 SECTIONS = {"dataset": DatasetConfig, "partition": PartitionConfig, "model": ModelConfig, "train": TrainConfig,

@@ -55,6 +55,15 @@ from fl_core.config import ConfigError, compose, inactive_keys, schema_fields, t
      "train.local_epochs has no effect with train.local_steps=5: it is used only with train.local_steps=0; remove it"),
     (["train.crop_padding=2"], "train.crop_padding has no effect with train.augmentation=none: it is used only with "
      "train.augmentation=crop_flip|fedbug; remove it"),
+    (["tracking.enabled=false", "tracking.detail_metrics=true"],
+     "tracking.detail_metrics has no effect with tracking.enabled=false: it is used only with tracking.enabled=true; "
+     "remove it"),
+    (["tracking.enabled=false", "tracking.log_model=false"],
+     "tracking.log_model has no effect with tracking.enabled=false: it is used only with tracking.enabled=true; "
+     "remove it"),
+    (["engine.dist_timeout_s=100"],
+     "engine.dist_timeout_s has no effect with engine.executor=sequential: it is used only with "
+     "engine.executor=distributed; remove it"),
     (["train.lr=1e400"], "train.lr must be a finite number, got inf"),
     (["train.lr=nan"], "train.lr must be a finite number, got nan"),
     (["algorithm.eta_g=inf"], "algorithm.eta_g must be a finite number, got inf"),
