@@ -48,13 +48,8 @@ from fl_core.config import ConfigError
 
 from .files import write_text
 from .grid import Grid, load_grid
-# the labels and the loaded experiments live in modules of their own (the figures and the claims build on them);
-# the names stay importable from here
-from .labels import (DASH, _algo_name, _cell, _num, _table, algorithm_label, dataset_label,  # noqa: F401
-                     markdown_table, partition_label, run_label, stack_label)
-from .results import (Experiment, confidence_interval, final_acc_per_seed, load_experiments,  # noqa: F401
-                      numeric_columns, paired_difference, paired_values, read_curves, read_runs_rows, sample_stats,
-                      seed_values)
+from .labels import DASH, _cell, _num, _table, algorithm_label
+from .results import Experiment, confidence_interval, load_experiments, paired_difference
 
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
 PM = "\u00b1"
