@@ -48,7 +48,7 @@ from fl_core.config import ConfigError
 
 from .files import write_text
 from .grid import Grid, load_grid
-from .labels import DASH, _cell, _num, _table, algorithm_label
+from .labels import DASH, _cell, _num, algorithm_label, markdown_table
 from .results import Experiment, confidence_interval, load_experiments, paired_difference
 
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
@@ -197,7 +197,7 @@ def differences_section(exps: List[Experiment]) -> List[str]:
            f"Final test accuracy minus {ref}'s on the same partition and the same seeds, in percentage points: "
            f"mean {PM} std over the paired seeds, and the 95% confidence interval of the mean difference "
            "(Student t over the seeds); * marks an interval that excludes 0.", ""]
-    out.append(_table(["algorithm", "partition", f"vs {ref} (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
+    out.append(markdown_table(["algorithm", "partition", f"vs {ref} (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
     out.append("")
     return out
 
@@ -289,7 +289,7 @@ def communication_layout(exps: List[Experiment]) -> List[str]:
             "participating client, in units of the model size d, when the test accuracy first reached "
             + (f"{100 * target:g}%" if target is not None else "the target")
             + " (mean over the seeds that reached it; \u221e: no seed did).", "",
-            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
+            markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
 
 
 _LAYOUTS: Dict[Path, Callable[[List[Experiment]], List[str]]] = {}
@@ -365,10 +365,10 @@ def _experiments_section(exps: List[Experiment], target: Optional[float]) -> Lis
                      fmt_floats_d(m)])
     tgt = f" ({100 * target:g}%)" if target is not None else ""
     return ["## All experiments", "",
-            _table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
-                    "client acc (%)", "worst 10% clients (%)",
-                    f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
-                   rows, "lllrrrrrrr"),
+            markdown_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
+                            "client acc (%)", "worst 10% clients (%)",
+                            f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
+                           rows, "lllrrrrrrr"),
             ""]
 
 
@@ -379,7 +379,7 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
     window = _final_window_text([e.metrics for e in exps])
     return ["## Comparison", "", f"Final test accuracy (%, {window}), mean \u00b1 std over seeds; the best per "
             "column is in bold.", "",
-            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
+            markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
             ""]
 
 
