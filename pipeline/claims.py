@@ -55,7 +55,7 @@ from fl_core.metrics import SUMMARY_KEYS
 from fl_core.schema import DATASETS
 
 from .grid import load_yaml
-from .labels import DASH, _table
+from .labels import DASH, markdown_table
 from .results import (Experiment, confidence_interval, numeric_columns, paired_values, read_runs_rows, sample_stats,
                       seed_values)
 
@@ -424,5 +424,5 @@ def claims_section(outcomes: Sequence[Outcome], claims_name: str = CLAIMS_FILE) 
             "entirely on the expected side of the bound (inside the tolerance for *similar* / a value), *not "
             "reproduced* when entirely on the wrong side (outside), else *inconclusive* at that many seeds "
             "(docs/claims.md).", "",
-            _table(["claim", "source", "expected", "measured effect (95% CI)", "verdict"], rows, "lllll"), "",
+            markdown_table(["claim", "source", "expected", "measured effect (95% CI)", "verdict"], rows, "lllll"), "",
             f"{n_ok} of {len(measured)} measured claims reproduced ({len(outcomes)} claims).", ""]

@@ -40,7 +40,7 @@ from fl_core.config import ConfigError
 from .figures import _legend_below, _new_figure, _tidy, method_styles, save_figure
 from .files import write_text
 from .grid import load_grid
-from .labels import _table, run_label
+from .labels import markdown_table, run_label
 from .results import load_experiments, numeric_columns, read_runs_rows
 
 GAP, UP = "objective_gap", "comm_up_floats"
@@ -215,8 +215,8 @@ def report(curves: List[Curve], chosen: Dict[str, Curve], result: Dict, line: Op
             f"f(x_r) - f* per experiment over seeds {', '.join(map(str, seeds))} (mean +- sample std). `*`: the "
             f"method's setting with the lowest final gap, drawn bold in objective_gap.png. Equal uplink: the gap of "
             f"the last round within {_g(budget)} floats per client, the least any chosen setting sent.", "",
-            _table(["experiment", "method", "final gap", f"gap at {_g(budget)} uplink floats", "uplink floats"],
-                   rows, "lllrr"), ""]
+            markdown_table(["experiment", "method", "final gap", f"gap at {_g(budget)} uplink floats", "uplink floats"],
+                           rows, "lllrr"), ""]
     if line:
         text += [line, ""]
     return "\n".join(text)

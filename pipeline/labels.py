@@ -184,6 +184,3 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: 
              "|" + "|".join({"l": ":---", "r": "---:", "c": ":---:"}[a] for a in align) + "|"]
     lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
-
-
-_table = markdown_table  # the name the report's modules use

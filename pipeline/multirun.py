@@ -249,8 +249,7 @@ def _check_jobs(jobs: List[List[str]], seeds: Optional[List[int]], swept: Sequen
         ConfigError: the first bad job's one-line message.
     """
     from fl_core.config import compose
-
-    from .common import resolve_device
+    from fl_core.engine.factory import resolve_device
 
     owners: dict = {}
     devices = set()

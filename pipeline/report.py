@@ -48,13 +48,8 @@ from fl_core.config import ConfigError
 
 from .files import write_text
 from .grid import Grid, load_grid
-# the labels and the loaded experiments live in modules of their own (the figures and the claims build on them);
-# the names stay importable from here
-from .labels import (DASH, _algo_name, _cell, _num, _table, algorithm_label, dataset_label,  # noqa: F401
-                     markdown_table, partition_label, run_label, stack_label)
-from .results import (Experiment, confidence_interval, final_acc_per_seed, load_experiments,  # noqa: F401
-                      numeric_columns, paired_difference, paired_values, read_curves, read_runs_rows, sample_stats,
-                      seed_values)
+from .labels import DASH, _cell, _num, algorithm_label, markdown_table
+from .results import Experiment, confidence_interval, load_experiments, paired_difference
 
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
 PM = "\u00b1"
@@ -202,7 +197,7 @@ def differences_section(exps: List[Experiment]) -> List[str]:
            f"Final test accuracy minus {ref}'s on the same partition and the same seeds, in percentage points: "
            f"mean {PM} std over the paired seeds, and the 95% confidence interval of the mean difference "
            "(Student t over the seeds); * marks an interval that excludes 0.", ""]
-    out.append(_table(["algorithm", "partition", f"vs {ref} (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
+    out.append(markdown_table(["algorithm", "partition", f"vs {ref} (pp)", "seeds", "95% CI (pp)"], rows, "llrrl"))
     out.append("")
     return out
 
@@ -294,7 +289,7 @@ def communication_layout(exps: List[Experiment]) -> List[str]:
             "participating client, in units of the model size d, when the test accuracy first reached "
             + (f"{100 * target:g}%" if target is not None else "the target")
             + " (mean over the seeds that reached it; \u221e: no seed did).", "",
-            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
+            markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
 
 
 _LAYOUTS: Dict[Path, Callable[[List[Experiment]], List[str]]] = {}
@@ -370,10 +365,10 @@ def _experiments_section(exps: List[Experiment], target: Optional[float]) -> Lis
                      fmt_floats_d(m)])
     tgt = f" ({100 * target:g}%)" if target is not None else ""
     return ["## All experiments", "",
-            _table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
-                    "client acc (%)", "worst 10% clients (%)",
-                    f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
-                   rows, "lllrrrrrrr"),
+            markdown_table(["experiment", "algorithm", "partition", "final acc (%)", "best acc (%)",
+                            "client acc (%)", "worst 10% clients (%)",
+                            f"rounds to target{tgt}", "final train loss", "uplink to target (d)"],
+                           rows, "lllrrrrrrr"),
             ""]
 
 
@@ -384,7 +379,7 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
     window = _final_window_text([e.metrics for e in exps])
     return ["## Comparison", "", f"Final test accuracy (%, {window}), mean \u00b1 std over seeds; the best per "
             "column is in bold.", "",
-            _table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
+            markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
             ""]
 
 

@@ -631,8 +631,8 @@ class DataCache:
     def get(self, cfg) -> tuple:
         """(dataset, partition, client data, device) of ``cfg``; raises what the data loaders raise."""
         from fl_core.config import to_container
-        from fl_core.engine.factory import DTYPES, client_data
-        from pipeline.common import dataset_for, partition_for, resolve_device
+        from fl_core.data.access import dataset_for, partition_for
+        from fl_core.engine.factory import DTYPES, client_data, resolve_device
 
         c = to_container(cfg)
         key = json.dumps([c["dataset"], c["partition"], c["data_dir"], c["engine"]["device"], c["engine"]["dtype"]],

@@ -11,7 +11,8 @@ import pytest
 
 from fl_core.algorithms import registry
 from fl_core.algorithms.base import Description
-from pipeline.report import algorithm_label, main, partition_label
+from pipeline.labels import algorithm_label, partition_label
+from pipeline.report import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"iid": "digits-iid-n20-sgm0-s0", "dir": "digits-dirichlet-per_client-a0.3-n20-sgm0-s0"}
@@ -187,7 +188,7 @@ def test_report(tree, capsys):
     assert "[curves.pdf](curves.pdf)" in md  # the same figure for a draft
     assert "](uplink.png)" in md and "[uplink.pdf](uplink.pdf)" in md
     from pipeline.grid import load_grid
-    from pipeline.report import load_experiments
+    from pipeline.results import load_experiments
 
     exps = {e.name: e for e in load_experiments(load_grid(params), results)}
     # comm_up_floats is cumulative in runs.csv: 100 r floats at round r, d = 100; round 2 was not evaluated
@@ -253,7 +254,8 @@ def test_fedbug_layout_table(tree, capsys):
 
 
 def test_communication_layout_cells():
-    from pipeline.report import Experiment, communication_layout
+    from pipeline.report import communication_layout
+    from pipeline.results import Experiment
 
     def exp(name, algo, up_per_round, acc, to_target):
         m = {"final_acc_mean": acc, "final_acc_std": 0.01, "comm_up_floats": 10 * up_per_round, "rounds": 10,
@@ -271,7 +273,7 @@ def test_communication_layout_cells():
 
 
 def test_partition_label_of_dirichlet_variant_b():
-    from pipeline.report import partition_label
+    from pipeline.labels import partition_label
 
     key = "cifar100-dirichlet-fixed_size_reuse-a0.6-n100-spc500-s0"
     assert partition_label(key) == "Dirichlet \u03b1=0.6 (500/client, reused)"
@@ -289,7 +291,7 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
 
 
 def test_fedbcgd_plus_label():
-    from pipeline.report import algorithm_label
+    from pipeline.labels import algorithm_label
 
     desc = Description("qsgd", [("s", 16)], Description("fedbcgd_plus", [("", "code"), ("N", 3), ("lambda", 0.8)]))
     assert str(desc) == "qsgd[s=16](fedbcgd_plus[code,N=3,lambda=0.8])"
@@ -300,7 +302,7 @@ def test_dataset_variants_are_columns_of_their_own():
     """Each variant of a generated dataset is its own partition key, so its own column (FedProx's Synthetic(0,0)
     and (1,1) were one column before)."""
     from pipeline.figures import partition_title
-    from pipeline.report import dataset_label
+    from pipeline.labels import dataset_label
 
     assert dataset_label("synthetic-a0.5-b0.5-n30-tf0.2-s0") == "Synthetic(0.5,0.5)"
     assert dataset_label("synthetic-iid-n30-tf0.2-s0") == "Synthetic IID"
