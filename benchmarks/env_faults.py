@@ -1025,14 +1025,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         table(outcomes),
         "",
         *[f"- {n}" for n in notes],
-        "",
-        f"Total wall time: {wall:.0f} s ({wall / 60:.1f} min). Every target met: {'yes' if passed else 'NO'}.",
     ])
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0 if passed else 1
+    return kill.finish_report(text, wall, passed, args.out)
 
 
 if __name__ == "__main__":
