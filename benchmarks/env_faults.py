@@ -274,6 +274,40 @@ def temporaries(project: Path) -> List[str]:
     return sorted(str(p.relative_to(project)) for p in project.rglob("*") if TEMPORARY.search(p.name))
 
 
+def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
+    """Poll until the run's first checkpoint of seed 1 exists in ``folder`` (False if the run ended first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        if list(folder.glob("*/seed_1.pt")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _observe(out: Outcome, project: Path, err: str) -> None:
+    """What a failing first run left: its stderr lines and tracebacks, its first line, the MLflow runs still RUNNING
+    and the temporary files in ``project``."""
+    out.lines, out.tracebacks = count(err)
+    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
+    out.left_running = running(project)
+    out.leftovers = temporaries(project)
+
+
+def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str], name: str = NAME,
+                     reference: Optional[str] = "grid", env: Optional[Dict[str, str]] = None,
+                     ignore: Tuple[str, ...] = ()) -> None:
+    """The same command again (``env``: the environment it keeps, the fault removed): its exit status, then (unless
+    ``name`` is empty) experiment ``name``'s runs judged against ``ctx.references[reference]`` and those RUNNING, and
+    the leftover files of kill.leftovers not under the folders ``ignore``."""
+    out.rerun_status, err, _ = Run(chain, argv, extra_env=env).wait()
+    if out.rerun_status != 0:
+        out.notes.append(f"{out.case}: rerun exit {out.rerun_status}: {kill.last_line(err)}")
+    if name:
+        judge_runs(out, chain.project, name, ctx.references.get(reference) if reference else None)
+        out.running_after = running(chain.project)
+    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project) if not p.startswith(ignore)]
+
+
 def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fault: Optional[str] = None,
                     rerun: Optional[List[str]] = None, reference: Optional[str] = None, name: str = NAME,
                     prepare: Optional[Callable[[Path], None]] = None, fault_desc: str = "",
@@ -293,14 +327,7 @@ def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fau
     _observe(out, chain.project, err)
     if nothing_created:
         out.leftovers += sorted({str(p.relative_to(chain.project)) for p in chain.project.rglob("*")} - before)
-    second = Run(chain, rerun or argv)
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    if name:
-        judge_runs(out, chain.project, name, ctx.references.get(reference) if reference else None)
-        out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+    _rerun_and_judge(ctx, out, chain, rerun or argv, name, reference)
     return out
 
 
@@ -369,26 +396,14 @@ def _disk_full_real(ctx: Context) -> Outcome:
     out = Outcome(label, "real: tmpfs filled after the 1st checkpoint")
     first = Run(chain, py("pipeline.train", "--grid", NAME))
     filler = chain.project / "ck" / "filler"
-    fault_at = None
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while first.proc.poll() is None and time.monotonic() < deadline:
-        if list((chain.project / "ck" / NAME).glob("*/seed_1.pt")):
-            fault_at = fill(filler)
-            break
-        time.sleep(0.05)
+    fault_at = fill(filler) if _wait_for_checkpoint(first, chain.project / "ck" / NAME) else None
     out.status, err, ended = first.wait()
     out.to_exit_s = ended - fault_at if fault_at is not None else None
     if fault_at is None:
         out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
     _observe(out, chain.project, err)
     filler.unlink(missing_ok=True)
-    second = Run(chain, py("pipeline.train", "--grid", NAME))
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-    out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project) if not p.startswith("ck/")]
+    _rerun_and_judge(ctx, out, chain, py("pipeline.train", "--grid", NAME), ignore=("ck/",))
     if list((chain.project / "ck" / NAME).glob("*")):
         out.leftovers.append("after the rerun: ck/exp/")
     return out
@@ -509,13 +524,7 @@ def _dist_case(launcher: str, action: str):
         out.first_line = next((ln for ln in err.splitlines() if ln.startswith("error:")), "")
         out.left_running = running(chain.project)
         out.leftovers = temporaries(chain.project)
-        second = Run(chain, command())
-        out.rerun_status, err2, _ = second.wait()
-        if out.rerun_status != 0:
-            out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-        judge_runs(out, chain.project, "dist", ctx.references.get("dist"))
-        out.running_after = running(chain.project)
-        out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+        _rerun_and_judge(ctx, out, chain, command(), "dist", "dist")
         if (chain.project / "checkpoints" / "dist").exists():
             out.leftovers.append("after the rerun: checkpoints/dist/")
         return out
@@ -565,35 +574,6 @@ def hold_sqlite_lock(db: Path) -> subprocess.Popen:
         holder.kill()
         raise RuntimeError(f"could not lock {db}")
     return holder
-
-
-def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
-    """Poll until the run's first checkpoint of seed 1 exists in ``folder`` (False if the run ended first)."""
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        if list(folder.glob("*/seed_1.pt")):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-
-def _observe(out, project, err: str) -> None:
-    """What a failing first run left: its stderr lines and tracebacks, its first line, the MLflow runs still RUNNING
-    and the temporary files in ``project``."""
-    out.lines, out.tracebacks = count(err)
-    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-    out.left_running = running(project)
-    out.leftovers = temporaries(project)
-
-def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str]) -> None:
-    second = Run(chain, argv)
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{out.case}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-    out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
 
 
 @case("store_locked", "tracking")
@@ -711,13 +691,7 @@ def _tracking_server_restarted(ctx: Context) -> Outcome:
         else:
             out.to_exit_s = ended - fault_at
         _observe(out, chain.project, err)
-        second = Run(chain, argv, extra_env=env)
-        out.rerun_status, err2, _ = second.wait()
-        if out.rerun_status != 0:
-            out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-        judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-        out.running_after = running(chain.project)
-        out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+        _rerun_and_judge(ctx, out, chain, argv, env=env)
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)
