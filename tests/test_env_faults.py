@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fl_core import envfail, faults
-from test_faults import GRID, SEEDS, _forked, _in_process, _mlflow_state, _project
+from test_faults import GRID, SEEDS, _env, _fork, _forked, _in_process, _mlflow_state, _project, _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 SINGLE = ["train.rounds=2", "seed=1", "engine.progress=false", "partition.num_clients=4", "train.local_epochs=1"]
@@ -342,34 +342,7 @@ def _release(holder: subprocess.Popen) -> None:
 def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
     """``pipeline.train``'s main(args) in a forked copy of this process with ``env`` added (the project's store
     unless ``env`` names another); its pid (see :func:`_wait`)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.chdir(tmp)
-            os.environ.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
-                               **env})
-            if faults.ENV not in env:
-                os.environ.pop(faults.ENV, None)
-            torch.set_num_threads(1)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (open until os._exit below)
-            from pipeline.train import main
-
-            code = main(args)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return _fork(tmp, args, {**_env(tmp), **env}, stderr)
 
 
 def _stopped(pid: int) -> bool:
