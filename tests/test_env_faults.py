@@ -232,6 +232,18 @@ def uninterrupted(tmp_path_factory, empty_store):
     return tmp, models, _histories(tmp)
 
 
+def _assert_as_uninterrupted(tmp: Path, uninterrupted) -> None:
+    """After the rerun: the uninterrupted run's final models and every metric of it, once; one parent and one child
+    per seed, all FINISHED."""
+    _ref_dir, ref_models, ref_hist = uninterrupted
+    for s in SEEDS:
+        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
+        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
+    assert _histories(tmp) == ref_hist
+    _client, runs = _mlflow_state(tmp)
+    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+
+
 @pytest.mark.parametrize("fault,where", [
     ("checkpoint_write@3:ENOSPC", "checkpoint folder checkpoints is out of space (no space left on device writing "
                                   "exp/"),  # seed 1, round 3: seed_1.pt holds round 2
@@ -262,13 +274,7 @@ def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch
     # the same command again: one clean run per seed, every metric of the uninterrupted run, once
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
-    _ref_dir, ref_models, ref_hist = uninterrupted
-    for s in SEEDS:
-        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
-        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
-    assert _histories(tmp) == ref_hist
-    _client, runs = _mlflow_state(tmp)
-    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+    _assert_as_uninterrupted(tmp, uninterrupted)
     assert not (tmp / "checkpoints" / "exp").exists()
 
 
@@ -386,13 +392,7 @@ def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_no
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     assert "exp: ended 2 MLflow run(s) left RUNNING by a process that is gone" in capsys.readouterr().err
-    _ref_dir, ref_models, ref_hist = uninterrupted
-    for s in SEEDS:
-        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
-        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
-    assert _histories(tmp) == ref_hist
-    _client, runs = _mlflow_state(tmp)
-    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+    _assert_as_uninterrupted(tmp, uninterrupted)
 
 
 def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeypatch):
