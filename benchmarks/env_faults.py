@@ -310,14 +310,14 @@ def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List
 
 def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fault: Optional[str] = None,
                     rerun: Optional[List[str]] = None, reference: Optional[str] = None, name: str = NAME,
-                    prepare: Optional[Callable[[Path], None]] = None, fault_desc: str = "",
+                    prepare: Optional[Callable[["kill.Chain"], None]] = None, fault_desc: str = "",
                     nothing_created: bool = False, env: Optional[Dict[str, str]] = None) -> Outcome:
-    """The common shape of a case: ``prepare(project)``, the command with ``fault`` and ``env`` (its first run),
+    """The common shape of a case: ``prepare(chain)``, the command with ``fault`` and ``env`` (its first run),
     measures, then ``rerun`` (default: the same command) without them, and the end state. ``nothing_created``: the
     failing command must not create any file (a folder check: no lock file, no MLflow store, no results folder)."""
     chain = kill.Chain(ctx.base, label, params)
     if prepare is not None:
-        prepare(chain.project)
+        prepare(chain)
     before = {str(p.relative_to(chain.project)) for p in chain.project.rglob("*")}
     out = Outcome(label, fault_desc or (f"FL_FAULT={fault}" if fault else "real"))
     first = Run(chain, argv, fault, extra_env=env)
@@ -334,9 +334,9 @@ def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fau
 # --------------------------------------------------------------------------- cases: folders
 
 
-def _file_at(rel: str) -> Callable[[Path], None]:
-    def prep(project: Path) -> None:
-        (project / rel).write_text("a file where a folder is needed\n")
+def _file_at(rel: str) -> Callable[["kill.Chain"], None]:
+    def prep(chain: "kill.Chain") -> None:
+        (chain.project / rel).write_text("a file where a folder is needed\n")
     return prep
 
 
@@ -361,9 +361,9 @@ def _checkpoint_dir_file(ctx: Context) -> Outcome:
 def _results_dir_read_only(ctx: Context) -> Outcome:
     """results_dir on a read-only file system: a read-only tmpfs (else the injected path_check:EROFS)."""
     if ctx.mounts:
-        def prep(project: Path) -> None:
-            (project / "ro").mkdir()
-            mount(project / "ro", "ro,size=1m")
+        def prep(chain: "kill.Chain") -> None:
+            (chain.project / "ro").mkdir()
+            mount(chain.project / "ro", "ro,size=1m")
         return fail_then_rerun(ctx, "results_dir read-only", {}, py("pipeline.train", *SINGLE, "results_dir=ro/results"),
                                rerun=py("pipeline.train", *SINGLE), prepare=prep, fault_desc="real: read-only tmpfs",
                                nothing_created=True)
@@ -387,9 +387,7 @@ def _disk_full_real(ctx: Context) -> Outcome:
     """engine.checkpoint_dir on a 64 MiB tmpfs that fills up once the first checkpoint exists (real ENOSPC)."""
     label = "disk full during a run (checkpoint folder)"
     if not ctx.mounts:
-        out = Outcome(label, "needs a private mount namespace (root and unshare): not run")
-        out.status = None
-        return out
+        return Outcome(label, "needs a private mount namespace (root and unshare): not run")
     chain = kill.Chain(ctx.base, label, grid(ctx.rounds, "ck"))
     (chain.project / "ck").mkdir()
     mount(chain.project / "ck", "size=64m")
@@ -425,11 +423,8 @@ case("disk_full_metrics", "disk")(_injected_disk_case("outputs_write@15", "the o
 @case("disk_full_report", "data")
 def _disk_full_report(ctx: Context) -> Outcome:
     """ENOSPC injected at the report's first write (fl-report), after a complete grid run."""
-    def prep(project: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
-        env.pop(faults.ENV, None)
-        subprocess.run(py("pipeline.train", "--grid", NAME), cwd=project, env=env, capture_output=True,
+    def prep(chain: "kill.Chain") -> None:
+        subprocess.run(py("pipeline.train", "--grid", NAME), cwd=chain.project, env=chain.env(), capture_output=True,
                        timeout=RUN_TIMEOUT, check=True)
     return fail_then_rerun(ctx, "disk full at the report", grid(ctx.rounds), py("pipeline.report"),
                            fault="outputs_write:ENOSPC", name="", prepare=prep)
@@ -607,19 +602,15 @@ def _store_locked(ctx: Context) -> Outcome:
 @case("store_missing_folder", "tracking")
 def _store_missing_folder(ctx: Context) -> Outcome:
     """MLFLOW_TRACKING_URI=sqlite:/// in a folder that does not exist: refused, nothing created."""
-    def uri(project: Path) -> Dict[str, str]:
-        return {"MLFLOW_TRACKING_URI": f"sqlite:///{project / 'typo' / 'mlflow.db'}"}
+    chain_env: Dict[str, str] = {}  # filled once the project folder exists, read by the first run
 
-    chain_env: Dict[str, str] = {}
+    def prep(chain: "kill.Chain") -> None:
+        chain_env["MLFLOW_TRACKING_URI"] = f"sqlite:///{chain.project / 'typo' / 'mlflow.db'}"
 
-    def prep(project: Path) -> None:
-        chain_env.update(uri(project))
-
-    out = fail_then_rerun(ctx, "sqlite:/// store in a missing folder", grid(ctx.rounds),
+    return fail_then_rerun(ctx, "sqlite:/// store in a missing folder", grid(ctx.rounds),
                           py("pipeline.train", "--grid", NAME), reference="grid", prepare=prep,
                           fault_desc="real: MLFLOW_TRACKING_URI=sqlite:///.../typo/mlflow.db", nothing_created=True,
                           env=chain_env)
-    return out
 
 
 @case("tracking_port_dead", "tracking")
