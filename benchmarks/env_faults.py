@@ -704,11 +704,18 @@ params:
 SWEEP_TRIALS, SWEEP_WORKERS = 12, 2
 
 
-def postgres_available() -> bool:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from pg import find_bin_dir
+def _pg():
+    """``tests/pg.py``: the throwaway PostgreSQL server of the tests."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import pg
 
-    return find_bin_dir() is not None
+    return pg
+
+
+def postgres_available() -> bool:
+    return _pg().find_bin_dir() is not None
 
 
 def _trial_states(url: str) -> Dict[str, int]:
@@ -739,9 +746,7 @@ def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
 
 def _sweep_case(action: str):
     def run(ctx: Context) -> Outcome:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from pg import PostgresServer, find_bin_dir
-
+        pg = _pg()
         label = {"stop": "PostgreSQL stopped during a sweep", "freeze": "PostgreSQL frozen (SIGSTOP) during a sweep",
                  "restart": "PostgreSQL restarted during a sweep"}[action]
         fault = {"stop": "real: pg_ctl stop -m fast once 2 trials ended", "freeze": "real: SIGSTOP to every server "
@@ -750,7 +755,7 @@ def _sweep_case(action: str):
         out = Outcome(label, fault, expect_status=0 if action == "restart" else envfail.EXIT_STATUS)
         chain = kill.Chain(ctx.base, label, {})
         (chain.project / "space.yaml").write_text(SWEEP_SPACE)
-        server = PostgresServer(find_bin_dir())
+        server = pg.PostgresServer(pg.find_bin_dir())
         frozen: List[int] = []
         try:
             server.start()
