@@ -728,6 +728,20 @@ def _trial_states(url: str) -> Dict[str, int]:
         return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
 
 
+def _wait_for_trials(run: Run, url: str) -> bool:
+    """Poll until 2 of the sweep's trials have ended and one runs (False if the sweep ended first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            states = _trial_states(url)
+        except Exception:  # noqa: BLE001  (the tables do not exist yet)
+            states = {}
+        if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
     """After the rerun: one MLflow parent of the study, FINISHED; at most one MLflow run per trial; no run and no
     trial RUNNING."""
@@ -766,24 +780,17 @@ def _sweep_case(action: str):
                           str(n), "--workers", str(SWEEP_WORKERS), "--no-test", "--quiet", "--out", "out")
 
             first = Run(chain, command(SWEEP_TRIALS))
-            fault_at, deadline = None, time.monotonic() + RUN_TIMEOUT
-            while first.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    states = _trial_states(url)
-                except Exception:  # the tables do not exist yet
-                    states = {}
-                if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
-                    if action == "freeze":
-                        frozen = server.freeze()
-                    else:
-                        server.halt()
-                    fault_at = time.time()
-                    if action == "restart":
-                        server.resume()
-                        out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after "
-                                         "the stop")
-                    break
-                time.sleep(0.1)
+            fault_at = None
+            if _wait_for_trials(first, url):
+                if action == "freeze":
+                    frozen = server.freeze()
+                else:
+                    server.halt()
+                fault_at = time.time()
+                if action == "restart":
+                    server.resume()
+                    out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after the "
+                                     "stop")
             out.status, err, ended = first.wait()
             if fault_at is None:
                 out.notes.append(f"{label}: the sweep ended before 2 trials had ended and one was running")
