@@ -119,11 +119,7 @@ class PostgresServer:
         for _ in range(attempts):
             self.port = free_port()
             try:
-                self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
-                           str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o",
-                           self._start_options()],
-                          timeout=START_TIMEOUT_S + 30)
-                self.started = True
+                self.resume()
                 return
             except PostgresError as err:
                 error = err
@@ -131,10 +127,6 @@ class PostgresServer:
                     break
         assert error is not None
         raise error
-
-    def _start_options(self) -> str:
-        return (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
 
     def halt(self) -> None:
         """Stop the server as an administrator would (``pg_ctl stop -m fast``: the sessions are ended, the clients
@@ -144,9 +136,12 @@ class PostgresServer:
         self.started = False
 
     def resume(self) -> None:
-        """Start the server again on the same port and data after :meth:`halt`; waits until it accepts connections."""
+        """``pg_ctl start`` on :attr:`port` and the data folder (:meth:`start`, and again after :meth:`halt`); waits
+        until the server accepts connections."""
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
-                   str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", self._start_options()],
+                   str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", options],
                   timeout=START_TIMEOUT_S + 30)
         self.started = True
 
