@@ -718,22 +718,12 @@ def postgres_available() -> bool:
     return _pg().find_bin_dir() is not None
 
 
-def _trial_states(url: str) -> Dict[str, int]:
-    """{state: count} of the Optuna trials in the database ``url`` (psycopg directly: no Optuna, no heartbeat)."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
-        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
-
-
 def _wait_for_trials(run: Run, url: str) -> bool:
     """Poll until 2 of the sweep's trials have ended and one runs (False if the sweep ended first)."""
     deadline = time.monotonic() + RUN_TIMEOUT
     while run.proc.poll() is None and time.monotonic() < deadline:
         try:
-            states = _trial_states(url)
+            states = _pg().trial_states(url)
         except Exception:  # noqa: BLE001  (the tables do not exist yet)
             states = {}
         if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
@@ -745,7 +735,7 @@ def _wait_for_trials(run: Run, url: str) -> bool:
 def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
     """After the rerun: one MLflow parent of the study, FINISHED; at most one MLflow run per trial; no run and no
     trial RUNNING."""
-    states = _trial_states(url)
+    states = _pg().trial_states(url)
     out.trials_after = states.get("RUNNING", 0)
     _client, runs = kill.mlflow_runs(project)
     parents = [r for r in runs if r.data.tags.get("sweep_role") == "study"]
@@ -804,7 +794,7 @@ def _sweep_case(action: str):
                 frozen = []
             elif action == "stop":
                 server.resume()
-            out.trials_left = _trial_states(url).get("RUNNING", 0)
+            out.trials_left = _pg().trial_states(url).get("RUNNING", 0)
             second = Run(chain, command(2))
             out.rerun_status, err2, _ = second.wait()
             if out.rerun_status != 0:

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 SERVER_USER = "postgres"  # the account the server runs as when the tests run as root
 START_TIMEOUT_S = 60  # pg_ctl start -w -t: how long to wait for the server to accept connections
@@ -51,6 +51,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def trial_states(url: str) -> Dict[str, int]:
+    """{state: count} of the Optuna trials in the database ``url`` (read with psycopg directly: no Optuna, no
+    heartbeat)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
+        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
 
 
 class PostgresServer:

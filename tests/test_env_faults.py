@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from fl_core import envfail, faults
+from pg import trial_states
 from test_faults import GRID, SEEDS, _env, _fork, _forked, _in_process, _mlflow_state, _project, _wait
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -577,16 +578,6 @@ def postgres():
     yield from server_fixture.__wrapped__()
 
 
-def _trial_states(url: str) -> dict:
-    """{state: count} of the Optuna trials in ``url`` (read with psycopg: no Optuna, no heartbeat)."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
-        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
-
-
 def _sweep(tmp: Path, url: str, n: int, *options: str, env=None, log: str = "sweep.err") -> subprocess.Popen:
     """``python -m sweeps.tune`` of this tree on ``url`` (MLflow in the folder's SQLite store), stderr to ``log``."""
     (tmp / "space.yaml").write_text(SWEEP_SPACE)
@@ -605,7 +596,7 @@ def _once_trials_run(url: str, proc: subprocess.Popen, ended: int = 1) -> None:
         assert proc.poll() is None, "the sweep ended before the fault"
         assert time.monotonic() < deadline, "no trial ran within 240 s"
         try:
-            states = _trial_states(url)
+            states = trial_states(url)
         except Exception:  # Optuna's tables do not exist yet
             states = {}
         if sum(n for s, n in states.items() if s != "RUNNING") >= ended and states.get("RUNNING"):
@@ -656,7 +647,7 @@ def test_a_postgres_restart_during_a_sweep_costs_the_running_trial_and_the_sweep
         proc.kill()
     err = (tmp_path / "sweep.err").read_text()
     assert "Traceback" not in err
-    states = _trial_states(url)
+    states = trial_states(url)
     notes = [ln for ln in _lines(err) if ln.startswith("note:")]
     assert sum(states.values()) == 8 and "RUNNING" not in states and states.get("FAIL", 0) == len(notes) <= 1
     for note in notes:
@@ -690,7 +681,7 @@ def test_a_stopped_postgres_ends_each_worker_in_one_line_and_the_rerun_leaves_no
     assert parent[0].data.tags["fl.end_reason"].startswith("environment failure: ")
     rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")  # the same machine: its dead trials now
     assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
-    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in trial_states(url)
     runs = _sweep_runs(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}
     assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FINISHED"]
@@ -719,8 +710,8 @@ def test_a_frozen_postgres_ends_the_sweep_in_one_line_within_the_stall_bound(pos
     runs = _sweep_runs(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}  # ended FAILED before the process ended
     assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FAILED"]
-    assert _trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
+    assert trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
     rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")
     assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
-    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in trial_states(url)
     assert "RUNNING" not in {r.info.status for r in _sweep_runs(tmp_path)}
