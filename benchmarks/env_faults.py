@@ -274,16 +274,50 @@ def temporaries(project: Path) -> List[str]:
     return sorted(str(p.relative_to(project)) for p in project.rglob("*") if TEMPORARY.search(p.name))
 
 
+def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
+    """Poll until the run's first checkpoint of seed 1 exists in ``folder`` (False if the run ended first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        if list(folder.glob("*/seed_1.pt")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _observe(out: Outcome, project: Path, err: str) -> None:
+    """What a failing first run left: its stderr lines and tracebacks, its first line, the MLflow runs still RUNNING
+    and the temporary files in ``project``."""
+    out.lines, out.tracebacks = count(err)
+    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
+    out.left_running = running(project)
+    out.leftovers = temporaries(project)
+
+
+def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str], name: str = NAME,
+                     reference: Optional[str] = "grid", env: Optional[Dict[str, str]] = None,
+                     ignore: Tuple[str, ...] = ()) -> None:
+    """The same command again (``env``: the environment it keeps, the fault removed): its exit status, then (unless
+    ``name`` is empty) experiment ``name``'s runs judged against ``ctx.references[reference]`` and those RUNNING, and
+    the leftover files of kill.leftovers not under the folders ``ignore``."""
+    out.rerun_status, err, _ = Run(chain, argv, extra_env=env).wait()
+    if out.rerun_status != 0:
+        out.notes.append(f"{out.case}: rerun exit {out.rerun_status}: {kill.last_line(err)}")
+    if name:
+        judge_runs(out, chain.project, name, ctx.references.get(reference) if reference else None)
+        out.running_after = running(chain.project)
+    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project) if not p.startswith(ignore)]
+
+
 def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fault: Optional[str] = None,
                     rerun: Optional[List[str]] = None, reference: Optional[str] = None, name: str = NAME,
-                    prepare: Optional[Callable[[Path], None]] = None, fault_desc: str = "",
+                    prepare: Optional[Callable[["kill.Chain"], None]] = None, fault_desc: str = "",
                     nothing_created: bool = False, env: Optional[Dict[str, str]] = None) -> Outcome:
-    """The common shape of a case: ``prepare(project)``, the command with ``fault`` and ``env`` (its first run),
+    """The common shape of a case: ``prepare(chain)``, the command with ``fault`` and ``env`` (its first run),
     measures, then ``rerun`` (default: the same command) without them, and the end state. ``nothing_created``: the
     failing command must not create any file (a folder check: no lock file, no MLflow store, no results folder)."""
     chain = kill.Chain(ctx.base, label, params)
     if prepare is not None:
-        prepare(chain.project)
+        prepare(chain)
     before = {str(p.relative_to(chain.project)) for p in chain.project.rglob("*")}
     out = Outcome(label, fault_desc or (f"FL_FAULT={fault}" if fault else "real"))
     first = Run(chain, argv, fault, extra_env=env)
@@ -293,23 +327,16 @@ def fail_then_rerun(ctx: Context, label: str, params: Dict, argv: List[str], fau
     _observe(out, chain.project, err)
     if nothing_created:
         out.leftovers += sorted({str(p.relative_to(chain.project)) for p in chain.project.rglob("*")} - before)
-    second = Run(chain, rerun or argv)
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    if name:
-        judge_runs(out, chain.project, name, ctx.references.get(reference) if reference else None)
-        out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+    _rerun_and_judge(ctx, out, chain, rerun or argv, name, reference)
     return out
 
 
 # --------------------------------------------------------------------------- cases: folders
 
 
-def _file_at(rel: str) -> Callable[[Path], None]:
-    def prep(project: Path) -> None:
-        (project / rel).write_text("a file where a folder is needed\n")
+def _file_at(rel: str) -> Callable[["kill.Chain"], None]:
+    def prep(chain: "kill.Chain") -> None:
+        (chain.project / rel).write_text("a file where a folder is needed\n")
     return prep
 
 
@@ -334,9 +361,9 @@ def _checkpoint_dir_file(ctx: Context) -> Outcome:
 def _results_dir_read_only(ctx: Context) -> Outcome:
     """results_dir on a read-only file system: a read-only tmpfs (else the injected path_check:EROFS)."""
     if ctx.mounts:
-        def prep(project: Path) -> None:
-            (project / "ro").mkdir()
-            mount(project / "ro", "ro,size=1m")
+        def prep(chain: "kill.Chain") -> None:
+            (chain.project / "ro").mkdir()
+            mount(chain.project / "ro", "ro,size=1m")
         return fail_then_rerun(ctx, "results_dir read-only", {}, py("pipeline.train", *SINGLE, "results_dir=ro/results"),
                                rerun=py("pipeline.train", *SINGLE), prepare=prep, fault_desc="real: read-only tmpfs",
                                nothing_created=True)
@@ -360,35 +387,21 @@ def _disk_full_real(ctx: Context) -> Outcome:
     """engine.checkpoint_dir on a 64 MiB tmpfs that fills up once the first checkpoint exists (real ENOSPC)."""
     label = "disk full during a run (checkpoint folder)"
     if not ctx.mounts:
-        out = Outcome(label, "needs a private mount namespace (root and unshare): not run")
-        out.status = None
-        return out
+        return Outcome(label, "needs a private mount namespace (root and unshare): not run")
     chain = kill.Chain(ctx.base, label, grid(ctx.rounds, "ck"))
     (chain.project / "ck").mkdir()
     mount(chain.project / "ck", "size=64m")
     out = Outcome(label, "real: tmpfs filled after the 1st checkpoint")
     first = Run(chain, py("pipeline.train", "--grid", NAME))
     filler = chain.project / "ck" / "filler"
-    fault_at = None
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while first.proc.poll() is None and time.monotonic() < deadline:
-        if list((chain.project / "ck" / NAME).glob("*/seed_1.pt")):
-            fault_at = fill(filler)
-            break
-        time.sleep(0.05)
+    fault_at = fill(filler) if _wait_for_checkpoint(first, chain.project / "ck" / NAME) else None
     out.status, err, ended = first.wait()
     out.to_exit_s = ended - fault_at if fault_at is not None else None
     if fault_at is None:
         out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
     _observe(out, chain.project, err)
     filler.unlink(missing_ok=True)
-    second = Run(chain, py("pipeline.train", "--grid", NAME))
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-    out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project) if not p.startswith("ck/")]
+    _rerun_and_judge(ctx, out, chain, py("pipeline.train", "--grid", NAME), ignore=("ck/",))
     if list((chain.project / "ck" / NAME).glob("*")):
         out.leftovers.append("after the rerun: ck/exp/")
     return out
@@ -410,11 +423,8 @@ case("disk_full_metrics", "disk")(_injected_disk_case("outputs_write@15", "the o
 @case("disk_full_report", "data")
 def _disk_full_report(ctx: Context) -> Outcome:
     """ENOSPC injected at the report's first write (fl-report), after a complete grid run."""
-    def prep(project: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
-        env.pop(faults.ENV, None)
-        subprocess.run(py("pipeline.train", "--grid", NAME), cwd=project, env=env, capture_output=True,
+    def prep(chain: "kill.Chain") -> None:
+        subprocess.run(py("pipeline.train", "--grid", NAME), cwd=chain.project, env=chain.env(), capture_output=True,
                        timeout=RUN_TIMEOUT, check=True)
     return fail_then_rerun(ctx, "disk full at the report", grid(ctx.rounds), py("pipeline.report"),
                            fault="outputs_write:ENOSPC", name="", prepare=prep)
@@ -509,13 +519,7 @@ def _dist_case(launcher: str, action: str):
         out.first_line = next((ln for ln in err.splitlines() if ln.startswith("error:")), "")
         out.left_running = running(chain.project)
         out.leftovers = temporaries(chain.project)
-        second = Run(chain, command())
-        out.rerun_status, err2, _ = second.wait()
-        if out.rerun_status != 0:
-            out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-        judge_runs(out, chain.project, "dist", ctx.references.get("dist"))
-        out.running_after = running(chain.project)
-        out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+        _rerun_and_judge(ctx, out, chain, command(), "dist", "dist")
         if (chain.project / "checkpoints" / "dist").exists():
             out.leftovers.append("after the rerun: checkpoints/dist/")
         return out
@@ -567,35 +571,6 @@ def hold_sqlite_lock(db: Path) -> subprocess.Popen:
     return holder
 
 
-def _wait_for_checkpoint(run: Run, folder: Path) -> bool:
-    """Poll until the run's first checkpoint of seed 1 exists in ``folder`` (False if the run ended first)."""
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        if list(folder.glob("*/seed_1.pt")):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-
-def _observe(out, project, err: str) -> None:
-    """What a failing first run left: its stderr lines and tracebacks, its first line, the MLflow runs still RUNNING
-    and the temporary files in ``project``."""
-    out.lines, out.tracebacks = count(err)
-    out.first_line = next((ln for ln in err.splitlines() if ln.strip()), "")
-    out.left_running = running(project)
-    out.leftovers = temporaries(project)
-
-def _rerun_and_judge(ctx: Context, out: Outcome, chain: "kill.Chain", argv: List[str]) -> None:
-    second = Run(chain, argv)
-    out.rerun_status, err2, _ = second.wait()
-    if out.rerun_status != 0:
-        out.notes.append(f"{out.case}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-    judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-    out.running_after = running(chain.project)
-    out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
-
-
 @case("store_locked", "tracking")
 def _store_locked(ctx: Context) -> Outcome:
     """The SQLite store locked by a second process from the 1st checkpoint until the command ends (real lock)."""
@@ -627,19 +602,15 @@ def _store_locked(ctx: Context) -> Outcome:
 @case("store_missing_folder", "tracking")
 def _store_missing_folder(ctx: Context) -> Outcome:
     """MLFLOW_TRACKING_URI=sqlite:/// in a folder that does not exist: refused, nothing created."""
-    def uri(project: Path) -> Dict[str, str]:
-        return {"MLFLOW_TRACKING_URI": f"sqlite:///{project / 'typo' / 'mlflow.db'}"}
+    chain_env: Dict[str, str] = {}  # filled once the project folder exists, read by the first run
 
-    chain_env: Dict[str, str] = {}
+    def prep(chain: "kill.Chain") -> None:
+        chain_env["MLFLOW_TRACKING_URI"] = f"sqlite:///{chain.project / 'typo' / 'mlflow.db'}"
 
-    def prep(project: Path) -> None:
-        chain_env.update(uri(project))
-
-    out = fail_then_rerun(ctx, "sqlite:/// store in a missing folder", grid(ctx.rounds),
+    return fail_then_rerun(ctx, "sqlite:/// store in a missing folder", grid(ctx.rounds),
                           py("pipeline.train", "--grid", NAME), reference="grid", prepare=prep,
                           fault_desc="real: MLFLOW_TRACKING_URI=sqlite:///.../typo/mlflow.db", nothing_created=True,
                           env=chain_env)
-    return out
 
 
 @case("tracking_port_dead", "tracking")
@@ -711,13 +682,7 @@ def _tracking_server_restarted(ctx: Context) -> Outcome:
         else:
             out.to_exit_s = ended - fault_at
         _observe(out, chain.project, err)
-        second = Run(chain, argv, extra_env=env)
-        out.rerun_status, err2, _ = second.wait()
-        if out.rerun_status != 0:
-            out.notes.append(f"{label}: rerun exit {out.rerun_status}: {kill.last_line(err2)}")
-        judge_runs(out, chain.project, NAME, ctx.references.get("grid"))
-        out.running_after = running(chain.project)
-        out.leftovers += [f"after the rerun: {p}" for p in kill.leftovers(chain.project)]
+        _rerun_and_judge(ctx, out, chain, argv, env=env)
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)
@@ -739,27 +704,38 @@ params:
 SWEEP_TRIALS, SWEEP_WORKERS = 12, 2
 
 
+def _pg():
+    """``tests/pg.py``: the throwaway PostgreSQL server of the tests."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import pg
+
+    return pg
+
+
 def postgres_available() -> bool:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from pg import find_bin_dir
-
-    return find_bin_dir() is not None
+    return _pg().find_bin_dir() is not None
 
 
-def _trial_states(url: str) -> Dict[str, int]:
-    """{state: count} of the Optuna trials in the database ``url`` (psycopg directly: no Optuna, no heartbeat)."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
-        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
+def _wait_for_trials(run: Run, url: str) -> bool:
+    """Poll until 2 of the sweep's trials have ended and one runs (False if the sweep ended first)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            states = _pg().trial_states(url)
+        except Exception:  # noqa: BLE001  (the tables do not exist yet)
+            states = {}
+        if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
     """After the rerun: one MLflow parent of the study, FINISHED; at most one MLflow run per trial; no run and no
     trial RUNNING."""
-    states = _trial_states(url)
+    states = _pg().trial_states(url)
     out.trials_after = states.get("RUNNING", 0)
     _client, runs = kill.mlflow_runs(project)
     parents = [r for r in runs if r.data.tags.get("sweep_role") == "study"]
@@ -774,9 +750,7 @@ def _judge_sweep(out: Outcome, project: Path, url: str) -> None:
 
 def _sweep_case(action: str):
     def run(ctx: Context) -> Outcome:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from pg import PostgresServer, find_bin_dir
-
+        pg = _pg()
         label = {"stop": "PostgreSQL stopped during a sweep", "freeze": "PostgreSQL frozen (SIGSTOP) during a sweep",
                  "restart": "PostgreSQL restarted during a sweep"}[action]
         fault = {"stop": "real: pg_ctl stop -m fast once 2 trials ended", "freeze": "real: SIGSTOP to every server "
@@ -785,7 +759,7 @@ def _sweep_case(action: str):
         out = Outcome(label, fault, expect_status=0 if action == "restart" else envfail.EXIT_STATUS)
         chain = kill.Chain(ctx.base, label, {})
         (chain.project / "space.yaml").write_text(SWEEP_SPACE)
-        server = PostgresServer(find_bin_dir())
+        server = pg.PostgresServer(pg.find_bin_dir())
         frozen: List[int] = []
         try:
             server.start()
@@ -796,24 +770,17 @@ def _sweep_case(action: str):
                           str(n), "--workers", str(SWEEP_WORKERS), "--no-test", "--quiet", "--out", "out")
 
             first = Run(chain, command(SWEEP_TRIALS))
-            fault_at, deadline = None, time.monotonic() + RUN_TIMEOUT
-            while first.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    states = _trial_states(url)
-                except Exception:  # the tables do not exist yet
-                    states = {}
-                if sum(n for s, n in states.items() if s != "RUNNING") >= 2 and states.get("RUNNING"):
-                    if action == "freeze":
-                        frozen = server.freeze()
-                    else:
-                        server.halt()
-                    fault_at = time.time()
-                    if action == "restart":
-                        server.resume()
-                        out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after "
-                                         "the stop")
-                    break
-                time.sleep(0.1)
+            fault_at = None
+            if _wait_for_trials(first, url):
+                if action == "freeze":
+                    frozen = server.freeze()
+                else:
+                    server.halt()
+                fault_at = time.time()
+                if action == "restart":
+                    server.resume()
+                    out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after the "
+                                     "stop")
             out.status, err, ended = first.wait()
             if fault_at is None:
                 out.notes.append(f"{label}: the sweep ended before 2 trials had ended and one was running")
@@ -827,7 +794,7 @@ def _sweep_case(action: str):
                 frozen = []
             elif action == "stop":
                 server.resume()
-            out.trials_left = _trial_states(url).get("RUNNING", 0)
+            out.trials_left = _pg().trial_states(url).get("RUNNING", 0)
             second = Run(chain, command(2))
             out.rerun_status, err2, _ = second.wait()
             if out.rerun_status != 0:
@@ -1025,14 +992,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         table(outcomes),
         "",
         *[f"- {n}" for n in notes],
-        "",
-        f"Total wall time: {wall:.0f} s ({wall / 60:.1f} min). Every target met: {'yes' if passed else 'NO'}.",
     ])
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0 if passed else 1
+    return kill.finish_report(text, wall, passed, args.out)
 
 
 if __name__ == "__main__":

@@ -558,6 +558,17 @@ def table(rows: List[Row], checks: List[Tuple[str, bool, str]]) -> str:
     return "\n".join(out)
 
 
+def finish_report(text: str, wall: float, passed: bool, out: Optional[Path]) -> int:
+    """A campaign's end: ``text`` and its total wall time and verdict printed, also written to ``out`` if given;
+    the exit status (0 when every target is met, 1 otherwise)."""
+    text += f"\n\nTotal wall time: {wall:.0f} s ({wall / 60:.1f} min). Every target met: {'yes' if passed else 'NO'}."
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    return 0 if passed else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -629,14 +640,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         table(rows, checks),
         "",
         *[f"- {n}" for n in notes],
-        "",
-        f"Total wall time: {wall:.0f} s ({wall / 60:.1f} min). Every target met: {'yes' if passed else 'NO'}.",
     ])
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0 if passed else 1
+    return finish_report(text, wall, passed, args.out)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ if str(_ROOT) not in sys.path:  # run as a script from anywhere, without an inst
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.round_speed import CIFAR10_MEAN, CIFAR10_STD, device_name  # noqa: E402
+from benchmarks.round_speed import CIFAR10_MEAN, CIFAR10_STD, device_name, emit, log  # noqa: E402
 from fl_core.config import ConfigError, compose  # noqa: E402
 from fl_core.data.partition import Partition  # noqa: E402
 from fl_core.data.sources import DataSourceError, FLDataset, load_source  # noqa: E402
@@ -104,10 +104,6 @@ class Row:
     threads: int = 0
     loads: List[Tuple[float, float]] = field(default_factory=list)  # 1-min load average at each run's start, end
     note: str = ""
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def load_avg() -> float:
@@ -368,10 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     table = render(rows, setup, data_line, args.warmup, args.rounds, args.repeats, time.perf_counter() - t_start)
-    print(table, end="")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    emit(table, args.out)
     return 0
 
 

@@ -224,6 +224,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def emit(table: str, out: Optional[Path]) -> None:
+    """The markdown table on stdout, and also in ``out`` (its folder made) when given."""
+    print(table, end="")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -914,10 +922,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = render(rows, args.workload_list, device, fwd, args.peak_tflops, args.warmup, args.rounds,
                    time.perf_counter() - t_start, args.repeats, peak.resettable, command=command, busy=args.busy,
                    load=(load_start, os.getloadavg()[0]))
-    print(table, end="")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    emit(table, args.out)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -119,18 +118,13 @@ def spread(xs: Sequence[float], fmt: str = "{:.0f}") -> str:
 
 
 def machine() -> str:
-    """Processor, cores, RAM, torch version and threads of this machine (the rows' processes inherit the threads)."""
+    """Processor, cores, RAM, torch version and threads of this machine (the rows' processes inherit the threads):
+    round_speed's description of the CPU."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return (f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    from benchmarks.round_speed import machine as described
+
+    return described(torch.device("cpu"))
 
 
 def main(argv: Sequence[str] = None) -> int:

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 SERVER_USER = "postgres"  # the account the server runs as when the tests run as root
 START_TIMEOUT_S = 60  # pg_ctl start -w -t: how long to wait for the server to accept connections
@@ -51,6 +51,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def trial_states(url: str) -> Dict[str, int]:
+    """{state: count} of the Optuna trials in the database ``url`` (read with psycopg directly: no Optuna, no
+    heartbeat)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
+        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
 
 
 class PostgresServer:
@@ -119,11 +130,7 @@ class PostgresServer:
         for _ in range(attempts):
             self.port = free_port()
             try:
-                self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
-                           str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o",
-                           self._start_options()],
-                          timeout=START_TIMEOUT_S + 30)
-                self.started = True
+                self.resume()
                 return
             except PostgresError as err:
                 error = err
@@ -131,10 +138,6 @@ class PostgresServer:
                     break
         assert error is not None
         raise error
-
-    def _start_options(self) -> str:
-        return (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
 
     def halt(self) -> None:
         """Stop the server as an administrator would (``pg_ctl stop -m fast``: the sessions are ended, the clients
@@ -144,9 +147,12 @@ class PostgresServer:
         self.started = False
 
     def resume(self) -> None:
-        """Start the server again on the same port and data after :meth:`halt`; waits until it accepts connections."""
+        """``pg_ctl start`` on :attr:`port` and the data folder (:meth:`start`, and again after :meth:`halt`); waits
+        until the server accepts connections."""
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root / 'sockets'} -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         self._run([str(self.bin_dir / "pg_ctl"), "start", "-D", str(self.root / "data"), "-l",
-                   str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", self._start_options()],
+                   str(self.root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "-o", options],
                   timeout=START_TIMEOUT_S + 30)
         self.started = True
 

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from fl_core import envfail, faults
-from test_faults import GRID, SEEDS, _forked, _in_process, _mlflow_state, _project
+from pg import trial_states
+from test_faults import GRID, SEEDS, _env, _fork, _forked, _in_process, _mlflow_state, _project, _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 SINGLE = ["train.rounds=2", "seed=1", "engine.progress=false", "partition.num_clients=4", "train.local_epochs=1"]
@@ -232,6 +233,18 @@ def uninterrupted(tmp_path_factory, empty_store):
     return tmp, models, _histories(tmp)
 
 
+def _assert_as_uninterrupted(tmp: Path, uninterrupted) -> None:
+    """After the rerun: the uninterrupted run's final models and every metric of it, once; one parent and one child
+    per seed, all FINISHED."""
+    _ref_dir, ref_models, ref_hist = uninterrupted
+    for s in SEEDS:
+        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
+        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
+    assert _histories(tmp) == ref_hist
+    _client, runs = _mlflow_state(tmp)
+    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+
+
 @pytest.mark.parametrize("fault,where", [
     ("checkpoint_write@3:ENOSPC", "checkpoint folder checkpoints is out of space (no space left on device writing "
                                   "exp/"),  # seed 1, round 3: seed_1.pt holds round 2
@@ -262,13 +275,7 @@ def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch
     # the same command again: one clean run per seed, every metric of the uninterrupted run, once
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
-    _ref_dir, ref_models, ref_hist = uninterrupted
-    for s in SEEDS:
-        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
-        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
-    assert _histories(tmp) == ref_hist
-    _client, runs = _mlflow_state(tmp)
-    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+    _assert_as_uninterrupted(tmp, uninterrupted)
     assert not (tmp / "checkpoints" / "exp").exists()
 
 
@@ -342,34 +349,7 @@ def _release(holder: subprocess.Popen) -> None:
 def _fork_train(tmp: Path, args, env: dict, stderr: Path) -> int:
     """``pipeline.train``'s main(args) in a forked copy of this process with ``env`` added (the project's store
     unless ``env`` names another); its pid (see :func:`_wait`)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.chdir(tmp)
-            os.environ.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "OMP_NUM_THREADS": "1",
-                               **env})
-            if faults.ENV not in env:
-                os.environ.pop(faults.ENV, None)
-            torch.set_num_threads(1)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 (open until os._exit below)
-            from pipeline.train import main
-
-            code = main(args)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return _fork(tmp, args, {**_env(tmp), **env}, stderr)
 
 
 def _stopped(pid: int) -> bool:
@@ -413,13 +393,7 @@ def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_no
     capsys.readouterr()
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     assert "exp: ended 2 MLflow run(s) left RUNNING by a process that is gone" in capsys.readouterr().err
-    _ref_dir, ref_models, ref_hist = uninterrupted
-    for s in SEEDS:
-        got = torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt")
-        assert all(torch.equal(got[k], ref_models[s][k]) for k in ref_models[s])
-    assert _histories(tmp) == ref_hist
-    _client, runs = _mlflow_state(tmp)
-    assert len(runs) == 1 + len(SEEDS) and {r.info.status for r in runs} == {"FINISHED"}
+    _assert_as_uninterrupted(tmp, uninterrupted)
 
 
 def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeypatch):
@@ -604,16 +578,6 @@ def postgres():
     yield from server_fixture.__wrapped__()
 
 
-def _trial_states(url: str) -> dict:
-    """{state: count} of the Optuna trials in ``url`` (read with psycopg: no Optuna, no heartbeat)."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, dbname=u.database, connect_timeout=5) as conn:
-        return dict(conn.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall())
-
-
 def _sweep(tmp: Path, url: str, n: int, *options: str, env=None, log: str = "sweep.err") -> subprocess.Popen:
     """``python -m sweeps.tune`` of this tree on ``url`` (MLflow in the folder's SQLite store), stderr to ``log``."""
     (tmp / "space.yaml").write_text(SWEEP_SPACE)
@@ -632,7 +596,7 @@ def _once_trials_run(url: str, proc: subprocess.Popen, ended: int = 1) -> None:
         assert proc.poll() is None, "the sweep ended before the fault"
         assert time.monotonic() < deadline, "no trial ran within 240 s"
         try:
-            states = _trial_states(url)
+            states = trial_states(url)
         except Exception:  # Optuna's tables do not exist yet
             states = {}
         if sum(n for s, n in states.items() if s != "RUNNING") >= ended and states.get("RUNNING"):
@@ -683,7 +647,7 @@ def test_a_postgres_restart_during_a_sweep_costs_the_running_trial_and_the_sweep
         proc.kill()
     err = (tmp_path / "sweep.err").read_text()
     assert "Traceback" not in err
-    states = _trial_states(url)
+    states = trial_states(url)
     notes = [ln for ln in _lines(err) if ln.startswith("note:")]
     assert sum(states.values()) == 8 and "RUNNING" not in states and states.get("FAIL", 0) == len(notes) <= 1
     for note in notes:
@@ -717,7 +681,7 @@ def test_a_stopped_postgres_ends_each_worker_in_one_line_and_the_rerun_leaves_no
     assert parent[0].data.tags["fl.end_reason"].startswith("environment failure: ")
     rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")  # the same machine: its dead trials now
     assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
-    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in trial_states(url)
     runs = _sweep_runs(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}
     assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FINISHED"]
@@ -746,8 +710,8 @@ def test_a_frozen_postgres_ends_the_sweep_in_one_line_within_the_stall_bound(pos
     runs = _sweep_runs(tmp_path)
     assert "RUNNING" not in {r.info.status for r in runs}  # ended FAILED before the process ended
     assert [r.info.status for r in runs if r.data.tags.get("sweep_role") == "study"] == ["FAILED"]
-    assert _trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
+    assert trial_states(url).get("RUNNING") == 1  # the frozen database could not be told
     rerun = _sweep(tmp_path, url, 1, "--fail-stale", log="rerun.err")
     assert rerun.wait(timeout=300) == 0, (tmp_path / "rerun.err").read_text()[-2000:]
-    assert "RUNNING" not in _trial_states(url)
+    assert "RUNNING" not in trial_states(url)
     assert "RUNNING" not in {r.info.status for r in _sweep_runs(tmp_path)}

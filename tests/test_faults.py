@@ -62,15 +62,18 @@ def _subprocess(tmp: Path, args, fault=None):
                           capture_output=True, check=False, text=True, timeout=300)
 
 
-def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = None) -> int:
-    """The command in a forked copy of this process (no interpreter start-up), with ``FL_FAULT=fault``;
-    returns ``-signal`` when a signal ended it, else its exit status. Its stderr goes to ``stderr``."""
+def _fork(tmp: Path, args, env: dict, stderr: Path | None = None) -> int:
+    """``pipeline.train``'s main(args) in a forked copy of this process (no interpreter start-up) with ``env`` in its
+    environment (``FL_FAULT`` removed unless ``env`` names it); its pid (see :func:`_wait`). Its stderr goes to
+    ``stderr``."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 1
         try:
             os.chdir(tmp)
-            os.environ.update(_env(tmp, fault))
+            os.environ.update(env)
+            if faults.ENV not in env:
+                os.environ.pop(faults.ENV, None)
             torch.set_num_threads(1)  # as every run here: float sums depend on the thread count
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
@@ -85,8 +88,19 @@ def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = Non
         finally:
             sys.stderr.flush()
             os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    """``-signal`` when a signal ended the forked command, else its exit status."""
     _, status = os.waitpid(pid, 0)
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _forked(tmp: Path, args, fault: str | None = None, stderr: Path | None = None) -> int:
+    """The command in a forked copy of this process, with ``FL_FAULT=fault``; returns ``-signal`` when a signal
+    ended it, else its exit status. Its stderr goes to ``stderr``."""
+    return _wait(_fork(tmp, args, _env(tmp, fault), stderr))
 
 
 def _in_process(tmp: Path, args, monkeypatch) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import sys
 
 import pytest
@@ -9,13 +10,16 @@ import pytest
 from fl_core.lazy import lazy_import
 
 
-def test_the_module_runs_on_first_attribute_access_once(tmp_path, monkeypatch):
-    (tmp_path / "fl_lazy_probe.py").write_text("import builtins\nbuiltins.fl_lazy_runs += 1\nVALUE = 42\n")
+def _probe(tmp_path, monkeypatch, name: str, body: str = "") -> None:
+    """A module ``name`` on the path, not imported yet, that counts its runs in ``builtins.fl_lazy_runs`` (0 now)."""
+    (tmp_path / f"{name}.py").write_text("import builtins\nbuiltins.fl_lazy_runs += 1\n" + body)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr("builtins.fl_lazy_runs", 0, raising=False)
-    monkeypatch.delitem(sys.modules, "fl_lazy_probe", raising=False)
-    import builtins
+    monkeypatch.delitem(sys.modules, name, raising=False)
 
+
+def test_the_module_runs_on_first_attribute_access_once(tmp_path, monkeypatch):
+    _probe(tmp_path, monkeypatch, "fl_lazy_probe", "VALUE = 42\n")
     mod = lazy_import("fl_lazy_probe")
     assert builtins.fl_lazy_runs == 0 and sys.modules["fl_lazy_probe"] is mod
     assert lazy_import("fl_lazy_probe") is mod and builtins.fl_lazy_runs == 0
@@ -25,12 +29,7 @@ def test_the_module_runs_on_first_attribute_access_once(tmp_path, monkeypatch):
 
 def test_an_import_statement_executes_a_lazy_module(tmp_path, monkeypatch):
     """``import name`` elsewhere reads the module's ``__spec__``: the module runs then, and it is the same object."""
-    (tmp_path / "fl_lazy_probe2.py").write_text("import builtins\nbuiltins.fl_lazy_runs += 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr("builtins.fl_lazy_runs", 0, raising=False)
-    monkeypatch.delitem(sys.modules, "fl_lazy_probe2", raising=False)
-    import builtins
-
+    _probe(tmp_path, monkeypatch, "fl_lazy_probe2")
     mod = lazy_import("fl_lazy_probe2")
     assert builtins.fl_lazy_runs == 0
     import fl_lazy_probe2
