@@ -530,7 +530,7 @@ class Tracking:
             try:
                 mlflow.pytorch.log_model(model, serialization_format=fmt, **kwargs)
             except Exception as err:  # noqa: BLE001  (whatever torch.export raises on a model it cannot trace)
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                first = envfail.first_line(err)[:200]
                 print(f"warning: torch.export cannot trace {type(model).__name__} ({first}); its MLflow model is "
                       "pickled instead", file=sys.stderr)
                 for failed in self.logged_models(run_id):
