@@ -111,7 +111,7 @@ def register(classifier: Classifier) -> Classifier:
     return classifier
 
 
-def _chain(err: BaseException) -> Iterator[BaseException]:
+def chain(err: BaseException) -> Iterator[BaseException]:
     """``err``, then its causes: ``__cause__``, else ``__context__`` unless suppressed (``raise ... from None``)."""
     seen = set()
     while err is not None and id(err) not in seen and len(seen) < 16:
@@ -120,10 +120,17 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``str(err)`` (stripped), or the error's type name when it says nothing: how a message
+    quotes an error in one line."""
+    text = str(err).strip()
+    return text.splitlines()[0].strip() if text else type(err).__name__
+
+
 def os_error(err: BaseException) -> Optional[OSError]:
     """The first ``OSError`` in ``err``'s chain whose errno is one of :data:`OS_CAUSES` (or EEXIST), else None.
     torch.save reports a full disk as a ``RuntimeError`` whose ``__context__`` is the ``OSError``."""
-    for e in _chain(err):
+    for e in chain(err):
         if isinstance(e, OSError) and (e.errno in OS_CAUSES or e.errno == errno.EEXIST):
             return e
     return None
@@ -137,7 +144,7 @@ def classify(err: BaseException) -> Optional[EnvironmentFailure]:
     """
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return None
-    for e in _chain(err):
+    for e in chain(err):
         if isinstance(e, EnvironmentFailure):
             return e
         for c in _CLASSIFIERS:
@@ -182,7 +189,7 @@ def _classify_distributed(err: BaseException) -> Optional[EnvironmentFailure]:
     that timed out, a store that went away); recognised by type, so torch need not be imported here."""
     if type(err).__name__ not in _DIST_TYPES or not type(err).__module__.startswith("torch.distributed"):
         return None
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    first = first_line(err)[:200]
     return EnvironmentFailure("the torch.distributed process group", f"failed ({first})",
                               "check that every rank started and can reach MASTER_ADDR:MASTER_PORT (torchrun), "
                               "then run the same command again")

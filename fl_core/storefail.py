@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 from urllib.parse import urlsplit
 
 from . import envfail, storewait
@@ -61,11 +61,6 @@ def name_store(url: str, label: str, action: str = "") -> None:
 
 def _role(url: str) -> Tuple[str, str]:
     return _ROLES.get(identity(url), ("database", ""))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0].strip() if text else type(err).__name__
 
 
 def _type(err: BaseException) -> Tuple[str, str]:
@@ -138,7 +133,7 @@ _PG_LOST = ("server closed the connection", "terminating connection", "connectio
 
 def _pg_cause(orig: BaseException) -> str:
     """How a PostgreSQL driver error reads after the database's name."""
-    first = _first_line(orig)
+    first = envfail.first_line(orig)
     low = str(orig).lower()
     sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     if sqlstate == "57014" or "statement timeout" in low:
@@ -190,19 +185,9 @@ def _classify_database(err: BaseException) -> Optional[envfail.EnvironmentFailur
 # --------------------------------------------------------------------------- MLflow's HTTP client
 
 
-def _chain(err: Optional[BaseException]) -> Iterator[BaseException]:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-        if err is None:
-            break
-
-
 def _http_reason(err: BaseException) -> str:
     """Why an HTTP request failed, from the innermost useful error of ``err`` (urllib3's MaxRetryError reason)."""
-    for e in _chain(err):
+    for e in envfail.chain(err):
         reason = getattr(e, "reason", None)
         if reason is not None and isinstance(reason, BaseException):
             err = reason
@@ -216,7 +201,7 @@ def _http_reason(err: BaseException) -> str:
         return "no answer within MLFLOW_HTTP_REQUEST_TIMEOUT"
     if "RemoteDisconnected" in text or "Connection aborted" in text or "reset" in text.lower():
         return "the connection was closed"
-    return _first_line(err)[:200]
+    return envfail.first_line(err)[:200]
 
 
 @envfail.register

@@ -40,6 +40,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
+from . import envfail
+
 #: MLflow's HTTP settings and the project's defaults (set where unset, :func:`http_defaults`)
 HTTP_DEFAULTS: Dict[str, str] = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
@@ -305,7 +307,7 @@ def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
             if getattr(orig, "sqlstate", None):  # the server itself answered with an error: alive
                 result.append((True, ""))
             else:
-                result.append((False, _first_line(orig)))
+                result.append((False, envfail.first_line(orig)))
         finally:
             if engine is not None:
                 engine.dispose()
@@ -318,15 +320,10 @@ def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
     return result[0]
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _stalled(engine, waited_s: float, why: str) -> None:
     """A statement on ``engine`` waited ``waited_s`` seconds and the server does not answer: hooks, one line, exit 3
     (``FL_DEBUG=1``: every thread's stack first)."""
-    from . import envfail, storefail
+    from . import storefail
 
     failure = storefail.stalled(_url_of(engine), waited_s, why)
     done = threading.Event()

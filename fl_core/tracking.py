@@ -299,13 +299,11 @@ def ensure_store(uri: str) -> None:
         fl_core.envfail.EnvironmentFailure: the store's folder does not exist (nothing is created: MLflow would
             create every missing folder of a mistyped path).
     """
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix):
+    path = storefail.sqlite_path(uri)  # None: not a SQLite file
+    if path is None:
         return
     check_store(uri)
-    db = Path(uri[len(prefix):].split("?", 1)[0])
-    if not db.is_absolute():
-        db = Path.cwd() / db
+    db = Path(path)
     if db.exists():
         return
     from filelock import FileLock
@@ -319,7 +317,7 @@ def ensure_store(uri: str) -> None:
         for stale in db.parent.glob(f".{db.name}.*.init"):  # left by a killed creation
             stale.unlink()
         tmp = db.with_name(f".{db.name}.{os.getpid()}.init")
-        SqlAlchemyStore(f"{prefix}{tmp}", mlflow_artifacts.LOCATION).engine.dispose()  # builds the schema
+        SqlAlchemyStore(f"sqlite:///{tmp}", mlflow_artifacts.LOCATION).engine.dispose()  # builds the schema
         faults.point("store_init")
         os.replace(tmp, db)
         durable.fsync_dir(db.parent)
@@ -530,7 +528,7 @@ class Tracking:
             try:
                 mlflow.pytorch.log_model(model, serialization_format=fmt, **kwargs)
             except Exception as err:  # noqa: BLE001  (whatever torch.export raises on a model it cannot trace)
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                first = envfail.first_line(err)[:200]
                 print(f"warning: torch.export cannot trace {type(model).__name__} ({first}); its MLflow model is "
                       "pickled instead", file=sys.stderr)
                 for failed in self.logged_models(run_id):

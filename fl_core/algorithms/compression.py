@@ -37,7 +37,7 @@ one sign bit and ceil(log2(s + 1)) bits for xi in {0..s}, in float equivalents (
     qsgd_floats(d, s) = d * (1 + ceil(log2(s + 1))) / 32 + 1
 
 The random draws of client i in round r come from ``torch_generator("qsgd", run seed, salt, r, i)``
-(run seed: ``RoundContext.seed``; salt: the wrapper's ``seed`` argument, 0 by default), so they do not
+(run seed: ``RoundContext.seed``; salt: the transform's ``seed`` argument, 0 by default), so they do not
 depend on the executor or on which other clients trained.
 
 Communication of a base that uploads less than d floats (FedBCGD: one block, the rest of Delta_i is 0):
@@ -191,10 +191,9 @@ class TopK(Transform):
     name = "topk"
     STATE_KEY = "residual"
 
-    def __init__(self, ratio: float, error_feedback: bool = True, seed: int = 0):
+    def __init__(self, ratio: float, error_feedback: bool = True):
         self.ratio = float(checked(CompressionParams, "algorithm.compression", topk_ratio=float(ratio)).topk_ratio)
         self.error_feedback = bool(error_feedback)
-        self.seed = int(seed)  # unused (Top-k is deterministic); kept for a uniform signature
         self._stats = _RoundStats()
 
     def shown(self):
@@ -249,22 +248,22 @@ class QSGD(Transform):
     def shown(self):
         return (("s", self.levels),)
 
-    def generator(self, run_seed: int, rnd: int, client_id: int) -> torch.Generator:
-        """The generator of client ``client_id``'s draws in round ``rnd`` of the run with seed ``run_seed``."""
-        return torch_generator("qsgd", int(run_seed), self.seed, int(rnd), int(client_id))
+    def generator(self, run_seed: int, rnd: int, client_id: int, *message: str) -> torch.Generator:
+        """The generator of client ``client_id``'s draws in round ``rnd`` of the run with seed ``run_seed``: for its
+        delta, or for the ``compressed_extras`` vector ``message`` (a message of its own)."""
+        return torch_generator("qsgd", int(run_seed), self.seed, int(rnd), int(client_id), *message)
 
     def apply(self, ctx: ClientContext, update: ClientUpdate, inner: Algorithm) -> ClientUpdate:
         delta = update.delta
-        q, _ = qsgd(delta, self.levels, self.generator(getattr(ctx.round, "seed", 0), ctx.round.round,
-                                                             ctx.client_id))
+        run_seed = getattr(ctx.round, "seed", 0)
+        q, _ = qsgd(delta, self.levels, self.generator(run_seed, ctx.round.round, ctx.client_id))
         norm = float(torch.linalg.vector_norm(delta))
         if norm > 0:
             self._stats.add(ctx.round.round, float(torch.linalg.vector_norm(q - delta)) / norm)
         extra = dict(update.extra)
         for key in inner.compressed_extras:  # FedBCGD+'s Delta c: a message of its own
             extra[key], _ = qsgd(update.extra[key], self.levels,
-                                 torch_generator("qsgd", int(getattr(ctx.round, "seed", 0)), self.seed,
-                                                 int(ctx.round.round), int(ctx.client_id), key))
+                                 self.generator(run_seed, ctx.round.round, ctx.client_id, key))
         sent = dict(update.sent)  # each quantised message costs qsgd_floats of its payload (a block: its size)
         for key in ("delta", *inner.compressed_extras):
             sent[key] = qsgd_floats(sent.get(key, float(update.delta.numel())), self.levels)

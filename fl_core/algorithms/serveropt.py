@@ -109,8 +109,9 @@ class ServerOptimizer:
              state: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def params_text(self) -> str:
-        return ""
+    def shown(self) -> Tuple[Tuple[str, str], ...]:
+        """The (key, value text) pairs the stack's description shows (key "" for a bare item)."""
+        return ()
 
 
 class Momentum(ServerOptimizer):
@@ -123,9 +124,9 @@ class Momentum(ServerOptimizer):
         p = checked(FedAvgMParams, "algorithm.fedavgm", beta=float(beta), form=form)
         self.beta, self.form = p.beta, p.form
 
-    def params_text(self) -> str:
-        lr = f",eta_g={self.eta_g:g}" if self.form == "heavy_ball" and self.eta_g != 1.0 else ""
-        return f"beta={self.beta:g},{self.form}{lr}"
+    def shown(self):
+        lr = (("eta_g", f"{self.eta_g:g}"),) if self.form == "heavy_ball" and self.eta_g != 1.0 else ()
+        return (("beta", f"{self.beta:g}"), ("", self.form)) + lr
 
     def init_state(self, global_flat):
         return {"v": torch.zeros_like(global_flat)}
@@ -154,10 +155,10 @@ class Adaptive(ServerOptimizer):
                     v0=v0)
         self.beta1, self.beta2, self.tau, self.v0 = p.beta1, p.beta2, p.tau, p.v0
 
-    def params_text(self) -> str:
-        b2 = "" if self.name == "adagrad" else f",beta2={self.beta2:g}"
-        v0 = ",v0=tau2" if self.v0 == "tau2" else ""
-        return f"eta_g={self.eta_g:g},beta1={self.beta1:g}{b2},tau={self.tau:g}{v0}"
+    def shown(self):
+        b2 = () if self.name == "adagrad" else (("beta2", f"{self.beta2:g}"),)
+        v0 = (("v0", "tau2"),) if self.v0 == "tau2" else ()
+        return (("eta_g", f"{self.eta_g:g}"), ("beta1", f"{self.beta1:g}")) + b2 + (("tau", f"{self.tau:g}"),) + v0
 
     def init_state(self, global_flat):
         """m = 0 [d]; v = 0 [d] (``v0=zero``) or tau^2 [d] (``v0=tau2``, Reddi et al. Alg. 2)."""
@@ -186,10 +187,11 @@ class ServerOptimized(Wrapper):
         self.opt = opt
         self.name = opt.preset if base.describe() == "fedavg" else opt.name
 
+    def shown(self):
+        return self.opt.shown()
+
     def describe(self) -> Description:
-        shown = tuple(tuple(item.split("=", 1)) if "=" in item else ("", item)
-                      for item in self.opt.params_text().split(",") if item)
-        return Description(self.name, shown, None if self.name == self.opt.preset else self.base.describe())
+        return Description(self.name, self.shown(), None if self.name == self.opt.preset else self.base.describe())
 
     def init_server_state(self, global_flat):
         state = dict(self.base.init_server_state(global_flat))

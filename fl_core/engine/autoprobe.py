@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithms.base import RoundContext
+from ..config import to_container
 from ..data.sampling import sample_clients
 from ..params import ParamSpec, flatten_params
 from . import gcpause
@@ -280,9 +281,7 @@ def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict) ->
     participation, ``engine.max_parallel_clients``, ``engine.kernels``, and the model's parameter count. Not the
     seed, the learning rate or the number of rounds: they change which clients round 1 samples, not what a round
     of this workload costs."""
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.to_container(cfg, resolve=True)
+    c = to_container(cfg)
     sizes = hashlib.sha256(json.dumps([int(ix.numel()) for ix in data.indices]).encode()).hexdigest()
     blob = {"device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
             "dtype": str(data.x.dtype), "shape": list(data.x.shape[1:]), "num_classes": data.num_classes,

@@ -234,7 +234,7 @@ def _diagnose(err: BaseException, wait_s: float,
     heartbeats to show which one) and tells the workers it ends the run; a worker's failure is quiet (rank 0 says
     it), except on rank 1 when rank 0 itself is the one lost. ``lost``: the ranks already found (:meth:`_Watch.lost`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    first = envfail.first_line(err)
     timeout_s = _watch.timeout_s if _watch is not None else DEFAULT_TIMEOUT_S
     timed_out = "timed out" in first.lower() or "timeout" in first.lower()
     deadline = time.monotonic() + wait_s

@@ -265,6 +265,7 @@ class Executor:
         self.crop_padding = crop_padding
         self.model = model
         self.algo = algorithm
+        self.needs = algorithm.needs  # the stack's executor services, fixed once it is built: read per step
         self.data = data
         self.batch_size = batch_size
         self.local_epochs = local_epochs
@@ -294,10 +295,10 @@ class Executor:
     def reference_outputs(self, ctx: ClientContext, x: torch.Tensor):
         """``ctx.reference_outputs`` of this step's batch ``x``: entry -> (logits, features) for every entry of
         ``algo.needs.forward_of`` (:func:`reference_vector`), or None when the rule names none."""
-        forward_of = self.algo.needs.forward_of
-        if not forward_of:
+        if not self.needs.forward_of:
             return None
-        return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x) for e in forward_of}
+        return {e: self.forward_at(ctx.round.spec, reference_vector(e, ctx.round, ctx.state), x)
+                for e in self.needs.forward_of}
 
     def epochs_of(self, rctx: RoundContext, cid: int) -> int:
         """Client ``cid``'s local epochs in round ``rctx``: the round's plan (``rctx.epochs``) or E."""
@@ -374,10 +375,9 @@ class SequentialExecutor(Executor):
         load_flat(model, rctx.global_flat)
         algo.client_begin(ctx, self.probe(ctx.client_id))
         idx = data.indices[ctx.client_id]
-        needs = algo.needs
-        if needs.full_gradient:
+        if self.needs.full_gradient:
             ctx.full_grad = full_gradient(model, algo, ctx, data.x[idx], data.y[idx])
-        anchor = self._anchor_model(rctx) if needs.anchor_gradient else None
+        anchor = self._anchor_model(rctx) if self.needs.anchor_gradient else None
         model.train()
         named = list(model.named_parameters())
         params: Dict[str, torch.Tensor] = dict(named)
@@ -566,7 +566,7 @@ class VectorizedExecutor(Executor):
         [C, B, K], features [C, B, f]), each client's from its own vector (the global one is shared)."""
         rctx = batched_ctx.round
         out = {}
-        for e in self.algo.needs.forward_of:
+        for e in self.needs.forward_of:
             vec = reference_vector(e, rctx, batched_ctx.state)
             if vec.dim() == 1:  # one vector for all clients
                 out[e] = torch.func.vmap(lambda xb, v=vec: self.forward_at(rctx.spec, v, xb))(x)
@@ -585,7 +585,7 @@ class VectorizedExecutor(Executor):
 
     def _begin_clients(self, rctx: RoundContext, ctxs: List[ClientContext]) -> None:
         """Each client's ``client_begin`` at the received model, and its full local gradient where the rule needs it."""
-        data, algo, needs = self.data, self.algo, self.algo.needs
+        data, algo, needs = self.data, self.algo, self.needs
         load_flat(self.model, rctx.global_flat)  # the received model, for client_begin's probe
         for ctx in ctxs if overrides(algo, "client_begin") or needs.full_gradient else ():
             algo.client_begin(ctx, self.probe(ctx.client_id))
@@ -596,7 +596,7 @@ class VectorizedExecutor(Executor):
     def _stack_chunk(self, rctx: RoundContext, ctxs: List[ClientContext]) -> _Chunk:
         """The chunk's starting point stacked [C, ...]: the received parameters, step-size multipliers, per-client
         values, batch schedule, anchor and optimiser state."""
-        data, needs, dev = self.data, self.algo.needs, self.data.x.device
+        data, needs, dev = self.data, self.needs, self.data.x.device
         C = len(ctxs)
         g = rctx.global_params()
         params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
@@ -664,7 +664,7 @@ class VectorizedExecutor(Executor):
         if self.augmentation != "none":
             aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1) for ctx in chunk.ctxs])
             x = augment.apply(x, aug, self.crop_padding)
-        if self.algo.needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
+        if self.needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
             chunk.client["reference_outputs"] = self._stacked_reference_outputs(chunk.batched_ctx, x)
         return x, y
 
