@@ -25,14 +25,15 @@ RESULT_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "seed"
 def derive_name(cfg: Any) -> str:
     """A readable default experiment name from the rule stack, e.g. ``fedbug-p0.2-fedavg_dirichlet-a0.3_digits``:
     the base; a server optimiser over the reference base as its preset (FedAvg + adam is ``fedadam``), over another
-    base before it (``adam-fedprox``); each wrapper, innermost first, before what it wraps, with the parameters its
-    rule declares for names (:func:`fl_core.algorithms.registry.name_parts`); then the partition and the dataset."""
+    base before it (``adam-fedprox``); each wrapper, innermost first, then each message transform, before what it
+    wraps (``topk-fedavg``), with the parameters its rule declares for names
+    (:func:`fl_core.algorithms.registry.name_parts`); then the partition and the dataset."""
     a = cfg.algorithm
     algo = a.name
     if a.server_opt != registry.NO_SERVER_OPT:
         opt = registry.get(a.server_opt)
         algo = opt.preset_name if a.name == registry.REFERENCE_BASE else f"{a.server_opt}-{algo}"
-    for w in a.wrappers:
+    for w in [*a.wrappers, *(a.transforms or [])]:  # message transforms apply last, so they come first
         algo = "-".join(registry.name_parts(a, w) + [algo])
     part = cfg.partition.name
     if part == "dirichlet":
@@ -60,6 +61,11 @@ def fingerprint(cfg: Any) -> str:
     :func:`result_sections` without the seed, so every seed of an experiment shares it."""
     sections = result_sections(cfg)
     sections.pop("seed")
+    # message transforms were the last wrappers before they had a list of their own, with the same numbers: fold
+    # them back so a compression run keeps the fingerprint its results were written under
+    algo = sections["algorithm"]
+    if algo.get("transforms"):
+        algo["wrappers"] = [*algo["wrappers"], *algo.pop("transforms")]
     blob = json.dumps(sections, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

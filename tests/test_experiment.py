@@ -14,6 +14,10 @@ PINNED = [
      "fedprox_dirichlet-a0.3_digits"),
     (["algorithm.wrappers=[fedbug]", "algorithm.server_opt=adam", "engine.kernels=portable", "seed=3"],
      "e77891971301", "fedbug-p0.2-fedadam_shards-s2_digits"),
+    # the compression presets, wrappers then, message transforms now (same numbers)
+    (["algorithm=topk"], "b949d09c61a8", "topk-fedavg_shards-s2_digits"),
+    (["algorithm=fedpaq"], "091eeaade854", "qsgd-fedavg_shards-s2_digits"),
+    (["algorithm=qsgd"], "466c6b766ab9", "qsgd-fedavg_shards-s2_digits"),
 ]
 
 
