@@ -256,11 +256,15 @@ def writing(path) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- command-line entry points
 
+def debug() -> bool:
+    """Whether ``FL_DEBUG`` is set to anything but ``0`` / empty (``--debug`` sets it): show tracebacks."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def debug_requested(argv: Sequence[str]) -> Tuple[bool, List[str]]:
-    """(whether ``--debug`` is among ``argv`` or ``FL_DEBUG`` is set to anything but ``0`` / empty, ``argv``
-    without ``--debug``)."""
+    """(whether ``--debug`` is among ``argv`` or :func:`debug`, ``argv`` without ``--debug``)."""
     rest = [a for a in argv if a != "--debug"]
-    return len(rest) != len(argv) or os.environ.get(DEBUG_ENV, "") not in ("", "0"), rest
+    return len(rest) != len(argv) or debug(), rest
 
 
 def run_cli(main: Callable[[List[str]], int], argv: Optional[Sequence[str]] = None) -> int:

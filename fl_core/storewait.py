@@ -338,7 +338,7 @@ def _stalled(engine, waited_s: float, why: str) -> None:
 
     threading.Thread(target=run_hooks, name="fl-db-stall-hooks", daemon=True).start()
     done.wait(HOOK_BUDGET_S)
-    if os.environ.get(envfail.DEBUG_ENV, "") not in ("", "0"):
+    if envfail.debug():
         import faulthandler
 
         faulthandler.dump_traceback(sys.stderr, all_threads=True)

@@ -229,7 +229,7 @@ def _quiet_mlflow() -> None:
     ``--debug`` / ``FL_DEBUG=1``: the error ends the command with one line (:mod:`fl_core.storefail`)."""
     for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    if os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+    if not envfail.debug():
         for name in ("mlflow.store.db.utils", "sqlalchemy.pool"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 

@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from fl_core import envfail
 from fl_core.config import ConfigError
 from fl_core.experiment import derive_name
 
@@ -37,11 +38,6 @@ SEED = "seed"
 SWEEP_ROOT = "outputs/multirun"
 TASK_NAME = "fl-train"
 PROG = "fl-train -m"
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def _parse(args: Sequence[str], config_loader: Any = None) -> list:
@@ -58,7 +54,7 @@ def _seed_list(override) -> List[int]:
     try:
         values = list(override.sweep_iterator())
     except Exception as err:  # noqa: BLE001  (glob() without configs, ...): one line
-        raise ConfigError(f"{text}: {_first_line(err)}") from None
+        raise ConfigError(f"{text}: {envfail.first_line(err)}") from None
     seeds: List[int] = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
@@ -412,7 +408,7 @@ def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], in
         try:
             returns = _launch(hydra, args, train_one)
         except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as err:
-            fail(_missing_plugin(_first_line(err)))
+            fail(_missing_plugin(envfail.first_line(err)))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; run the same command again to resume (finished experiments are not "
               "rerun)", file=sys.stderr)

@@ -131,11 +131,6 @@ def shown_storage(spec: str) -> str:
     return storefail.mask(spec)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def storage_error(spec: str, err: BaseException) -> StorageError:
     """The one-line :class:`StorageError` naming ``spec`` for an error raised while opening it: a missing driver
     (``ImportError``, with how to install it), else "cannot open the storage (<type>: <first line>)"."""
@@ -143,9 +138,9 @@ def storage_error(spec: str, err: BaseException) -> StorageError:
         cause = err.__cause__ or err.__context__ or err
         hint = DRIVERS.get(getattr(cause, "name", None) or "", "install the driver of the URL's dialect")
         return StorageError(f"--storage {shown_storage(spec)}: the database driver is not installed "
-                            f"({_first_line(cause)}; {hint})")
+                            f"({envfail.first_line(cause)}; {hint})")
     return StorageError(f"--storage {shown_storage(spec)}: cannot open the storage "
-                        f"({type(err).__name__}: {_first_line(err)})")
+                        f"({type(err).__name__}: {envfail.first_line(err)})")
 
 
 def bounded_storage(spec: str) -> None:
@@ -407,7 +402,7 @@ def quiet_optuna() -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+    if not envfail.debug():
         rdb = logging.getLogger("optuna.storages._rdb.storage")
         if _not_sqlalchemy_fallback not in rdb.filters:
             rdb.addFilter(_not_sqlalchemy_fallback)
@@ -701,7 +696,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
         exp = resolve([compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]), user=())
                        for seed in seeds])
     except (ConfigError, ValueError) as err:  # a combination the config validation rejects
-        raise InfeasibleConfig(_first_line(err)) from None
+        raise InfeasibleConfig(envfail.first_line(err)) from None
     accs: List[float] = []
     uplink, algo = 0.0, ""
     for i, cfg in enumerate(exp.configs):
@@ -711,7 +706,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
             sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks,
                                           experiment=exp)
         except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
-            raise InfeasibleConfig(_first_line(err)) from None
+            raise InfeasibleConfig(envfail.first_line(err)) from None
         if i == 0:
             algo = sim.algo.describe()
             if on_config is not None:
@@ -719,7 +714,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
         try:
             result = sim.run()
         except InfeasibleSetting as err:
-            raise InfeasibleConfig(_first_line(err)) from None
+            raise InfeasibleConfig(envfail.first_line(err)) from None
         accs.append(float(summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)["final_acc"]))
         uplink = float(result.history[-1]["comm_up_floats"]) / sim.spec.d
     return SeedsResult(accs, uplink, algo)
@@ -1112,7 +1107,7 @@ def _worker_main(settings: Settings, n_trials: int, worker: int, parent_pid: int
         _work(settings, n_trials, worker)
     except Exception as err:
         failure = envfail.classify(err)
-        if failure is None or os.environ.get(envfail.DEBUG_ENV, "") not in ("", "0"):
+        if failure is None or envfail.debug():
             raise
         report(failure)
         if not failure.quiet:

@@ -20,7 +20,6 @@ pruner, trials, workers; how a trial ends), :mod:`sweeps.outputs` (MLflow parent
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -346,7 +345,7 @@ def _run_trials(args: argparse.Namespace, study, settings: Settings, tracking,
         return "interrupted", error, None
     except Exception as err:  # an environment failure: one line; a bug: keep what is done
         failure = envfail.classify(err)
-        if failure is not None and os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+        if failure is not None and not envfail.debug():
             return "failed", None, failure
         traceback.print_exc()
         reason, where = error_reason(err)
@@ -368,7 +367,7 @@ def _finish_sweep(args: argparse.Namespace, study, settings: Settings, space, ou
                                  tracking=tracking, error=error)
     except Exception as err:  # the trials stay in the study; end the parent run so that it does not stay RUNNING
         failure = envfail.classify(err)
-        if failure is not None and os.environ.get(envfail.DEBUG_ENV, "") in ("", "0"):
+        if failure is not None and not envfail.debug():
             _end_parent_on(failure, settings, tracking)
             raise failure from err
         traceback.print_exc()
