@@ -29,12 +29,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from . import durable, faults, procs
+from . import durable, faults, owned, procs
 
 RECORD_VERSION = 1
 
 METRICS_FILE = "metrics.json"        # numbers a researcher compares (git-tracked, small)
 EXPERIMENT_FILE = "experiment.json"  # what ran: names, fingerprint, seeds, failures, per-seed summaries
+
+#: every file the train stage writes into ``results/<name>/`` (:mod:`fl_core.owned` patterns); a results folder holding
+#: anything else was not written by this project and is never replaced (tests/test_owned.py checks that a run's
+#: outputs all match)
+OUTPUT_PATTERNS = (METRICS_FILE, EXPERIMENT_FILE, "rounds.csv", "runs.csv", "config.yaml", "curves.png", "curves.pdf",
+                   ".gitignore", "partition/stats.json", "partition/labels_per_client.png",
+                   "partition/labels_per_client.pdf", "models/seed_*.pt", "models/README.txt", "details/seed_*.csv",
+                   "details/seed_*.png", "details/seed_*.pdf", "details/schedule.csv", "details/schedule.png",
+                   "details/schedule.pdf")
+#: what an attempt folder ``C/<name>/<fingerprint>/`` holds: checkpoints, records, their ``.prev`` / ``.corrupt`` /
+#: temporary files, a disk client-state store's folder
+ATTEMPT_PATTERNS = ("seed_*", "seed_*.states/*")
 
 _INFO_KEYS = ("experiment", "algorithm", "stack", "dataset", "partition", "model", "fingerprint", "seeds_run",
               "failures", "per_seed")
@@ -88,6 +100,24 @@ class ExperimentStore:
         self.old = self.results_dir / f".{name}.old"
         self.attempt = self.checkpoint_dir / name / fingerprint
 
+    # ------------------------------------------------------------------ ownership
+    def check_owned(self) -> None:
+        """Refuse (before anything is created, and again under the lock) when a folder this experiment would write,
+        replace or delete is not the project's (:mod:`fl_core.owned`): ``results/<name>/`` (it must hold
+        ``experiment.json`` and only the files a run writes), its ``.staging`` / ``.old`` siblings, the attempt
+        folder.
+
+        Raises:
+            fl_core.owned.ForeignFolder: one line naming the folder and a file in it.
+        """
+        hint = "move it away, or choose another name=... or results_dir=..."
+        outputs = owned.with_temporaries(OUTPUT_PATTERNS)
+        owned.check(self.out, outputs, "results folder", hint, marker=EXPERIMENT_FILE)
+        owned.check(self.old, outputs, "results folder", hint, marker=EXPERIMENT_FILE)
+        owned.check(self.staging, outputs, "staging folder", hint)
+        owned.check(self.attempt, ATTEMPT_PATTERNS, "checkpoint folder",
+                    "move it away, or choose another name=... or engine.checkpoint_dir=...")
+
     # ------------------------------------------------------------------ lock
     def _lock_paths(self) -> List[Path]:
         paths = [self.results_dir / ".locks" / f"{self.name}.lock"]
@@ -129,7 +159,8 @@ class ExperimentStore:
     def recover(self) -> None:
         """Undo what a killed process left half done (call while holding :meth:`lock`): stray
         temporary files of the attempt, a half-finished swap of the outputs, a stale staging folder,
-        a removed attempt folder that was not yet deleted."""
+        a removed attempt folder that was not yet deleted. Only what this project wrote is removed
+        (:meth:`check_owned` ran first; a leftover ``*.removed`` folder that holds anything else stays)."""
         durable.remove_temporaries(self.attempt)
         if self.old.exists():
             if self.out.exists():  # the swap completed: the old outputs are garbage
@@ -138,8 +169,9 @@ class ExperimentStore:
                 os.replace(self.old, self.out)
         if self.staging.exists():
             shutil.rmtree(self.staging)
-        for trash in (self.checkpoint_dir / self.name).glob("*.removed"):
-            shutil.rmtree(trash, ignore_errors=True)
+        for trash in (self.checkpoint_dir / self.name).glob("*.*.removed"):
+            if trash.is_dir() and not trash.is_symlink() and not owned.foreign_entries(trash, ATTEMPT_PATTERNS):
+                shutil.rmtree(trash, ignore_errors=True)
 
     # ------------------------------------------------------------------ attempt
     def in_progress(self) -> bool:

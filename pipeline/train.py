@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 # Only light modules at the top: ``--help``, ``--hydra-help``, ``--cfg`` and ``--info`` import no torch, MLflow or
 # matplotlib (tests/test_cli.py checks it). What a run needs (the engine, the data, the figures) is imported by the
 # functions that use it.
-from fl_core import envfail, faults
+from fl_core import envfail, faults, progress
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.experiment import resolve
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
+from fl_core.owned import ForeignFolder
 from fl_core.paths import project_root
 from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
                               split_summary)
@@ -171,11 +172,13 @@ class Interrupted(Exception):
 
 class _Progress:
     """One progress bar per experiment (rounds x seeds), opened at the first seed that trains so that it
-    starts at the rounds already done (finished seeds, the resumed seed's checkpoint)."""
+    starts at the rounds already done (finished seeds, the resumed seed's checkpoint); drawn on a terminal only
+    (:mod:`fl_core.progress`)."""
 
     def __init__(self, name: str, total: int, enabled: bool):
         self.name, self.total, self.enabled = name, total, enabled
-        self.bar = None
+        self.bar = None  # None off a terminal (fl_core.progress.bar)
+        self.opened = False
         self.done = 0  # rounds done before the bar opened
         self.last_round = 0  # last round completed by the seed in training
 
@@ -191,11 +194,10 @@ class _Progress:
         self.last_round = resumed_from
         if resumed_from:
             print(f"{self.name} seed {seed}: resumed from round {resumed_from}", file=sys.stderr)
-        if self.bar is None and self.enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.total, initial=self.done + resumed_from, desc=self.name, unit="round",
-                            dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        if self.bar is None and not self.opened:
+            self.opened = True
+            self.bar = progress.bar(total=self.total, initial=self.done + resumed_from, desc=self.name, unit="round",
+                                    enabled=self.enabled)
         elif self.bar is not None:
             self.bar.update(resumed_from)
 
@@ -231,6 +233,9 @@ class _Experiment:
             check_store()  # a sqlite:/// store in a folder that does not exist
         self.exp = exp = resolve(cfgs)  # name, fingerprint, data and partition keys, model: resolved once
         self.name = exp.name
+        self.store = ExperimentStore(self.name, exp.fingerprint, Path(cfg0.results_dir),
+                                     Path(cfg0.engine.checkpoint_dir))
+        self.store.check_owned()  # a folder the project did not write: one line, nothing created or read yet
         self.device = resolve_device(cfg0.engine.device)
         self.ds = dataset_for(cfg0, write_cache=False)
         self.part = partition_for(cfg0, self.ds, write_cache=False)
@@ -244,8 +249,6 @@ class _Experiment:
         self.model_d = self.probe.spec.d
         self.pkey = exp.partition_key
         self.seeds = list(exp.seeds)
-        self.store = ExperimentStore(self.name, exp.fingerprint, Path(cfg0.results_dir),
-                                     Path(cfg0.engine.checkpoint_dir))
         self.callbacks = list(callbacks or [])
         self.seed_callbacks = [on_round] if on_round is not None else []  # cb(seed, round, row)
         self.progress = _Progress(self.name, cfg0.train.rounds * len(cfgs), cfg0.engine.progress)
@@ -308,6 +311,7 @@ class _Experiment:
     def run(self) -> Dict:
         store, cfg0 = self.store, self.cfg0
         with store.lock():
+            store.check_owned()  # again under the lock: what another process may have left meanwhile
             store.recover()
             self._refuse_other_config()
             if cfg0.tracking.enabled:
@@ -322,49 +326,52 @@ class _Experiment:
                       "nothing to do (delete that folder to train again)", file=sys.stderr)
                 return done
             continuing = store.begin()
-            if self.tracking is not None:
-                self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags, continuing)
-                self.tracking.log_inputs(self.parent_id, self.inputs())
             try:
+                if self.tracking is not None:
+                    self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags, continuing)
+                    self.tracking.log_inputs(self.parent_id, self.inputs())
                 summary = self._run_locked()
                 # the MLflow parent of this experiment, for the caller (not part of the published files)
                 return {**summary, "mlflow_run_id": self.parent_id} if self.parent_id else summary
-            except KeyboardInterrupt:
-                if self.tracking is not None and self.parent_id is not None:
-                    self.tracking.end_parent(self.parent_id, "KILLED", INTERRUPTED)
-                raise Interrupted(min(self.progress.last_round + 1, cfg0.train.rounds)) from None
-            except Exception as err:
-                self._end_on_environment_failure(err)
+            except BaseException as err:
+                self._end_on_failure(err)
+                if isinstance(err, KeyboardInterrupt):
+                    raise Interrupted(min(self.progress.last_round + 1, cfg0.train.rounds)) from None
                 raise
             finally:
                 self.progress.close()
 
-    def _end_on_environment_failure(self, err: Exception) -> None:
-        """An environment failure (:func:`fl_core.envfail.classify`; other errors pass untouched): end the seed's and
-        the experiment's MLflow runs FAILED with ``fl.end_reason`` ``environment failure: <the line>`` (Ctrl-C ends
-        them KILLED), so that none is left RUNNING, and remove this start's staging folder; the same command
-        continues the runs (:func:`fl_core.tracking.resumable`). When the failure is the tracking store itself
+    def _end_on_failure(self, err: BaseException) -> None:
+        """The one place a start that stops on an exception ends what it opened, so that no MLflow run is left RUNNING
+        and no staging folder behind: the seed's and the experiment's MLflow runs end KILLED on Ctrl-C / SIGTERM,
+        FAILED with ``fl.end_reason`` ``environment failure: <the line>`` on an environment failure
+        (:func:`fl_core.envfail.classify`), else FAILED with ``stopped by an error: <type>: <first line>``; the same
+        command continues them (:func:`fl_core.tracking.resumable`). This start's staging folder is removed (the next
+        start rebuilds it); checkpoints and completion records stay. When the failure is the tracking store itself
         (locked, unreachable) the runs are not touched, as that would only wait once more: the next start ends or
         continues them. Best effort: the failure may be the disk or the store these steps need."""
         import contextlib
         import shutil
 
         from fl_core import storefail
-        from fl_core.tracking import ENV_FAILURE
+        from fl_core.tracking import ENV_FAILURE, STOPPED_BY_ERROR
 
-        failure = envfail.classify(err)
-        if failure is None:
-            return
-        reason = f"{ENV_FAILURE}{failure}"
-        store_down = (self.tracking is not None and failure.store is not None
+        failure = envfail.classify(err) if isinstance(err, Exception) else None
+        if isinstance(err, KeyboardInterrupt):
+            status, reason = "KILLED", INTERRUPTED
+        elif failure is not None:
+            status, reason = "FAILED", f"{ENV_FAILURE}{failure}"
+        else:
+            status, reason = "FAILED", f"{STOPPED_BY_ERROR}{type(err).__name__}: {envfail.first_line(err)}"
+        store_down = (self.tracking is not None and failure is not None and failure.store is not None
                       and storefail.identity(failure.store) == storefail.identity(self.tracking.uri))
         if not store_down:
             with contextlib.suppress(Exception):
                 if self._live_logger is not None:
-                    self._live_logger.close("FAILED", reason)
+                    self._live_logger.close(status, reason)
             with contextlib.suppress(Exception):
                 if self.tracking is not None and self.parent_id is not None:
-                    self.tracking.end_parent(self.parent_id, "FAILED", reason)
+                    self.tracking.end_parent(self.parent_id, status, reason)
         shutil.rmtree(self.store.staging, ignore_errors=True)
 
     def _run_locked(self) -> Dict:
@@ -426,10 +433,6 @@ class _Experiment:
             except RunFailed as err:
                 print(f"error: {self.name} seed {seed} FAILED: {err}", file=sys.stderr)
                 rec = {"status": "failed", "reason": str(err), "history": err.history}
-            except KeyboardInterrupt:
-                if logger is not None:
-                    logger.close("KILLED", INTERRUPTED)
-                raise
             else:
                 faults.point("after_last_round")
                 rec = {"status": "ok", "history": result.history, "state_dict": result.state_dict,
@@ -762,7 +765,7 @@ def _train(cfgs: List, replace: bool = True, adhoc: bool = False) -> Optional[Di
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         return run_experiment(cfgs, replace=replace, adhoc=adhoc)
-    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy) as err:
+    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy, ForeignFolder) as err:
         fail(str(err))
     except Interrupted as err:
         print(f"interrupted at round {err.round}; run the same command again to resume", file=sys.stderr)

@@ -119,6 +119,15 @@ def _in_process(tmp: Path, args, monkeypatch) -> int:
             return int(exit_.code)
 
 
+def _earlier_outputs(tmp: Path) -> None:
+    """``results/exp/`` as an earlier run of another config left it: its experiment.json and a model of a seed
+    this run does not train (the project's own files, so the run may replace them: fl_core.owned)."""
+    out = tmp / "results" / "exp"
+    (out / "models").mkdir(parents=True)
+    (out / "experiment.json").write_text(json.dumps({"experiment": "exp", "fingerprint": "an earlier config"}))
+    (out / "models" / "seed_9.pt").write_text("a model of an earlier run")
+
+
 def _models(tmp: Path) -> dict:
     return {s: torch.load(tmp / "results" / "exp" / "models" / f"seed_{s}.pt") for s in SEEDS}
 
@@ -143,7 +152,7 @@ def _assert_clean(tmp: Path, reference: dict) -> None:
             assert torch.equal(got[s][k], reference[s][k]), (s, k)
     metrics = json.loads((tmp / "results" / "exp" / "metrics.json").read_text())
     assert metrics["status"] == "ok" and metrics["seeds"] == SEEDS
-    assert not (tmp / "results" / "exp" / "old.txt").exists()  # the earlier outputs were replaced whole
+    assert not (tmp / "results" / "exp" / "models" / "seed_9.pt").exists()  # the earlier outputs were replaced whole
 
     client, runs = _mlflow_state(tmp)
     parents = [r for r in runs if r.data.tags.get("fl.role") == "parent"]
@@ -186,8 +195,7 @@ def reference(tmp_path_factory, empty_store):
 @pytest.mark.parametrize("point", list(faults.POINTS))
 def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, monkeypatch, empty_store):
     tmp = _project(tmp_path, store=None if point == "store_init" else empty_store)
-    (tmp / "results" / "exp").mkdir(parents=True)
-    (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
+    _earlier_outputs(tmp)
     # the second hit of the checkpoint points, so that a previous checkpoint exists
     fault = f"{point}@2" if point in ("checkpoint_write", "checkpoint_swap") else point
     assert _forked(tmp, ["--grid", "exp"], fault) == -signal.SIGKILL, point
@@ -201,8 +209,7 @@ def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, referen
     tmp = _project(tmp_path, store=empty_store)
     assert _forked(tmp, ["--grid", "exp"], "checkpoint_write@3") == -signal.SIGKILL
     assert _forked(tmp, ["--grid", "exp"], "after_child_finished") == -signal.SIGKILL
-    (tmp / "results" / "exp").mkdir(parents=True)
-    (tmp / "results" / "exp" / "old.txt").write_text("outputs of an earlier run")
+    _earlier_outputs(tmp)
     assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
     _assert_clean(tmp, reference)
     capsys.readouterr()
