@@ -118,6 +118,7 @@ def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
     from .engine.simulator import RunFailed
     from .experiment import resolve
     from .metrics import summarize_run, summarize_seeds
+    from . import progress
 
     exp = resolve(cfgs)
     cfg0 = exp.cfg0
@@ -126,14 +127,8 @@ def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
     device = resolve_device(cfg0.engine.device)
     data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
     histories, models, summaries, failures = {}, {}, {}, {}
-    bar = None
-    if cfg0.engine.progress:
-        import sys
-
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=int(cfg0.train.rounds) * len(exp.seeds), desc=str(cfg0.name or "run"), unit="round",
-                   dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    bar = progress.bar(total=int(cfg0.train.rounds) * len(exp.seeds), desc=str(cfg0.name or "run"), unit="round",
+                       enabled=bool(cfg0.engine.progress))  # None off a terminal
     try:
         for seed, cfg in zip(exp.seeds, exp.configs):
             callbacks = [] if bar is None else [lambda r, row: bar.update(1)]
@@ -169,7 +164,7 @@ def _read_back(cfg0, summary: Dict) -> tuple:
                 histories[int(seed)] = [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
         model = out / "models" / f"seed_{seed}.pt"
         if model.exists():
-            models[int(seed)] = torch.load(model)
+            models[int(seed)] = torch.load(model, weights_only=True)
     return histories, models
 
 

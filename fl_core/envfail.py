@@ -19,7 +19,7 @@ froze. This module is the one place that maps such errors to an end:
 
 Exit statuses of the commands (docs/cli.md): 0 ok, 1 a seed failed, 2 bad input (config, data files, a busy
 experiment), 3 the environment failed (this module), 130 interrupted. This module imports nothing of the project
-(any layer may use it) and nothing outside the standard library.
+but :mod:`fl_core.progress` (standard library only, as this one), so any layer may use it.
 """
 
 from __future__ import annotations
@@ -284,5 +284,8 @@ def run_cli(main: Callable[[List[str]], int], argv: Optional[Sequence[str]] = No
             raise
     if not failure.quiet:
         sys.stdout.flush()
+        from .progress import end_line
+
+        end_line()  # the error on a line of its own, not glued to a progress bar's
         print(f"error: {failure}", file=sys.stderr, flush=True)
     return EXIT_STATUS

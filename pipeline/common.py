@@ -8,6 +8,10 @@ import sys
 
 
 def fail(message: str, code: int = 2) -> "None":
-    """Print a one-line error to stderr and exit with ``code``."""
+    """Print a one-line error to stderr (on a line of its own: a progress bar still open is closed first) and exit
+    with ``code``."""
+    from fl_core.progress import end_line
+
+    end_line()
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)

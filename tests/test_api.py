@@ -75,7 +75,7 @@ def test_the_readme_snippet_runs(tmp_path, monkeypatch, capsys):
 
 def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_path, monkeypatch, capsys):
     """on_round(seed, round, row) sees each trained round once, with the row the history holds, in memory and when
-    writing; progress=False prints no bar, progress=True one on stderr."""
+    writing; progress=False prints no bar, progress=True one on stderr when it is a terminal."""
     monkeypatch.chdir(tmp_path)
     seen = []
     small = [o for o in TINY if not o.startswith("engine.progress")]
@@ -84,7 +84,11 @@ def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_
     assert [a for *_, a in seen] == list(mem.history["test_acc"])
     assert "round" not in capsys.readouterr().err  # no bar
     run(small, seeds=(1,), progress=True)
-    assert "3/3" in capsys.readouterr().err  # tqdm's bar over the seeds' rounds
+    assert "round" not in capsys.readouterr().err  # stderr is no terminal here: no bar in a log (fl_core.progress)
+    with monkeypatch.context() as m:
+        m.setattr("fl_core.progress.on_terminal", lambda stream=None: True)
+        run(small, seeds=(1,), progress=True)
+    assert "3/3" in capsys.readouterr().err  # on a terminal: tqdm's bar over the seeds' rounds
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     seen.clear()
     run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False,
