@@ -95,8 +95,41 @@ def validate(cfg: Any) -> None:
     device = str(cfg.engine.device)
     if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")
-    if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name.startswith(".")):
-        raise ConfigError(f"name must be a plain folder name, got {cfg.name!r}")
+    _check_name(cfg.name)
+    if not 0 <= int(cfg.seed) < 2**63:  # the seeds derived from it (fl_core.seeding) take 63-bit non-negative keys
+        raise ConfigError(f"seed must be an integer in [0, 2**63), got {cfg.seed}")
+
+
+#: the longest experiment name in bytes (UTF-8): ``results/.<name>.staging`` and ``.locks/<name>.lock.holder`` must
+#: stay within the 255 bytes a file name may have
+NAME_MAX_BYTES = 200
+
+
+def _check_name(name: Optional[str]) -> None:
+    """``name`` (None: derived from the config) must be a plain folder name: not empty, no ``/``, not starting with
+    ``.``, printable characters only (no newline, tab or other control character), at most :data:`NAME_MAX_BYTES`
+    bytes in UTF-8.
+
+    Raises:
+        ConfigError: one line naming ``name`` (non-printable characters shown escaped).
+    """
+    if name is None:
+        return
+    shown = shown_value(name)
+    if not name or "/" in name or name.startswith("."):
+        raise ConfigError(f"name must be a plain folder name (no '/', not starting with '.'), got {shown}")
+    if not name.isprintable():
+        raise ConfigError(f"name must be printable characters only (no newline, tab or other control character), "
+                          f"got {shown}")
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > NAME_MAX_BYTES:
+        raise ConfigError(f"name is {size} bytes long, at most {NAME_MAX_BYTES} are allowed (a folder name on disk); "
+                          "choose a shorter name=...")
+
+
+def shown_value(text: str) -> str:
+    """``text`` in quotes for a one-line message, each newline or other non-printable character escaped (``\\n``)."""
+    return "'" + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + "'"
 
 
 def _check_natural(cfg: Any) -> None:
@@ -268,6 +301,28 @@ def _one_line(err: BaseException) -> str:
     return text
 
 
+def _explain_unreadable(err: BaseException, overrides: Sequence[str]) -> Optional[str]:
+    """An override Hydra's grammar cannot read unquoted (a non-ASCII letter, a space, a newline: antlr's
+    ``LexerNoViableAltException``) -> one line naming it, with the quoted form that works where one does; None for
+    other errors."""
+    if "LexerNoViableAltException" not in f"{type(err.__cause__).__name__} {str(err)[:60]}":
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides(overrides=[override])
+        except Exception:  # noqa: BLE001  (the one Hydra cannot read)
+            key, _, value = override.partition("=")
+            if not value.isprintable():
+                return (f"cannot read the override {shown_value(override)}: a value may not hold a newline, a tab or "
+                        "another control character")
+            return (f"cannot read the override {shown_value(override)}: Hydra's grammar takes unquoted values of "
+                    f"ASCII letters, digits and a few signs only; quote the value, e.g. \"{key}='{value}'\"")
+    return None
+
+
 def _explain_missing_option(text: str, config_dir: Optional[str]) -> str:
     """"Could not find 'dataset/x'" -> name the key and list the options in conf/dataset/."""
     import re
@@ -319,7 +374,7 @@ def compose(overrides: List[str] = (), config_dir: Optional[str] = None, user: O
         with initialize_config_dir(config_dir=str(config_dir or conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        raise ConfigError(_explain_missing_option(_one_line(err), config_dir)) from None
+        raise ConfigError(_explain_unreadable(err, overrides) or _explain_missing_option(_one_line(err), config_dir)) from None
     validate(cfg)
     if cfg.algorithm.aggregation is None:  # null: the base rule's own way of averaging (registry.aggregation)
         cfg.algorithm.aggregation = registry.aggregation(cfg.algorithm)

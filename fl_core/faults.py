@@ -10,8 +10,10 @@ The switch is the environment variable ``FL_FAULT``, read here and nowhere else:
 
 ``POINT[@N][:ACTION]`` fires the N-th time this process reaches ``POINT`` (default: the first
 time). ACTION is a signal the process sends itself (``KILL``, the default, ``INT``, ``TERM``, or ``STOP``: the
-process freezes, as a hung rank) or an errno name (``ENOSPC``, ``EROFS``, ``EACCES``, ``EIO``, ...): the point
-then raises ``OSError(errno, strerror, <the file or folder being written>)`` as the failed write would. SIGKILL
+process freezes, as a hung rank), an errno name (``ENOSPC``, ``EROFS``, ``EACCES``, ``EIO``, ...): the point
+then raises ``OSError(errno, strerror, <the file or folder being written>)`` as the failed write would, or ``ERROR``:
+the point raises :class:`InjectedError`, a stand-in for any error of the command's own (a defect, bad input found
+late), which no handler of the project expects. SIGKILL
 cannot be caught, so the process ends exactly as under ``kill -9`` or a lost machine: no
 ``finally`` block, no MLflow call and no file write runs after the point. Unset (the normal case)
 the points cost one dictionary lookup. With ``FL_FAULT_STAMP=FILE`` the point writes the time it fired
@@ -70,6 +72,10 @@ __doc__ += "\n".join(f"\n- ``{k}``: {v}." for k, v in {**POINTS, **WORKER_POINTS
 _hits: Dict[str, int] = {}
 
 
+class InjectedError(RuntimeError):
+    """What ``FL_FAULT=POINT:ERROR`` raises at ``POINT``."""
+
+
 def point(name: str, path: Optional[object] = None) -> None:
     """Mark the named point; act (module docstring) if ``FL_FAULT`` selects this hit of it.
 
@@ -80,6 +86,7 @@ def point(name: str, path: Optional[object] = None) -> None:
     Raises:
         KeyError: ``name`` is not a known point.
         OSError: ``FL_FAULT`` selects this hit with an errno action (``POINT:ENOSPC``).
+        InjectedError: ``FL_FAULT`` selects this hit with ``ERROR``.
     """
     if name not in POINTS and name not in WORKER_POINTS and name not in WRITE_POINTS:
         raise KeyError(f"unknown fault point {name!r}")
@@ -96,6 +103,8 @@ def point(name: str, path: Optional[object] = None) -> None:
     if os.environ.get(STAMP_ENV):
         with open(os.environ[STAMP_ENV], "w") as f:
             f.write(repr(time.time()))
+    if sig == "ERROR":
+        raise InjectedError(f"error injected at fault point {name}")
     if sig.startswith("E") and isinstance(getattr(errno, sig, None), int):
         code = getattr(errno, sig)
         raise OSError(code, os.strerror(code), None if path is None else os.fspath(path))

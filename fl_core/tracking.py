@@ -65,6 +65,9 @@ ORPHAN_REASON = "orphaned: the process that ran it is gone"
 #: how the ``fl.end_reason`` of a run ended FAILED by an environment failure begins (:mod:`fl_core.envfail`): the
 #: environment failed, not the run, so the same command continues it
 ENV_FAILURE = "environment failure: "
+#: how the ``fl.end_reason`` of a run ended FAILED because the command stopped on an error of its own (bad input found
+#: late, a defect) begins: not the run's numbers, so the same command continues it once the cause is fixed
+STOPPED_BY_ERROR = "stopped by an error: "
 #: what to do when the SQLite tracking store is locked (:func:`fl_core.storefail.name_store`)
 SQLITE_LOCKED_ACTION = "retry, or set MLFLOW_TRACKING_URI to a tracking server"
 
@@ -108,11 +111,11 @@ _PER_LAYER = re.compile(r"_l\d+$")
 
 def resumable(run) -> bool:
     """Whether a command continues ``run`` (an ``mlflow.entities.Run``): it is :data:`RESUMABLE`, or FAILED because the
-    environment failed under it (``fl.end_reason`` starts with :data:`ENV_FAILURE`). A run FAILED by its own
-    numbers (a diverged seed) and a FINISHED one are complete."""
+    environment failed under it or the command stopped on an error (``fl.end_reason`` starts with :data:`ENV_FAILURE`
+    or :data:`STOPPED_BY_ERROR`). A run FAILED by its own numbers (a diverged seed) and a FINISHED one are complete."""
     status = run.info.status
     return status in RESUMABLE or (status == "FAILED" and
-                                   run.data.tags.get(TAG_END_REASON, "").startswith(ENV_FAILURE))
+                                   run.data.tags.get(TAG_END_REASON, "").startswith((ENV_FAILURE, STOPPED_BY_ERROR)))
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
