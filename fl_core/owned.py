@@ -49,7 +49,8 @@ def foreign_entries(folder: Path, patterns: Sequence[str], limit: int = 1) -> Li
 def _may_hold(rel: str, patterns: Sequence[str]) -> bool:
     """Whether a pattern names a file under folder ``rel`` (its leading components match ``rel``'s)."""
     depth = rel.count("/") + 1
-    return any(p.count("/") >= depth and fnmatchcase(rel, "/".join(p.split("/")[:depth])) for p in patterns)
+    return any(fnmatchcase(f"{rel}/\0", p)  # a ``*`` that spans folders (``*/*``)
+               or (p.count("/") >= depth and fnmatchcase(rel, "/".join(p.split("/")[:depth]))) for p in patterns)
 
 
 def with_temporaries(patterns: Sequence[str]) -> List[str]:

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from fl_core import owned
 from fl_core.config import ConfigError
 
 from .figures import _legend_below, _new_figure, _tidy, method_styles, save_figure
@@ -235,7 +236,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         curves = load_curves(args.params, args.results)
         chosen = choose(curves)
         result = compare(chosen)
-    except ConfigError as err:
+        owned.check(args.out, owned.with_temporaries(["objective_gap.png", "objective_gap.pdf", "convergence.md",
+                                                      "convergence.json"]), "convergence folder", "choose another --out")
+    except (ConfigError, owned.ForeignFolder) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     line = verdict(result, args.fastest, args.claim) if args.fastest else None

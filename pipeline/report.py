@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from fl_core import owned
 from fl_core.algorithms import registry
 from fl_core.config import ConfigError
 
@@ -52,6 +53,8 @@ from .labels import DASH, _cell, _num, algorithm_label, markdown_table
 from .results import Experiment, confidence_interval, load_experiments, paired_difference
 
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
+#: what the report writes beside its markdown file (a folder holding other files is not the report's to write into)
+REPORT_FILES = ("summary.csv", "test_acc.csv", "metrics.json", "curves.png", "curves.pdf", UPLINK_FIGURE, "uplink.pdf")
 PM = "\u00b1"
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
@@ -588,6 +591,12 @@ def _main(argv: List[str]) -> int:
               file=sys.stderr)
         return 2
     envfail.check_folder(out.parent, "report folder", "--out")  # before any figure is drawn
+    try:  # the report's files go beside the experiments' folders (which it leaves as they are), nowhere foreign
+        owned.check(out.parent, owned.with_temporaries([out.name, *REPORT_FILES]) + ["*/*"],
+                    "report folder", "choose another --out")
+    except owned.ForeignFolder as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
     plot_uplink(done, out.parent / UPLINK_FIGURE)

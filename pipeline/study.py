@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import yaml
 
+from fl_core import owned
 from fl_core.config import ConfigError
 
 from .files import atomic_write, write_text
@@ -310,6 +311,8 @@ def build(params: Path, results: Path, claims: Optional[Path] = None) -> Tuple[L
         claims = default_claims_path(params)
     claim_list = load_claims(claims, list(grid.experiments)) if claims is not None else []
     out = results / "study"
+    owned.check(out, owned.with_temporaries(["*.png", "findings.md", "stats.csv"]), "study folder",
+                f"move it away (the study's figures go to {out})")
     curves: Dict[str, Curves] = {}
     for name in grid.experiments:
         cv = read_runs(results / name / "runs.csv", name)
@@ -379,7 +382,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         files, text = build(args.params, args.results, args.claims)
-    except ConfigError as err:
+    except (ConfigError, owned.ForeignFolder) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not args.no_mlflow:

@@ -316,3 +316,18 @@ def test_dataset_variants_are_columns_of_their_own():
     assert partition_title(keys[1]) == "Synthetic(1,1), natural, 30 devices"
     assert partition_label("mnist1d-shuffled-s42-iid-n1-sgm0-s0", verbose=True) == \
         "MNIST-1D shuffled: IID (1 client, seed 0)"
+
+
+def test_a_report_folder_holding_foreign_files_is_refused(tree, capsys):
+    """``--out`` into a folder of the user's (here one holding notes and a metrics.json of theirs): one line, exit 2,
+    nothing written; the default folder (beside the experiments' folders) is the report's."""
+    root, params, results = tree
+    docs = root / "docs"
+    docs.mkdir()
+    (docs / "notes.md").write_text("mine")
+    (docs / "metrics.json").write_text("{\"mine\": 1}")
+    assert main(["--params", str(params), "--results", str(results), "--out", str(docs / "report.md")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "report folder" in err[0] and "notes.md" in err[0] and "nothing was changed" in err[0]
+    assert sorted(p.name for p in docs.iterdir()) == ["metrics.json", "notes.md"]
+    assert (docs / "metrics.json").read_text() == "{\"mine\": 1}"
