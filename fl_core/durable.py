@@ -6,18 +6,25 @@ into place and the folder fsync'ed. A kill at any moment therefore leaves the ne
 previous one (as ``<name>`` or ``<name>.prev``), complete on disk, plus at most one stray
 ``*.tmp`` that :func:`remove_temporaries` clears.
 
-Reading (:func:`load`): the file, else its ``.prev``. A file that cannot be read (truncated, empty,
-garbage, or not the expected kind) is renamed to ``<name>.corrupt`` with one warning line on stderr
-naming it, and the next candidate is tried; with none left the caller starts from scratch. Nothing
-is deleted here, so a user can inspect what was moved aside (an experiment's attempt folder, and the
-``*.corrupt`` files in it, are removed once the experiment completes: :mod:`fl_core.runstore`).
+Reading (:func:`load`): the file, else its ``.prev``, with torch's weights-only loader
+(``torch.load(weights_only=True)``): it rebuilds tensors, dtypes and plain containers (dict, list, tuple,
+str, int, float, bool, None) and refuses any other pickled object before creating it, so a file planted in a
+checkpoint folder (a shared or copied project) cannot run code when a run resumes. Everything this project
+saves here (a round checkpoint of :mod:`fl_core.engine.simulator`, a completion record of
+:mod:`fl_core.runstore`) is made of those types only. A file that cannot be read (truncated, empty, garbage,
+refused by the weights-only loader, or not the expected kind) is renamed to ``<name>.corrupt`` with one
+warning line on stderr naming it, and the next candidate is tried; with none left the caller starts from
+scratch. Nothing is deleted here, so a user can inspect what was moved aside (an experiment's attempt
+folder, and the ``*.corrupt`` files in it, are removed once the experiment completes: :mod:`fl_core.runstore`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -92,13 +99,30 @@ def move_aside(path: Path, why: str) -> Path:
 
 
 def _short(err: BaseException) -> str:
+    """A one-line reason for a failed read: a refusal of the weights-only loader names the object it refused."""
+    if "Weights only load failed" in str(err):
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = (f"it references {found.group(1).rstrip('.')}" if found
+                else "it holds more than tensors and plain containers")
+        return f"refused by the weights-only loader: {what}"
     text = str(err).strip().splitlines()
     first = text[0].split(". ")[0][:160] if text else ""
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
+def _read(path: Path) -> Any:
+    """``torch.load`` of ``path`` on the CPU with the weights-only loader, its warnings silenced (a refused file gets
+    the caller's one line, not torch's as well)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load(path: Path, check: Optional[Callable[[Any], Optional[str]]] = None) -> Optional[Any]:
     """The object saved at ``path``, else at ``<path>.prev``; None when neither is readable.
+
+    Read with the weights-only loader (module docstring): only tensors, dtypes and plain containers come back;
+    a file holding anything else is refused without running any of it and counts as unreadable.
 
     Args:
         path: the file written by :func:`save`.
@@ -112,8 +136,8 @@ def load(path: Path, check: Optional[Callable[[Any], Optional[str]]] = None) -> 
         if not cand.exists():
             continue
         try:
-            obj = torch.load(cand, map_location="cpu", weights_only=False)
-        except Exception as err:  # any unpickling / zip / EOF / OS error: the file is unusable
+            obj = _read(cand)
+        except Exception as err:  # a refused object, any unpickling / zip / EOF / OS error: the file is unusable
             move_aside(cand, _short(err))
             continue
         why = check(obj) if check is not None else None

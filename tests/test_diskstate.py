@@ -101,7 +101,7 @@ def test_resumed_from_a_disk_checkpoint_equals_the_uninterrupted_run(digits, tmp
     sim, res = _checkpointed(digits, tmp_path, *extra)
     assert res.resumed_from == (2 if corrupt_newest else 3)
     assert torch.equal(res.final_flat, full.final_flat)
-    saved = torch.load(ck, weights_only=False)["clients"]  # the table, not 8 clients x d floats of control variates
+    saved = torch.load(ck, weights_only=True)["clients"]  # the table, not 8 clients x d floats of control variates
     assert set(saved) == {DISK_KEY} and saved[DISK_KEY]["slot"].shape == (8,)
     sim.discard_checkpoint()
     assert not states.exists()
@@ -171,7 +171,7 @@ def test_vit_tiny_scaffold_on_disk_checkpoints_below_twice_the_server_side_state
     for store in ("disk", "memory"):
         ck = tmp_path / store / "ck.pt"
         sim, res = run_sim(digits, *VIT_SCAFFOLD, f"engine.client_state={store}", checkpoint_path=ck)
-        saved = torch.load(ck, weights_only=False)
+        saved = torch.load(ck, weights_only=True)
         assert sim.client_state == store and saved["round"] == 2
         server = saved["global"].nbytes + sum(v.nbytes for v in saved["server"].values())
         runs[store] = (res, ck.stat().st_size, server, saved)

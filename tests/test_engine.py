@@ -31,7 +31,7 @@ def test_interrupted_then_resumed_run_ends_identical(digits, tmp_path):
     with pytest.raises(Killed):
         run_sim(digits, *common, checkpoint_path=ckpt, callbacks=[_kill_after(5)])
     assert ckpt.exists()  # last checkpoint: round 4
-    assert torch.load(ckpt, weights_only=False)["round"] == 4
+    assert torch.load(ckpt, weights_only=True)["round"] == 4
     sim, res = run_sim(digits, *common, checkpoint_path=ckpt)
     assert res.resumed_from == 4
     assert torch.equal(ref.final_flat, res.final_flat)

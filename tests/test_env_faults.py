@@ -265,8 +265,8 @@ def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch
     assert [p for p in tmp.rglob("*") if p.name.endswith(".tmp") or ".staging" in p.name] == []
     if fault.startswith("checkpoint_write"):
         attempt = next((tmp / "checkpoints" / "exp").iterdir())
-        assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 2
-        assert torch.load(attempt / "seed_1.pt.prev", weights_only=False)["round"] == 1
+        assert torch.load(attempt / "seed_1.pt", weights_only=True)["round"] == 2
+        assert torch.load(attempt / "seed_1.pt.prev", weights_only=True)["round"] == 1
     _client, runs = _mlflow_state(tmp)
     assert runs and {r.info.status for r in runs} <= {"FINISHED", "FAILED"}  # none RUNNING; KILLED is for signals
     failed = [r for r in runs if r.info.status == "FAILED"]
@@ -387,7 +387,7 @@ def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_no
         f"error: tracking store sqlite:///{tmp / 'mlflow.db'} is locked by another process for 2 s; retry, or set "
         "MLFLOW_TRACKING_URI to a tracking server, then run the same command again"]
     attempt = next((tmp / "checkpoints" / "exp").iterdir())
-    assert torch.load(attempt / "seed_1.pt", weights_only=False)["round"] == 3  # the last checkpoint is valid
+    assert torch.load(attempt / "seed_1.pt", weights_only=True)["round"] == 3  # the last checkpoint is valid
     _client, runs = _mlflow_state(tmp)
     assert sorted(r.info.status for r in runs) == ["RUNNING", "RUNNING"]  # parent, seed 1: only the store can end them
     capsys.readouterr()

@@ -256,6 +256,9 @@ class Simulator:
         return st["global"] if st.get("eval") is None else st["eval"]
 
     def _save(self, st: dict, store: ClientStateStore) -> None:
+        """Write the round's checkpoint (:func:`fl_core.durable.save`). It holds only tensors and plain Python values
+        (the history rows' numbers are floats and ints, the logger's state strings), as :func:`fl_core.durable.load`
+        reads it with the weights-only loader."""
         if self.checkpoint_path is None:
             return
         if not self._saved:

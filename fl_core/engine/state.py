@@ -46,6 +46,8 @@ class ClientStateStore:
         return self._states.items()
 
     def state_dict(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """For a checkpoint: {client id (int): {key: CPU tensor}}, nothing else, so that the weights-only loader of
+        :func:`fl_core.durable.load` reads it back."""
         return {i: {k: v.cpu() for k, v in s.items()} for i, s in self._states.items()}
 
     def load_state_dict(self, sd: Dict[int, Dict[str, torch.Tensor]]) -> None:
