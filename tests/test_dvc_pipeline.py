@@ -76,7 +76,7 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
         pytest.skip("dvc is not installed next to this python")
     work = tmp_path / "proj"
     work.mkdir()
-    for item in ("fl_core", "pipeline", "conf", "dvc.yaml", "params.yaml", "pyproject.toml", ".gitignore",
+    for item in ("fl_core", "pipeline", "conf", "scripts", "dvc.yaml", "params.yaml", "pyproject.toml", ".gitignore",
                  ".dvcignore"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item,
@@ -88,6 +88,7 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     params["partition"]["num_clients"] = 6
     params["experiments"] = {k: v for k, v in params["experiments"].items() if k in ("fedavg", "fedbug")}
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (work / ".venv").symlink_to(BIN.parent, target_is_directory=True)  # as `make setup` leaves a clone
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "FL_PROJECT_ROOT": str(work),
            "PYTHONPATH": str(work), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
@@ -140,9 +141,20 @@ def test_tiny_dvc_repro_in_a_copy(tmp_path):
     # `dvc exp run -S train.rounds=N` edits the shared section and retrains; the experiment carries numbers
     _sh(["git", "add", "-A"], work, env)
     _sh(["git", "commit", "-qm", "tiny grid"], work, env)
-    _sh(["dvc", "exp", "run", "-S", "train.rounds=1"], work, env)
+    # as README prints it, from a plain shell: no venv on PATH, no `python` there with torch (scripts/python finds
+    # the project's interpreter for every stage)
+    plain = {**env, "PATH": "/usr/bin:/bin"}
+    plain.pop("VIRTUAL_ENV", None)
+    _sh([str(BIN / "dvc"), "exp", "run", "-S", "train.rounds=1"], work, plain)
     m = json.loads((res / "fedavg" / "metrics.json").read_text())
     assert m["rounds"] == 1
+    # a stage that fails (a value the train stage refuses) loses no result: the outputs persist (dvc.yaml)
+    kept = {p: p.read_bytes() for p in sorted(res.rglob("*")) if p.is_file()}
+    failed = subprocess.run([str(BIN / "dvc"), "exp", "run", "-S", "train.rounds=abc"], cwd=work, env=plain,
+                            capture_output=True, text=True, check=False)
+    assert failed.returncode != 0 and "train.rounds" in failed.stdout + failed.stderr
+    assert {p: p.read_bytes() for p in sorted(res.rglob("*")) if p.is_file()} == kept
+    _sh(["git", "checkout", "params.yaml"], work, env)  # DVC leaves the -S edit it applied in the workspace
     table = _sh(["dvc", "exp", "show", "--csv"], work, env)
     cols = [c for c in _columns(table) if c not in ("rev", "typ", "parent")]  # --csv only: not on screen
     assert len(cols) == _expected_columns(work / "params.yaml", work / "dvc.yaml", work / "report/metrics.json"), cols
