@@ -328,12 +328,15 @@ def ensure_store(uri: str) -> None:
 
 def bounded_uri(uri: str) -> str:
     """The tracking URI ``uri`` with bounded waits (:mod:`fl_core.storewait`): for a server, MLflow's HTTP retry
-    settings where unset (:func:`fl_core.storewait.http_defaults`); for PostgreSQL, libpq's connect timeout,
+    settings where unset (:func:`fl_core.storewait.http_defaults`), and MLflow's "View run" lines off when the URI holds
+    a password or token (they would print it); for PostgreSQL, libpq's connect timeout,
     keepalives and statement timeout in the URI where it does not set them; SQLite's busy timeout and the stall
     watch for every database (:func:`fl_core.storewait.install`). Returns the URI to open."""
     storewait.install()
     if uri.startswith(("http://", "https://")):
         storewait.http_defaults()
+        if storefail.mask(uri) != uri:  # MLflow prints "View run ... at: <the URI>" on stdout as a run ends
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     return storewait.with_pg_params(uri)
 
 

@@ -42,7 +42,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from fl_core import envfail, procs, storefail, storewait
+from fl_core import envfail, procs, progress, storefail, storewait
 from fl_core.config import ConfigError
 from fl_core.schema import format_value
 from fl_core.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
@@ -127,7 +127,8 @@ def default_storage(study_name: str) -> str:
 
 
 def shown_storage(spec: str) -> str:
-    """``spec`` with the password of an RDB URL replaced by ``***`` (for messages, tags and summaries)."""
+    """How the storage ``spec`` is shown in messages, tags and summaries: :func:`fl_core.storefail.mask` (the
+    password and secret query values of an RDB URL replaced by ``***``; a journal path unchanged)."""
     return storefail.mask(spec)
 
 
@@ -138,9 +139,9 @@ def storage_error(spec: str, err: BaseException) -> StorageError:
         cause = err.__cause__ or err.__context__ or err
         hint = DRIVERS.get(getattr(cause, "name", None) or "", "install the driver of the URL's dialect")
         return StorageError(f"--storage {shown_storage(spec)}: the database driver is not installed "
-                            f"({envfail.first_line(cause)}; {hint})")
+                            f"({storefail.redact(envfail.first_line(cause), spec)}; {hint})")
     return StorageError(f"--storage {shown_storage(spec)}: cannot open the storage "
-                        f"({type(err).__name__}: {envfail.first_line(err)})")
+                        f"({type(err).__name__}: {storefail.redact(envfail.first_line(err), spec)})")
 
 
 def bounded_storage(spec: str) -> None:
@@ -821,6 +822,7 @@ class TrialRunner:
                 self._end_run(logger, failure)
                 raise
             reason, where = error_reason(err)
+            reason = storefail.redact(reason, self.settings.storage, self.tracking.uri if self.tracking else None)
             print(f"{'w%d ' % self.worker if self.worker else ''}trial {trial.number}: {reason} (at {where})",
                   file=sys.stderr, flush=True)
             return self._finish(trial, logger, t0, Outcome("FAIL", reason=reason), "FAILED", f" (at {where})")
@@ -1153,13 +1155,12 @@ class WorkersEnd:
 
 
 def run_workers(study, settings: Settings, n_trials: int, workers: int) -> WorkersEnd:
-    """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar
-    in this process (a daemon thread polls ``study``; it never blocks this one, and a storage that fails only stops
-    the bar). Each worker prints its trial lines to stderr and dies with this process (:func:`die_with_parent`),
-    even when it is killed with SIGKILL; an environment failure ends a worker with one line of its own."""
+    """Run the trials in ``workers`` spawned processes on the shared storage, with a progress bar in this process
+    on a terminal (:func:`fl_core.progress.bar`; a daemon thread polls ``study``; it never blocks this one, and a
+    storage that fails only stops the bar). Each worker prints its trial lines to stderr and dies with this process
+    (:func:`die_with_parent`), even when it is killed with SIGKILL; an environment failure ends a worker with one
+    line of its own."""
     import multiprocessing as mp
-
-    from tqdm.auto import tqdm
 
     counts = [c for c in split_trials(n_trials, workers) if c > 0]
     start = count_finished(study)
@@ -1181,10 +1182,10 @@ def run_workers(study, settings: Settings, n_trials: int, workers: int) -> Worke
                 except Exception:  # the storage failed: the workers say so
                     pass
 
-    if not settings.quiet:
+    bar = progress.bar(total=n_trials, unit="trial", desc=settings.study_name, enabled=not settings.quiet)
+    if bar is not None:  # a terminal: the bar follows the study's count
         threading.Thread(target=poll, name="sweep-progress", daemon=True).start()
     interrupted = False
-    bar = None if settings.quiet else tqdm(total=n_trials, unit="trial", desc=settings.study_name, file=sys.stderr)
     try:
         while any(p.is_alive() for p in procs):
             time.sleep(0.5)

@@ -20,17 +20,18 @@ pruner, trials, workers; how a trial ends), :mod:`sweeps.outputs` (MLflow parent
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import traceback
 from contextlib import ExitStack
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, NoReturn, Optional, Tuple
 
 if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl_core import envfail, storewait
+from fl_core import envfail, progress, storefail, storewait
 from fl_core.paths import project_root
 from sweeps.runner import (EXIT_INTERRUPTED, GRACE_S, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
                            TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_silent_trials,
@@ -47,8 +48,38 @@ _EPILOG = ("Examples:\n"
            "tracking.enabled (overriding them is refused). See docs/sweeps.md.")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors end in one line, ``error: <what>`` naming the option and what it takes, and
+    exit status 2 (no usage block: ``--help`` shows it, as ever)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {_one_line(message)}\n")
+
+
+_TYPES = {"int": "an integer", "float": "a number"}
+
+
+def _one_line(message: str) -> str:
+    """argparse's error ``message`` as the project's other errors read: ``--sampler must be one of tpe, cmaes, gp,
+    random, nsga2, got 'bogus'``, ``--n-trials must be an integer, got 'x'``; others as argparse says them."""
+    message = " ".join(message.split())
+    found = re.fullmatch(r"argument (\S+): invalid choice: (.+?) \(choose from (.+)\)", message)
+    if found:
+        option, value, choices = found.groups()
+        allowed = ", ".join(c.strip().strip("'\"") for c in choices.split(","))
+        return f"{option.split('/')[0]} must be one of {allowed}, got {value}"
+    found = re.fullmatch(r"argument (\S+): invalid (\w+) value: (.+)", message)
+    if found:
+        option, kind, value = found.groups()
+        return f"{option.split('/')[0]} must be {_TYPES.get(kind, 'a ' + kind)}, got {value}"
+    found = re.fullmatch(r"argument (\S+): (.+)", message)
+    if found:
+        return f"{found.group(1).split('/')[0]}: {found.group(2)} (see --help)"
+    return f"{message} (see --help)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python sweeps/tune.py",
         description="Optuna sweep over the FL pipeline: validation accuracy (mean of the last "
                     "train.final_window rounds, mean over --seeds) per trial, per-round pruning, parallel "
@@ -153,7 +184,6 @@ def _main(argv: Optional[List[str]]) -> int:
 def _end_parent_on(failure, settings: Settings, tracking) -> None:
     """After an environment failure: end the study's MLflow parent run FAILED with ``fl.end_reason`` ``environment
     failure: <line>`` (best effort; not when MLflow's own store is what failed: the next invocation reopens it)."""
-    from fl_core import storefail
     from fl_core.tracking import ENV_FAILURE
 
     if tracking is None or not settings.parent_run_id:
@@ -278,7 +308,8 @@ def _open_study(settings: Settings, kwargs):
         failure = envfail.classify(err)
         if failure is not None:
             raise failure from err
-        fail(f"--storage {shown_storage(settings.storage)}: {type(err).__name__}: {str(err).splitlines()[0]}")
+        first = storefail.redact(envfail.first_line(err), settings.storage)  # a message may quote the URL
+        fail(f"--storage {shown_storage(settings.storage)}: {type(err).__name__}: {first}")
 
 
 def _note(line: str) -> None:
@@ -349,6 +380,7 @@ def _run_trials(args: argparse.Namespace, study, settings: Settings, tracking,
             return "failed", None, failure
         traceback.print_exc()
         reason, where = error_reason(err)
+        reason = storefail.redact(reason, settings.storage, tracking.uri if tracking is not None else None)
         return "failed", f"{reason.removeprefix('error: ')} (at {where})", None
 
 
@@ -385,8 +417,8 @@ def _end_orphaned_runs(tracking) -> None:
     try:
         ended = end_orphaned_runs(tracking.client, tracking.experiment_id)
     except Exception as err:  # housekeeping: the sweep itself may still work
-        print(f"warning: MLflow: could not look for orphaned runs ({type(err).__name__}: "
-              f"{(str(err).strip().splitlines() or [''])[0]})", file=sys.stderr)
+        first = storefail.redact((str(err).strip().splitlines() or [''])[0], tracking.uri)
+        print(f"warning: MLflow: could not look for orphaned runs ({type(err).__name__}: {first})", file=sys.stderr)
         return
     if ended:
         print(f"note: ended {len(ended)} MLflow run(s) left RUNNING on this machine by a process that is gone "
@@ -394,12 +426,12 @@ def _end_orphaned_runs(tracking) -> None:
 
 
 def _run_in_process(study, runner: TrialRunner, n_trials: int) -> bool:
-    """The trials in this process (``--workers 1``), with a progress bar; True if interrupted."""
-    from tqdm.auto import tqdm
-
-    if runner.settings.quiet or n_trials == 0:
+    """The trials in this process (``--workers 1``), with a progress bar on a terminal (:func:`fl_core.progress.bar`;
+    elsewhere, e.g. a log file, the trial lines only); True if interrupted."""
+    bar = progress.bar(total=n_trials, unit="trial", desc=runner.settings.study_name,
+                       enabled=not runner.settings.quiet and n_trials > 0)
+    if bar is None:  # quiet, nothing to run, or not a terminal: optimize prints the trial lines unless quiet
         return optimize(study, runner, n_trials)
-    bar = tqdm(total=n_trials, unit="trial", desc=runner.settings.study_name, file=sys.stderr)
 
     def on_trial(line: str) -> None:
         bar.write(line, file=sys.stderr)
