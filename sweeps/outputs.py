@@ -430,6 +430,12 @@ def _best_test(study, settings: Settings, best, run_test: bool, tracking, status
     return test, status, error
 
 
+#: every file a sweep writes into its output folder (``--out``, default ``sweeps/results/<study>/``): a folder holding
+#: anything else is not the sweep's to write into (fl_core.owned)
+OUTPUT_FILES = ("best.yaml", "trials.csv", "summary.md", "summary.json", "history.png", "importances.png",
+                "parallel_coordinate.png", "intermediate_values.png", "pareto_front.png")
+
+
 def _write_outputs(study, settings: Settings, out: Path, summary: Dict[str, Any], best,
                    test: Optional[Dict]) -> Tuple[List[Path], List[str]]:
     """Write best.yaml (with a best trial), the plots, trials.csv, summary.md and summary.json into ``out``

@@ -159,9 +159,10 @@ def _main(argv: Optional[List[str]]) -> int:
     if len(objectives) > 1 and args.pruner not in (None, "none"):
         print("note: multi-objective studies cannot prune; --pruner ignored", file=sys.stderr)
     settings = _settings(args, space, base_cfg, objectives)
+    out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
+    _check_out(out)
     kwargs, cache = _sampler_and_data(settings, space, base_cfg)
     study, tracking = _set_up(args, settings, space, kwargs)
-    out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
     if not args.quiet:
         print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
               f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
@@ -179,6 +180,19 @@ def _main(argv: Optional[List[str]]) -> int:
         forget()
         set_threads(previous_threads)
     return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse, in one line and exit 2, an output folder that holds files a sweep does not write (a folder of the user's:
+    :mod:`fl_core.owned`), before the study or any trial starts."""
+    from fl_core import owned
+    from pipeline.common import fail
+    from sweeps.outputs import OUTPUT_FILES
+
+    try:
+        owned.check(out, owned.with_temporaries(OUTPUT_FILES), "sweep output folder", "choose another --out")
+    except owned.ForeignFolder as err:
+        fail(str(err))
 
 
 def _end_parent_on(failure, settings: Settings, tracking) -> None:

@@ -112,3 +112,17 @@ def test_on_a_terminal_the_trial_lines_go_above_the_bar(monkeypatch):
     made.clear()
     monkeypatch.setattr(tune, "optimize", lambda study, runner, n, on_trial=None: on_trial is None or 1 / 0)
     assert tune._run_in_process(None, _runner(quiet=True), 2) is True and made == []  # --quiet: no bar
+
+
+def test_an_output_folder_of_the_users_is_refused_before_the_study_starts(tmp_path, capsys):
+    """``--out`` at a folder holding what a sweep does not write (fl_core.owned): one line, exit 2, the folder as it
+    was and no study journal created."""
+    out, journal = tmp_path / "mine", tmp_path / "study.log"
+    out.mkdir()
+    (out / "notes.md").write_text("mine")
+    (out / "summary.json").write_text("{\"mine\": 1}")
+    assert tune.main(BASE + ["--out", str(out), "--storage", str(journal)]) == 2
+    line = _one_line(capsys)
+    assert "sweep output folder" in line and "notes.md" in line and "nothing was changed" in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.md", "summary.json"]
+    assert (out / "summary.json").read_text() == "{\"mine\": 1}" and not journal.exists()
