@@ -361,7 +361,7 @@ class EngineConfig:
     checkpoint_every: int = param(10, "rounds; 0 = never", ge=0)
     checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
     eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)
-    progress: bool = param(True, "a progress bar per experiment")
+    progress: bool = param(True, "a progress bar per experiment, drawn when stderr is a terminal (none in a log file)")
     client_state: str = param("auto", "where per-client rule states live: memory | disk (beside the checkpoint, only "
                               "the round's clients in memory) | auto (disk when all N clients' states exceed 4 GiB)",
                               choices=("memory", "disk", "auto"))
