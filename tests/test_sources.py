@@ -6,7 +6,9 @@ import math
 import os
 import pickle
 import struct
+from collections import Counter
 from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -211,7 +213,7 @@ def test_digits_split_is_cached_as_arrays(tmp_path, monkeypatch, digits):
     first = load_source(DatasetConfig(name="digits"), Path("."))
     files = list((tmp_path / "cache" / "fl-pipeline" / "datasets").iterdir())
     assert [f.name for f in files] == [sources._digits_cache_path(DatasetConfig(name="digits")).name]
-    assert files[0].name.startswith("digits-v1-sklearn") and files[0].name.endswith("-tf0.25-s0.npz")
+    assert files[0].name.startswith("digits-v2-sklearn") and files[0].name.endswith("-tf0.25-s0.npz")
     assert _same_dataset(first, digits)
 
     def boom(cfg):
@@ -238,6 +240,86 @@ def test_digits_cache_that_is_corrupt_or_unwritable_is_rebuilt_or_skipped(tmp_pa
     (tmp_path / "file").write_text("a file where the cache folder should be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+
+
+# --------------------------------------------------------------------------- the same on every CPU and thread count
+
+
+def test_digits_statistics_are_exact_and_the_same_at_every_thread_count():
+    """torch's float64 std of the split was 0.37600559619114615 at one thread and 0.37600559619096297 at two, so the
+    cached and the fresh split (and data/prepared, dvc.lock) differed by thread count and CPU; channel_stats sums
+    exact integers."""
+    got = []
+    for threads in (1, 2, 3):  # tests/conftest.py pins one thread again for the next test
+        torch.set_num_threads(threads)
+        got.append(sources._digits_from_sklearn(DatasetConfig(name="digits")))
+    assert all(_same_dataset(d, got[0]) for d in got)
+    # the definition, in exact rational arithmetic over the pixel values k / 16 (17 distinct values)
+    counts = Counter(Fraction(int(k), 16) for k in got[0].x_train.reshape(-1).tolist())
+    n = sum(counts.values())
+    mean = sum(c * v for v, c in counts.items()) / n
+    var = sum(c * (v - mean) ** 2 for v, c in counts.items()) / n
+    assert got[0].mean == (float(mean),) == (0.305224718123608,)
+    assert got[0].std == (math.sqrt(float(var)),) == (0.37600559619100277,)
+
+
+def test_channel_stats_of_float_images_agree_with_the_exact_integer_path():
+    x = torch.from_numpy(np.random.default_rng(3).integers(0, 17, (50, 3, 4, 5), dtype=np.uint8))
+    exact_mean, exact_std = sources.channel_stats(x, 16.0)
+    mean, std = sources.channel_stats(x.to(torch.float32), 16.0)
+    assert mean == exact_mean  # k / 16 and their sum are exact in float64: one rounding, in the division, on both
+    # the float path rounds every (v - mean)^2 before its exactly rounded sum, the integer path is exact: a few ulps
+    assert all(math.isclose(a, b, rel_tol=1e-14) for a, b in zip(std, exact_std))
+    with pytest.raises(ValueError, match=r"non-empty \[N, C, H, W\]"):
+        sources.channel_stats(x[:0], 16.0)
+
+
+def test_prepared_digits_are_the_same_bytes_at_every_thread_count(tmp_path, monkeypatch):
+    files = []
+    for threads in (1, 2):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{threads}"))  # no shared array cache
+        torch.set_num_threads(threads)
+        get_dataset(DatasetConfig(name="digits"), tmp_path / f"data{threads}", tmp_path)
+        files.append(prepared_path(DatasetConfig(name="digits"), tmp_path / f"data{threads}").read_bytes())
+    assert files[0] == files[1]
+
+
+def test_a_cached_digits_split_with_other_statistics_is_rebuilt(tmp_path, monkeypatch, digits):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = sources._digits_cache_path(DatasetConfig(name="digits"))
+    load_source(DatasetConfig(name="digits"), Path("."))
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays["std"] = np.asarray([0.37600559619096297])  # what torch's two-thread std wrote into a cache
+    np.savez(path, **arrays)
+    assert sources._read_digits_cache(path) is None  # not this code's statistics: rebuilt
+    assert _same_dataset(load_source(DatasetConfig(name="digits"), Path(".")), digits)
+    assert sources._read_digits_cache(path) is not None
+
+
+def test_synthetic_covariance_is_correctly_rounded():
+    from fl_core.data.synthetic import covariance_diagonal
+
+    sigma = covariance_diagonal()
+    # 20^-1.2 = 0x1.c1f86c09e1984p-6 (0.478 ulp away); NumPy's AVX-512 power gave 0x1.c1f86c09e1983p-6
+    assert sigma[19] == float.fromhex("0x1.c1f86c09e1984p-6")
+    assert all(abs(v - math.pow(j, -1.2)) <= math.ulp(v) for j, v in enumerate(sigma.tolist(), start=1))
+
+
+def test_synthetic_logits_are_summed_in_one_fixed_order():
+    from fl_core.data.synthetic import logits
+
+    rng = np.random.default_rng(0)
+    x, w, b = rng.normal(size=(6, 60)), rng.normal(size=(60, 10)), rng.normal(size=10)
+    got = logits(x, w, b)
+    for i in range(6):
+        for c in range(10):
+            total = 0.0
+            for j in range(60):  # the order the docstring states, in Python floats (IEEE double, no fused ops)
+                total += x[i, j] * w[j, c]
+            assert got[i, c] == total + b[c]
+    # the BLAS sums in an order of its own: the same values up to rounding (60 terms of size ~1: far below 1e-12)
+    assert np.allclose(got, x @ w + b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ Sources (``dataset.name``):
 
 - ``digits``: scikit-learn's bundled 8x8 digits (offline). Values 0..16, so
   ``scale = 16``; a stratified train/test split with ``dataset.test_fraction``
-  and ``dataset.split_seed``; mean/std measured on the training split. The split
+  and ``dataset.split_seed``; mean/std measured on the training split (exact sums, :func:`channel_stats`). The split
   is kept as arrays in ``~/.cache/fl-pipeline/datasets/`` (``$XDG_CACHE_HOME``;
   one ``.npz`` per split and scikit-learn version), so later runs do not import
   scikit-learn.
@@ -61,13 +61,14 @@ import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from fl_core import envfail, faults
+from fl_core import envfail, faults, progress
 from fl_core.compat import torchvision
 
 __all__ = [
@@ -80,12 +81,15 @@ __all__ = [
     "get_dataset",
     "holdout_validation",
     "describe_source",
+    "channel_stats",
 ]
 
 SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
            "emnist")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
-_DIGITS_CACHE_FORMAT = 1  # bump when _digits_from_sklearn changes what it returns: older cache files are then not read
+# bump when _digits_from_sklearn changes what it returns: older cache files (and prepared digits files, whose
+# signature holds it) are then not read. 2: mean/std from exact sums (channel_stats), the same on every CPU.
+_DIGITS_CACHE_FORMAT = 2
 _DIGITS_SAMPLES = 1797  # scikit-learn's digits: 1,797 images
 
 # Per-channel statistics of x/255 on the official training sets (docs/algorithms.md, Augmentation and normalisation).
@@ -333,16 +337,21 @@ def _digits_cache_path(cfg: Any) -> Optional[Path]:
 
 def _read_digits_cache(path: Path) -> Optional[FLDataset]:
     """The digits split cached at ``path``; None if the file is missing, unreadable or not a digits split (it is
-    then rebuilt)."""
+    then rebuilt). The mean/std are computed again from the cached images with :func:`channel_stats`, the function
+    that computed the stored ones, so the cached split is the same to the bit as a fresh one; a file whose stored
+    values differ (written by other code) is rebuilt."""
     if not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in ("x_train", "y_train", "x_test", "y_test", "mean", "std")}
-        ds = FLDataset(name="digits", x_train=torch.from_numpy(arrays["x_train"]),
+        x_train = torch.from_numpy(arrays["x_train"])
+        mean, std = channel_stats(x_train, 16.0)
+        if arrays["mean"].tolist() != list(mean) or arrays["std"].tolist() != list(std):
+            return None
+        ds = FLDataset(name="digits", x_train=x_train,
                        y_train=torch.from_numpy(arrays["y_train"]), x_test=torch.from_numpy(arrays["x_test"]),
-                       y_test=torch.from_numpy(arrays["y_test"]), num_classes=10, scale=16.0,
-                       mean=tuple(arrays["mean"].tolist()), std=tuple(arrays["std"].tolist()))
+                       y_test=torch.from_numpy(arrays["y_test"]), num_classes=10, scale=16.0, mean=mean, std=std)
     except Exception:  # truncated, foreign or wrongly shaped file: rebuild it
         return None
     n = len(ds.y_train) + len(ds.y_test)
@@ -391,9 +400,7 @@ def _digits_from_sklearn(cfg: Any) -> FLDataset:
     idx_train = torch.from_numpy(np.sort(idx_train))
     idx_test = torch.from_numpy(np.sort(idx_test))
     x_train = x[idx_train]
-    scaled = x_train.to(torch.float64) / 16.0
-    mean = tuple(scaled.mean(dim=(0, 2, 3)).tolist())
-    std = tuple(scaled.std(dim=(0, 2, 3), unbiased=False).tolist())
+    mean, std = channel_stats(x_train, 16.0)
     return FLDataset(
         name="digits",
         x_train=x_train.contiguous(),
@@ -405,6 +412,51 @@ def _digits_from_sklearn(cfg: Any) -> FLDataset:
         mean=mean,
         std=std,
     )
+
+
+def channel_stats(x: torch.Tensor, scale: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and (population) standard deviation of ``x / scale``, the same to the bit on every CPU and
+    thread count (docs/reliability.md, Numbers on another CPU).
+
+    A float reduction in torch (or BLAS) sums in an order that depends on the CPU's instruction set and the number
+    of threads, so ``(x / scale).std(dim=(0, 2, 3))`` differed in the last digits between one and two threads
+    (0.37600559619114615 against 0.37600559619096297 on the digits split), and with it the prepared data and
+    ``dvc.lock``. Here no float is summed in an order a machine chooses:
+
+    - uint8 images: the sums are exact integers, ``S1 = sum k`` and ``S2 = sum k^2`` per channel (counted with
+      ``numpy.bincount``, integers: any order gives the same sum); the mean ``S1 / (n scale)`` and the variance
+      ``(n S2 - S1^2) / (n scale)^2`` are exact fractions, each rounded once to float64; the std is the square
+      root of that float64 variance (IEEE's square root is correctly rounded).
+    - float images: two passes of :func:`math.fsum` (exactly rounded sums) over the float64 values: the mean, then
+      the mean squared deviation from it.
+
+    Args:
+        x: uint8 or float ``[N, C, H, W]`` (a tensor or an array), N >= 1.
+        scale: the raw maximum the values are divided by (``FLDataset.scale``).
+
+    Returns:
+        ``(mean, std)``, one float per channel.
+    """
+    a = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if a.ndim != 4 or a.shape[0] == 0:
+        raise ValueError(f"channel_stats needs a non-empty [N, C, H, W] array, got shape {tuple(a.shape)}")
+    means, stds = [], []
+    for c in range(a.shape[1]):
+        values = a[:, c].reshape(-1)
+        n = values.size
+        if values.dtype == np.uint8:
+            counts = np.bincount(values, minlength=256).tolist()  # Python ints: exact sums below
+            s1 = sum(k * m for k, m in enumerate(counts))
+            s2 = sum(k * k * m for k, m in enumerate(counts))
+            unit = Fraction(float(scale)) * n  # n * scale, exactly
+            means.append(float(Fraction(s1) / unit))
+            stds.append(math.sqrt(Fraction(n * s2 - s1 * s1) / (unit * unit)))
+        else:
+            floats = (values.astype(np.float64) / float(scale)).tolist()
+            mean = math.fsum(floats) / n
+            means.append(mean)
+            stds.append(math.sqrt(math.fsum((v - mean) ** 2 for v in floats) / n))
+    return tuple(means), tuple(stds)
 
 
 def _unverified(cls: type) -> type:
@@ -950,10 +1002,8 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
     out = torch.empty((len(items), 3, size, size), dtype=torch.uint8)
     view = out.numpy()
     paths = [p for p, _ in items]
-    if len(paths) > _PROGRESS_MIN:
-        from tqdm.auto import tqdm
-
-        paths = tqdm(paths, desc=f"{title} {split}", unit="img", leave=False)
+    bar = progress.bar(total=len(paths), desc=f"{title} {split}", unit="img", leave=False,
+                       enabled=len(paths) > _PROGRESS_MIN)
     for i, path in enumerate(paths):
         try:
             f = open(path, "rb")  # noqa: SIM115 (`with f:` below closes it; a failed open has its own message)
@@ -978,6 +1028,10 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
             raise DataSourceError(f"dataset.root: {title} image {path} is {rgb.shape[1]}x{rgb.shape[0]}, "
                                   f"expected {size}x{size}")
         view[i] = rgb.transpose(2, 0, 1)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     return out
 
 
@@ -1074,7 +1128,8 @@ def _signature(cfg: Any) -> dict:
     """The config fields the prepared tensors depend on (a cached file must match them)."""
     sig: dict = {"format": _PREPARED_FORMAT, "name": str(cfg.name)}
     if cfg.name == "digits":
-        sig.update(test_fraction=float(cfg.test_fraction), split_seed=int(cfg.split_seed))
+        sig.update(test_fraction=float(cfg.test_fraction), split_seed=int(cfg.split_seed),
+                   digits_format=_DIGITS_CACHE_FORMAT)
     if cfg.name == "synthetic":
         from .synthetic import synthetic_provenance
 

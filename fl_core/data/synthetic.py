@@ -37,6 +37,7 @@ so a seed gives the same tensors on every machine.
 
 from __future__ import annotations
 
+import decimal
 import math
 from typing import Any
 
@@ -47,7 +48,7 @@ from fl_core.seeding import numpy_rng
 
 from .sources import FLDataset
 
-__all__ = ["FEATURES", "CLASSES", "covariance_diagonal", "generate_devices", "synthetic_dataset",
+__all__ = ["FEATURES", "CLASSES", "covariance_diagonal", "logits", "generate_devices", "synthetic_dataset",
            "synthetic_provenance"]
 
 FEATURES = 60  # dimension of x (FedProx Sec. 5.1)
@@ -57,8 +58,29 @@ SIGMA_EXPONENT = -1.2  # Sigma_jj = j^-1.2
 
 
 def covariance_diagonal(dim: int = FEATURES) -> np.ndarray:
-    """float64 ``[dim]``: the diagonal of Sigma, ``j^-1.2`` for j = 1..dim."""
-    return np.arange(1, dim + 1, dtype=np.float64) ** SIGMA_EXPONENT
+    """float64 ``[dim]``: the diagonal of Sigma, ``j^-1.2`` for j = 1..dim, the same on every CPU.
+
+    Each power is computed to 50 significant digits in Python's decimal arithmetic (software: no instruction of the
+    processor decides it) and rounded once to float64, i.e. correctly rounded. NumPy's ``**`` takes the processor's
+    vector power instead (SVML on a CPU with AVX-512), which is not correctly rounded: ``np.arange(1, 61.) ** -1.2``
+    differed in the last bit of j = 20 between a CPU with AVX-512 and one without (docs/reliability.md, Numbers on
+    another CPU).
+    """
+    with decimal.localcontext() as ctx:
+        ctx.prec = 50
+        exponent = decimal.Decimal(SIGMA_EXPONENT)  # the float64 -1.2, exactly
+        return np.array([float(decimal.Decimal(j) ** exponent) for j in range(1, dim + 1)], dtype=np.float64)
+
+
+def logits(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``x @ w + b`` (float64 ``[n, classes]``) with one fixed order of operations on every CPU: the products
+    ``x[:, j] * w[j]`` summed over j = 0, 1, ... in turn, then ``b``. ``x @ w`` goes to the BLAS, whose kernel (and
+    so its order of summation) depends on the processor and the thread count, and a label is the argmax of these
+    values."""
+    out = np.zeros((x.shape[0], w.shape[1]), dtype=np.float64)
+    for j in range(x.shape[1]):
+        out += x[:, j, None] * w[j]  # one rounded product, then one rounded sum, per element
+    return out + b
 
 
 def generate_devices(alpha: float, beta: float, iid: bool, num_devices: int,
@@ -93,7 +115,7 @@ def generate_devices(alpha: float, beta: float, iid: bool, num_devices: int,
             w = rng.normal(u[k], 1.0, (FEATURES, CLASSES))
             b = rng.normal(u[k], 1.0, CLASSES)
         x = means[k] + sd * rng.standard_normal((int(sizes[k]), FEATURES))
-        y = np.argmax(x @ w + b, axis=1).astype(np.int64)
+        y = np.argmax(logits(x, w, b), axis=1).astype(np.int64)
         out.append((x, y))
     return out
 
