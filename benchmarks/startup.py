@@ -18,7 +18,7 @@ Rows:
   ``data_dir`` (no prepared dataset: the run reads the source, i.e. the user's digits array cache, filled by the
   warm-up where it is empty) and MLflow store (``MLFLOW_TRACKING_URI``: one SQLite file per checkout for all
   repeats, created by the warm-up: a new store takes seconds to create). ``training s``
-  is the run's own ``round_time_s`` (sampling, local training, aggregation, evaluation; ``details/seed_1.csv``),
+  is the run's own ``round_time_s`` (sampling, local training, aggregation, evaluation; ``details/round_times.csv``),
   ``overhead s`` = wall - training, per repeat: interpreter start, imports, config, data, model, MLflow, the
   figures and files, exit.
 - ``1 round, tracking off``: the same with ``tracking.enabled=false`` (what MLflow adds is the difference).
@@ -128,9 +128,9 @@ class Row:
 
 
 def _training_seconds(cmd: List[str]) -> float:
-    """Sum of ``round_time_s`` of the run's ``details/seed_1.csv``."""
+    """Sum of ``round_time_s`` of the run's ``details/round_times.csv``."""
     results = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("results_dir=")))
-    with open(results / "startup_probe" / "details" / "seed_1.csv", newline="") as f:
+    with open(results / "startup_probe" / "details" / "round_times.csv", newline="") as f:
         return sum(float(r["round_time_s"]) for r in csv.DictReader(f))
 
 

@@ -43,7 +43,7 @@ OUTPUT_PATTERNS = (METRICS_FILE, EXPERIMENT_FILE, "rounds.csv", "runs.csv", "con
                    ".gitignore", "partition/stats.json", "partition/labels_per_client.png",
                    "partition/labels_per_client.pdf", "models/seed_*.pt", "models/README.txt", "details/seed_*.csv",
                    "details/seed_*.png", "details/seed_*.pdf", "details/schedule.csv", "details/schedule.png",
-                   "details/schedule.pdf")
+                   "details/schedule.pdf", "details/round_times.csv")
 #: what an attempt folder ``C/<name>/<fingerprint>/`` holds: checkpoints, records, their ``.prev`` / ``.corrupt`` /
 #: temporary files, a disk client-state store's folder
 ATTEMPT_PATTERNS = ("seed_*", "seed_*.states/*")
@@ -209,14 +209,26 @@ class ExperimentStore:
 
     def completed(self, seeds: List[int]) -> Optional[Dict[str, Any]]:
         """The published summary (:func:`read_results`) if ``results/<name>`` holds a finished attempt of
-        this fingerprint and these seeds and no attempt is in progress; else None."""
+        this fingerprint and these seeds, with every file it published (:meth:`missing_outputs`), and no attempt is in
+        progress; else None."""
         if self.in_progress():
             return None
         m = read_results(self.out)
         if (m is not None and m.get("fingerprint") == self.fingerprint
-                and sorted(m.get("seeds_run") or []) == sorted(int(s) for s in seeds)):
+                and sorted(m.get("seeds_run") or []) == sorted(int(s) for s in seeds)
+                and not self.missing_outputs(m)):
             return m
         return None
+
+    def missing_outputs(self, summary: Dict[str, Any]) -> List[str]:
+        """The files of a finished attempt that ``results/<name>`` lacks (relative paths): a clone of the project
+        holds the ones git tracks, not the models and details DVC keeps in its cache, and must train again."""
+        seeds_run = [int(s) for s in summary.get("seeds_run") or []]
+        ok = [int(s) for s in summary.get("seeds") or []]
+        need = [METRICS_FILE, EXPERIMENT_FILE, "runs.csv", "rounds.csv", "config.yaml", "partition/stats.json",
+                *(f"details/seed_{s}.csv" for s in seeds_run),
+                *((f"models/seed_{s}.pt" for s in ok) if ok else ["models/README.txt"])]
+        return [rel for rel in need if not (self.out / rel).is_file()]
 
     # ------------------------------------------------------------------ outputs
     def begin_staging(self) -> Path:

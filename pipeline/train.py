@@ -129,6 +129,21 @@ def _csv(rows: List[Dict], columns: List[str]) -> str:
 
 
 TIMING_KEYS = ("round_time_s",)  # wall-clock measurements: differ between identical runs
+TIMES_FILE = "round_times.csv"  # details/round_times.csv: every seed's TIMING_KEYS per round (.dvcignore'd)
+
+
+def _without_timing(rows: List[Dict]) -> List[Dict]:
+    """History rows without the wall-clock columns (:data:`TIMING_KEYS`): what the files DVC and git keep hold."""
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def _save_tensors(state: Dict, path: Path) -> None:
+    """``torch.save`` through an open file: the archive's inner folder is then always ``archive/`` (given a path,
+    torch names it after the file, here a random temporary name), so the same model gives the same bytes."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(state, f)
 
 
 OBJECTIVE_KEYS = ("objective", "objective_gap", "opt_distance")  # a model's objective_metrics (logreg_binary)
@@ -491,7 +506,7 @@ class _Experiment:
 
         from .figures import experiment_figure, readable_title
 
-        hist = rec["history"]
+        hist = _without_timing(rec["history"])
         seed_csv, seed_png = staging / "details" / f"seed_{seed}.csv", staging / "details" / f"seed_{seed}.png"
         write_text(seed_csv, _csv(hist, _history_columns(hist)))
         files = [seed_csv] + experiment_figure(
@@ -499,7 +514,7 @@ class _Experiment:
                                          failed=rec["status"] != "ok"), seed_png)
         if rec["status"] == "ok":
             model_path = staging / "models" / f"seed_{seed}.pt"
-            atomic_write(model_path, lambda p: torch.save(rec["state_dict"], p))
+            atomic_write(model_path, lambda p: _save_tensors(rec["state_dict"], p))
         return files
 
     def _finish_child(self, cfg, seed: int, rec: Dict, logger, files: List[Path]) -> None:
@@ -556,11 +571,14 @@ class _Experiment:
         summary = _experiment_summary(self.name, self.cfg0, self.algo_desc, self.pkey, self.model_name,
                                       {s: r["summary"] for s, r in ok.items()}, failures, self.model_d)
         summary.update(fingerprint=self.store.fingerprint, seeds_run=sorted(self.records))
-        # git keeps runs.csv and rounds.csv: no wall-clock columns there, so that a rerun gives the same
-        # bytes (round_time_s stays in MLflow and in details/seed_<s>.csv)
-        all_rows = [{"seed": s, **{k: v for k, v in row.items() if k not in TIMING_KEYS}}
-                    for s, h in histories.items() for row in h]
+        # git and DVC keep runs.csv, rounds.csv and details/seed_<s>.csv: no wall-clock columns there, so that a rerun
+        # gives the same bytes (and dvc.lock the same hashes); round_time_s goes to MLflow and details/round_times.csv,
+        # which .dvcignore leaves out of the outputs' hashes
+        all_rows = [{"seed": s, **row} for s, h in histories.items() for row in _without_timing(h)]
         write_text(staging / "runs.csv", _csv(all_rows, _history_columns(all_rows)))
+        times = [{"seed": s, "round": row["round"], **{k: row[k] for k in TIMING_KEYS if k in row}}
+                 for s, r in sorted(self.records.items()) for row in r["history"]]
+        write_text(staging / "details" / TIMES_FILE, _csv(times, ["seed", "round", *TIMING_KEYS]))
         mean_rows = mean_curve(histories)
         write_text(staging / "rounds.csv", _csv(mean_rows, _history_columns(mean_rows)))
         experiment_figure(histories, readable_title(self.name, self.algo_desc, self.pkey, failed=not histories),

@@ -171,3 +171,35 @@ def test_an_error_anywhere_ends_the_runs_and_removes_staging_and_the_rerun_compl
     assert len(runs) == 3  # the parent and one child per seed: the stopped runs were continued, not duplicated
     assert not list((tmp_path / "results").glob(".*.staging"))
     assert json.loads((tmp_path / "results" / "exp" / "metrics.json").read_text())["status"] == "ok"
+
+
+def test_a_results_folder_missing_the_files_dvc_caches_is_trained_again(tmp_path, monkeypatch, capsys):
+    """A clone of the project holds the files git tracks (metrics.json, ...) but not the models and details DVC keeps
+    in its cache: the same config then trains again (DVC needs those outputs), instead of "nothing to do"."""
+    assert _train(tmp_path, monkeypatch, "name=run") == 0
+    out = tmp_path / "results" / "run"
+    assert _train(tmp_path, monkeypatch, "name=run") == 0
+    assert "nothing to do" in capsys.readouterr().err  # complete: not trained again
+    shutil.rmtree(out / "models")
+    shutil.rmtree(out / "details")
+    assert _train(tmp_path, monkeypatch, "name=run") == 0
+    assert "nothing to do" not in capsys.readouterr().err
+    assert (out / "models" / "seed_0.pt").is_file() and (out / "details" / "seed_0.csv").is_file()
+
+
+def test_a_published_model_is_the_same_bytes_on_every_run_and_times_stay_apart(tmp_path, monkeypatch):
+    """The files DVC hashes (models, details) are the same bytes when the same run is repeated, so dvc.lock does not
+    change; the wall-clock round times go to details/round_times.csv (left out of the hash by .dvcignore)."""
+    import csv
+
+    runs = []
+    for name in ("a", "b"):
+        assert _train(tmp_path, monkeypatch, f"name={name}") == 0
+        runs.append(tmp_path / "results" / name)
+    for rel in ("models/seed_0.pt", "details/seed_0.csv", "runs.csv"):
+        assert (runs[0] / rel).read_bytes() == (runs[1] / rel).read_bytes(), rel
+    assert "round_time_s" not in (runs[0] / "details" / "seed_0.csv").read_text()
+    with open(runs[0] / "details" / "round_times.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["round"] for r in rows] == ["1", "2"] and all(float(r["round_time_s"]) > 0 for r in rows)
+    assert "results/*/details/round_times.csv" in (Path(__file__).resolve().parent.parent / ".dvcignore").read_text()
