@@ -502,8 +502,6 @@ class _Experiment:
 
     def _write_seed_files(self, seed: int, rec: Dict, staging: Path) -> List[Path]:
         """details/seed_<s>.csv and .png, and models/seed_<s>.pt for a seed that finished."""
-        import torch
-
         from .figures import experiment_figure, readable_title
 
         hist = _without_timing(rec["history"])
