@@ -882,3 +882,35 @@ def test_cli_prints_one_line_for_a_truncated_batch(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err == (f"error: dataset.root: {batch} is not a readable CIFAR-10 batch (truncated or corrupt: pickle data "
                    f"was truncated); replace it with the official file\n")
+
+
+class _Planted:
+    """A pickle payload that would create ``marker`` when unpickled by plain pickle."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+@pytest.mark.parametrize("rel", ["cifar-10-batches-py/data_batch_3", "cifar-10-batches-py/batches.meta"])
+def test_a_planted_cifar_file_runs_no_code_and_is_named(tmp_path, rel):
+    """The CIFAR files are read by an unpickler that builds only arrays, lists and numbers: a file of a shared
+    dataset.root holding a payload is refused in one line naming it, and the payload never runs."""
+    import pickle
+
+    write_cifar10(tmp_path)
+    marker = tmp_path / "ran"
+    payload = pickle.dumps({"labels": [0, 1, 2], "data": _Planted(marker)}, protocol=2)
+    pickle.loads(payload)  # plain pickle runs it: the control
+    assert marker.exists()
+    marker.unlink()
+    (tmp_path / rel).write_bytes(payload)
+    with pytest.raises(DataSourceError) as err:
+        load_source(DatasetConfig(name="cifar10", verify=False), tmp_path)
+    msg = _one_line_error(err)
+    assert msg.startswith(f"dataset.root: {tmp_path / rel} is not a readable CIFAR-10 ")
+    assert "(not in the official format: refused to load posix.system" in msg and not marker.exists()

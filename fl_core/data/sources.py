@@ -60,6 +60,7 @@ import re
 import shutil
 import stat
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -478,12 +479,65 @@ def _unverified(cls: type) -> type:
     return type(f"Unverified{cls.__name__}", (cls,), attrs)
 
 
-def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
-    """CIFAR-10 / CIFAR-100 through torchvision's reader of the official python pickles.
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler of what the official CIFAR python files hold: dicts, lists, strings, numbers and numpy arrays.
+    Any other global (a function, a class: what a planted pickle runs) is refused before it is created, so reading a
+    ``dataset.root`` of someone else's runs no code."""
+
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            with warnings.catch_warnings():  # numpy 2 warns when the old numpy.core path is imported
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} (only arrays, lists and numbers are read)")
+
+
+def _load_cifar_file(f: Any) -> Any:
+    """The object of an official CIFAR python file (open in binary mode), read by :class:`_ArraysOnly`."""
+    return _ArraysOnly(f, encoding="latin1").load()
+
+
+def _cifar_split(base: type, root: Path, train: bool, verify: bool) -> tuple:
+    """(images uint8 [N, 3, 32, 32], labels int64 [N]) of one split of torchvision's CIFAR layout ``base`` (its
+    folder, file names and MD5 sums; the meta file is checked too), read with :func:`_load_cifar_file` instead of
+    torchvision's plain unpickling.
 
     Raises:
-        DataSourceError: files missing, unreadable, truncated, empty or garbage (names the file), the MD5
-            check failing with ``dataset.verify=true`` (names the files), or labels out of range.
+        RuntimeError: ``verify`` and a file failing its MD5 sum or missing (as torchvision's reader).
+        OSError, pickle.UnpicklingError, KeyError, ValueError: a file missing, refused or not in the official layout
+            (:func:`_cifar_error` names it).
+    """
+    folder = root / base.base_folder
+    files = base.train_list if train else base.test_list
+    meta = folder / base.meta["filename"]
+    if verify:
+        from torchvision.datasets.utils import check_integrity
+
+        if not all(check_integrity(str(folder / f), md5) for f, md5 in [*files, (meta.name, base.meta["md5"])]):
+            raise RuntimeError("Dataset not found or corrupted.")
+    with open(meta, "rb") as fh:  # the class names: not used, but a broken meta file is a broken download
+        if base.meta["key"] not in _load_cifar_file(fh):
+            raise KeyError(base.meta["key"])
+    data, labels = [], []
+    for f, _ in files:
+        with open(folder / f, "rb") as fh:
+            entry = _load_cifar_file(fh)
+        data.append(entry["data"])
+        labels.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
+    return np.vstack(data).reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+
+
+def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
+    """CIFAR-10 / CIFAR-100 from the official python files, in torchvision's layout (folder, file names, MD5 sums;
+    torchvision downloads them with ``dataset.download=true``), unpickled by :class:`_ArraysOnly`.
+
+    Raises:
+        DataSourceError: files missing, unreadable, truncated, empty or garbage, or holding anything but arrays
+            (names the file), the MD5 check failing with ``dataset.verify=true`` (names the files), or labels out of
+            range.
     """
     datasets = torchvision().datasets
     base = datasets.CIFAR100 if hundred else datasets.CIFAR10
@@ -492,26 +546,21 @@ def _cifar(cfg: Any, root: Path, hundred: bool) -> FLDataset:
     num_classes = 100 if hundred else 10
     _download(cfg, title, root, lambda: reader(str(root), train=True, download=True))
     try:
-        train = reader(str(root), train=True, download=False)
-        test = reader(str(root), train=False, download=False)
-        for split in (train, test):  # a garbage file can unpickle into arrays of the wrong kind
-            labels = np.asarray(split.targets, dtype=np.int64)
-            if (split.data.dtype != np.uint8 or labels.shape != (len(split.data),)
+        splits = [_cifar_split(base, root, train, bool(cfg.verify)) for train in (True, False)]
+        for x, labels in splits:  # a garbage file can unpickle into arrays of the wrong kind
+            if (x.dtype != np.uint8 or labels.shape != (len(x),)
                     or (labels.size and not 0 <= labels.min() <= labels.max() < num_classes)):
                 raise ValueError("inconsistent arrays")
-    except Exception as err:  # pickle errors, EOFError, OSError, RuntimeError (not found / MD5), ...
+    except Exception as err:  # refused or truncated pickles, EOFError, OSError, RuntimeError (not found / MD5), ...
         raise _cifar_error(base, title, root, bool(cfg.verify), num_classes, err) from None
     mean, std = _CIFAR100_STATS if hundred else _CIFAR10_STATS
-
-    def to_tensor(data: np.ndarray) -> torch.Tensor:  # HWC uint8 numpy -> [N, 3, 32, 32]
-        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)).permute(0, 3, 1, 2).contiguous()
-
+    (x_train, y_train), (x_test, y_test) = splits
     return FLDataset(
         name=cfg.name,
-        x_train=to_tensor(train.data),
-        y_train=torch.as_tensor(train.targets, dtype=torch.int64),
-        x_test=to_tensor(test.data),
-        y_test=torch.as_tensor(test.targets, dtype=torch.int64),
+        x_train=torch.from_numpy(np.ascontiguousarray(x_train)),
+        y_train=torch.from_numpy(y_train),
+        x_test=torch.from_numpy(np.ascontiguousarray(x_test)),
+        y_test=torch.from_numpy(y_test),
         num_classes=num_classes,
         scale=255.0,
         mean=mean,
@@ -586,11 +635,13 @@ def _cifar_file_problem(path: Path, labels_key: Optional[str], num_classes: int,
             return "truncated or corrupt: the file is empty"
         f.seek(0)
         try:
-            entry = pickle.load(f, encoding="latin1")
+            entry = _load_cifar_file(f)
         except OSError:
             raise
         except Exception as err:  # UnpicklingError, EOFError, ValueError, ImportError, MemoryError, ...
-            return f"truncated or corrupt: {_one_line(err, with_type=False)}"
+            text = _one_line(err, with_type=False)
+            return f"not in the official format: {text}" if text.startswith("refused") else \
+                f"truncated or corrupt: {text}"
     fmt = "not in the official format"
     if not isinstance(entry, dict):
         return f"{fmt}: it holds a {type(entry).__name__}, not a dict"
