@@ -27,6 +27,7 @@ def test_no_bar_off_a_terminal(monkeypatch):
 
 @pytest.mark.parametrize("how", ["fail", "environment failure"])
 def test_the_error_line_starts_a_line_of_its_own(monkeypatch, how):
+    monkeypatch.delenv(envfail.DEBUG_ENV, raising=False)  # a --debug test before may have set it: then it re-raises
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     bar = progress.bar(total=10, desc="exp", unit="round")
