@@ -40,12 +40,15 @@ rerun by one MLflow parent of the study, FINISHED, at most one MLflow run per tr
 sweep finish (exit 0).
 
 Cases are registered with :func:`case` (name, kind, what they need: ``torchrun``, ``postgres``, ``mounts``).
+``--busy N`` runs N CPU-bound processes beside the whole campaign (:class:`Busy`): the targets hold on a loaded
+machine too.
 
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/env_faults.py                  # every case (about 8 min on 2 cores)
     .venv/bin/python benchmarks/env_faults.py --no-torchrun    # the single-process cases
     .venv/bin/python benchmarks/env_faults.py --cases tracking,sweep --no-mounts   # the stores' cases (about 8 min)
+    .venv/bin/python benchmarks/env_faults.py --cases tracking,sweep --no-mounts --busy 1   # beside a busy CPU
     .venv/bin/python benchmarks/env_faults.py --cases results_dir_file,disk_full_real --keep --out /tmp/env.md
     .venv/bin/python benchmarks/env_faults.py --list
 """
@@ -164,6 +167,7 @@ class Context:
     dist_timeout_s: float
     mounts: bool
     references: Dict[str, Dict] = field(default_factory=dict)  # label -> {(seed, key): [(step, value)]}
+    rest_s: Optional[float] = None  # the grid reference's seconds from its 1st checkpoint to its exit (this load)
 
 
 # --------------------------------------------------------------------------- running commands
@@ -527,6 +531,24 @@ def _dist_case(launcher: str, action: str):
     return run
 
 
+def _workers(pid: int) -> List[int]:
+    """The pids of the sweep workers of ``tune.py`` at ``pid``: its children started by multiprocessing's spawn (not
+    its resource tracker), from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            cmd = (d / "cmdline").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            out.append(int(d.name))
+    return sorted(out)
+
+
 def _watch_exit(pid: int, into: List[float]) -> None:
     while Path(f"/proc/{pid}").exists() and not _zombie(pid):
         time.sleep(0.02)
@@ -668,19 +690,25 @@ def _tracking_server_restarted(ctx: Context) -> Outcome:
         argv = py("pipeline.train", "--grid", NAME)
         env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
         run = Run(chain, argv, extra_env=env)
-        fault_at = None
+        fault_at = answered_at = None
         if _wait_for_checkpoint(run, chain.project / "checkpoints" / NAME):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
             fault_at = time.time()
             server = _mlflow_server(chain.project, port)
-            if _server_ready(port, time.monotonic() + SERVER_READY_S):
-                out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after the kill")
+            answered_at = time.time() if _server_ready(port, time.monotonic() + SERVER_READY_S) else None
+            if answered_at is not None:
+                out.notes.append(f"{label}: the server answered again {answered_at - fault_at:.1f} s after the kill")
         out.status, err, ended = run.wait()
         if fault_at is None:
             out.notes.append(f"{label}: the run ended before its first checkpoint could be seen")
         else:
             out.to_exit_s = ended - fault_at
+            if answered_at is not None:  # what the time to exit is made of: the restart, then the run's own work
+                rest = "" if ctx.rest_s is None else (f"; the uninterrupted reference took {ctx.rest_s:.1f} s from its "
+                                                      "1st checkpoint to its exit")
+                out.notes.append(f"{label}: the run ended {ended - answered_at:.1f} s after the server answered "
+                                 f"again{rest}")
         _observe(out, chain.project, err)
         _rerun_and_judge(ctx, out, chain, argv, env=env)
     finally:
@@ -771,12 +799,20 @@ def _sweep_case(action: str):
 
             first = Run(chain, command(SWEEP_TRIALS))
             fault_at = None
+            worker_ends: List[List[float]] = []
             if _wait_for_trials(first, url):
+                for pid in _workers(first.proc.pid):  # when each worker ends (a note: where the time goes)
+                    worker_ends.append([])
+                    threading.Thread(target=_watch_exit, args=(pid, worker_ends[-1]), daemon=True).start()
+                fault_at = time.time()  # the fault begins with the command: pg_ctl ends the sessions at once
                 if action == "freeze":
                     frozen = server.freeze()
                 else:
                     server.halt()
-                fault_at = time.time()
+                if time.time() - fault_at > 1.0:
+                    out.notes.append(f"{label}: {'the freeze' if action == 'freeze' else 'pg_ctl stop'} took "
+                                     f"{time.time() - fault_at:.1f} s (counted: the seconds to exit run from its "
+                                     "start)")
                 if action == "restart":
                     server.resume()
                     out.notes.append(f"{label}: the server answered again {time.time() - fault_at:.1f} s after the "
@@ -786,6 +822,11 @@ def _sweep_case(action: str):
                 out.notes.append(f"{label}: the sweep ended before 2 trials had ended and one was running")
             else:
                 out.to_exit_s = ended - fault_at
+                time.sleep(0.1)  # the watchers' last poll
+                ends = [f"{e[0] - fault_at:.1f}" for e in worker_ends if e]
+                if ends:
+                    out.notes.append(f"{label}: the workers ended {', '.join(ends)} s after the fault, tune.py "
+                                     f"{out.to_exit_s:.1f} s")
             out.lines, out.tracebacks = count(err)
             out.first_line = next((ln for ln in err.splitlines() if ln.startswith(("error:", "note:"))), "")
             out.left_running = running(chain.project)
@@ -869,7 +910,10 @@ def references(ctx: Context, dist: bool, grid_run: bool = True) -> None:
     """Uninterrupted runs whose every (seed, metric, step) a rerun must reproduce."""
     if grid_run:
         chain = kill.Chain(ctx.base, "reference-grid", grid(ctx.rounds))
-        rc, err, _ = Run(chain, py("pipeline.train", "--grid", NAME)).wait()
+        run = Run(chain, py("pipeline.train", "--grid", NAME))
+        first = time.time() if _wait_for_checkpoint(run, chain.project / "checkpoints" / NAME) else None
+        rc, err, ended = run.wait()
+        ctx.rest_s = ended - first if first is not None else None
         if rc != 0:
             raise SystemExit(f"error: the reference run failed (exit {rc}): {kill.last_line(err)}")
         ctx.references["grid"] = histories(chain.project, NAME)
@@ -924,6 +968,49 @@ def load() -> str:
         return "?"
 
 
+#: one CPU-bound process of --busy: a pure Python spin (one core each) that ends once the campaign (its parent, argv[1])
+#: is gone, also when the campaign is killed before it could stop it
+BUSY_CODE = ("import os, sys\n"
+             "parent = int(sys.argv[1])\n"
+             "while os.getppid() == parent:\n"
+             "    for _ in range(1000000):\n"
+             "        pass\n")
+
+
+class Busy:
+    """``--busy N``: N CPU-bound processes (:data:`BUSY_CODE`, a ``while True: pass``) for the whole campaign, so its
+    timings are taken on a loaded machine; they are killed (by pid) at the end. Each runs in a session of its own, as
+    another user's job would: with the kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
+    CPU time is shared fairly between sessions first, and the commands under test run in sessions of their own too,
+    so N busy processes of the campaign's own session would take CPU time from the campaign only, not from them. A
+    thread samples the 1-minute load average every 5 s for the table's header (its maximum)."""
+
+    def __init__(self, n: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", BUSY_CODE, str(os.getpid())], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                      for _ in range(n)]
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="load-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            try:
+                self.peak = max(self.peak, float(Path("/proc/loadavg").read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+            if self._stop.wait(5.0):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -936,6 +1023,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="rounds of the runs (default 8)")
     p.add_argument("--dist-timeout", type=float, default=20.0, help="engine.dist_timeout_s of the torchrun cases "
                    "(default 20)")
+    p.add_argument("--busy", type=int, default=0, metavar="N", help="run N CPU-bound processes (python -c 'while "
+                   "True: pass') beside the whole campaign, killed at its end: the timings under load (default 0)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--keep", action="store_true", help="keep the temporary project folders")
     p.add_argument("--out", type=Path, default=None, metavar="FILE", help="also write the table here")
@@ -962,13 +1051,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     code_before, load_before = kill.code_state(), load()
     outcomes: List[Outcome] = []
+    busy = Busy(max(0, args.busy))
     try:
         print(f"[{0:7.1f} s] references", file=sys.stderr, flush=True)
         references(ctx, any(c.kind == "dist" for c in chosen), any(c.kind != "sweep" for c in chosen))
         for c in chosen:
-            print(f"[{time.perf_counter() - t0:7.1f} s] {c.name}", file=sys.stderr, flush=True)
+            print(f"[{time.perf_counter() - t0:7.1f} s] {c.name} (load {load()})", file=sys.stderr, flush=True)
             outcomes.append(c.run(ctx))
     finally:
+        busy.stop()
         for m in reversed(MOUNTED):
             subprocess.run(["umount", "-l", str(m)], capture_output=True, check=False)
         if args.keep:
@@ -976,6 +1067,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             shutil.rmtree(ctx.base, ignore_errors=True)
     wall = time.perf_counter() - t0
+    load_end = load()
     passed = all(o.ok() for o in outcomes)
     code = f"git {kill.git_head()}, fl_core/ + pipeline/ sources {code_before}"
     if kill.code_state() != code_before:
@@ -984,8 +1076,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     notes += [f"{o.case}: first line: {o.first_line[:300]}" for o in outcomes if o.first_line]
     notes += [f"{o.case}: leftover: {', '.join(o.leftovers[:6])}" for o in outcomes if o.leftovers]
     text = "\n".join([
-        f"Environment-failure campaign, {_dt.date.today().isoformat()}, {kill.machine()}, load average "
-        f"{load_before} at the start, {load()} at the end; OMP_NUM_THREADS=1; {args.rounds} rounds, seeds {SEEDS}; "
+        f"Environment-failure campaign, {_dt.date.today().isoformat()}, {kill.machine()}, "
+        f"{args.busy} busy process{'' if args.busy == 1 else 'es'} beside it (--busy), load average "
+        f"{load_before} at the start, {load_end} at the end, 1-minute peak {busy.peak:.2f}; OMP_NUM_THREADS=1; "
+        f"{args.rounds} rounds, seeds {SEEDS}; "
         f"mounts: {'private namespace (real read-only and full tmpfs)' if ctx.mounts else 'none (injected faults)'}; "
         f"engine.dist_timeout_s={args.dist_timeout:g}; {code}",
         "",

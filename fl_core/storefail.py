@@ -383,11 +383,12 @@ def _classify_http(err: BaseException) -> Optional[envfail.EnvironmentFailure]:
     label, action = _role(server)
     label = "tracking server" if label == "database" else label
     tries = f"{retries} time{'' if retries == 1 else 's'} over about {pauses:.0f} s"
+    settings = ("FL_HTTP_RETRY_S / MLFLOW_HTTP_REQUEST_MAX_RETRIES" if storewait.http_deadline_installed()
+                else "MLFLOW_HTTP_REQUEST_MAX_RETRIES / MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")  # what sets the window
     if reason.startswith("it answered"):
         cause = f"fails ({reason}; MLflow retried {tries}): its log says why (its backend store?)"
     else:
-        cause = (f"does not answer ({reason}; MLflow retried {tries}, MLFLOW_HTTP_REQUEST_MAX_RETRIES / "
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR)")
+        cause = f"does not answer ({reason}; MLflow retried {tries}, {settings})"
     return envfail.EnvironmentFailure(f"{label} {mask(server)}", cause,
                                       f"{action or 'start it or set MLFLOW_TRACKING_URI to one that answers'}, {AGAIN}",
                                       store=mask(server))

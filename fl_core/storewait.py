@@ -6,9 +6,13 @@ Every wait is a setting of the library that waits, given a project default only 
 - **MLflow's HTTP client** (:func:`http_defaults`): MLflow retries every request (connection errors, read errors and
   the answers 408, 429, 500, 502, 503, 504) with exponential backoff. Its own defaults (7 retries, backoff factor 2,
   120 s per request) add up to about 4 minutes of silence before a dead server is reported. The project sets
-  ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=5``, ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1`` (pauses 0, 2, 4, 8, 16 s: about
-  30 s of retries, long enough for a tracking server to restart) and ``MLFLOW_HTTP_REQUEST_TIMEOUT=15`` (s per
-  attempt; a request of the project takes well under a second) where they are unset.
+  ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=10`` (MLflow's most), ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1`` and
+  ``MLFLOW_HTTP_REQUEST_TIMEOUT=15`` (s per attempt; a request of the project takes well under a second) where they
+  are unset, and bounds the retries of one request by a wall-clock deadline (:func:`install_http_deadline`):
+  ``FL_HTTP_RETRY_S`` (default 30 s, long enough for a tracking server to restart) from its first failure, the
+  retries spread over it (pauses 0, 2, then at most 3.5 s: a restarted server is reached within seconds of answering
+  again, not after a 16 s pause), none started after it; so a request gives up at most ``FL_HTTP_RETRY_S`` + one
+  attempt's timeout after its first failure, whatever the load.
 - **SQLite** (:func:`install`): every SQLite connection SQLAlchemy opens waits ``FL_SQLITE_BUSY_TIMEOUT_S`` (default
   30 s) for a lock held by another process; SQLite's busy handler retries meanwhile with its own backoff (pauses of
   1 ms growing to 100 ms). It replaces MLflow's fixed ``PRAGMA busy_timeout = 20000`` of every session, so that one
@@ -25,7 +29,18 @@ Every wait is a setting of the library that waits, given a project default only 
   :func:`on_stall` hooks (at most 10 s) and ends with one line and exit status 3. A server that answers a new
   connection is only slow: the statement keeps waiting (its ``statement_timeout`` bounds it).
 - **A database that went away** (:func:`wait_until_back`): a sweep waits ``FL_DB_RETRY_S`` (default 30 s) for its
-  storage to answer again before it gives up; a PostgreSQL restart takes a few seconds.
+  storage to answer again before it gives up; a PostgreSQL restart takes a few seconds. The time is a deadline from
+  the first failure of the outage (:func:`outage_began`), shared by every wait of the process until a call to the
+  database succeeds again (:func:`answered`): a server that seems back (it answers "starting up" or "shutting down",
+  which is no answer here) and fails again does not start a new wait.
+
+The bound these make, from a fault to the exit (measured by ``benchmarks/env_faults.py``, also beside CPU-bound
+processes, ``--busy``): a stopped database ``FL_DB_RETRY_S`` (30 s) after the first failure; a frozen one
+``FL_DB_STALL_S`` + the probe's ``connect_timeout`` + 1 s + :data:`HOOK_BUDGET_S` (15 + 11 + 10 s); a tracking
+server ``FL_HTTP_RETRY_S`` + one ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (30 + 15 s, a refused connection: 30 s); each plus
+the process's own exit, which the failing paths keep short (a sweep's worker ends with ``os._exit`` once its line is
+out), so 60 s hold on a loaded machine (a store that comes back within the deadline: the command goes on, and its own
+work is not part of the bound).
 
 This module imports nothing of the project but :mod:`fl_core.envfail`, and SQLAlchemy only inside functions.
 """
@@ -43,8 +58,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from . import envfail
 
 #: MLflow's HTTP settings and the project's defaults (set where unset, :func:`http_defaults`)
-HTTP_DEFAULTS: Dict[str, str] = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+HTTP_DEFAULTS: Dict[str, str] = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "10", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+HTTP_RETRY_ENV, HTTP_RETRY_DEFAULT_S = "FL_HTTP_RETRY_S", 30.0  # the deadline of one request's retries
 SQLITE_BUSY_ENV, SQLITE_BUSY_DEFAULT_S = "FL_SQLITE_BUSY_TIMEOUT_S", 30.0
 STALL_ENV, STALL_DEFAULT_S = "FL_DB_STALL_S", 15.0
 RETRY_ENV, RETRY_DEFAULT_S = "FL_DB_RETRY_S", 30.0
@@ -54,6 +70,10 @@ PG_DEFAULTS: Dict[str, object] = {"connect_timeout": 10, "keepalives": 1, "keepa
 PG_STATEMENT_TIMEOUT_MS = 60000  # the server's statement_timeout (libpq options -c statement_timeout=...)
 PG_ENV = {"connect_timeout": "PGCONNECT_TIMEOUT", "options": "PGOPTIONS"}  # libpq's variables for these parameters
 HOOK_BUDGET_S = 10.0  # the longest the on_stall hooks may take together before the process ends
+PROBE_MARGIN_S = 1.0  # a probe's wait beyond its connect_timeout (libpq's own timer ends the attempt)
+#: SQLSTATEs of a server that answers but takes no work: admin_shutdown, crash_shutdown, cannot_connect_now (starting
+#: up, shutting down, in recovery); alive for the stall watch, not back for :func:`wait_until_back`
+PG_NOT_READY = ("57P01", "57P02", "57P03")
 
 
 def _seconds(env: str, default: float) -> float:
@@ -80,20 +100,36 @@ def retry_s() -> float:
     return _seconds(RETRY_ENV, RETRY_DEFAULT_S)
 
 
+def http_retry_s() -> float:
+    """The deadline of MLflow's retries of one request from its first failure, seconds: ``FL_HTTP_RETRY_S``,
+    default 30."""
+    return _seconds(HTTP_RETRY_ENV, HTTP_RETRY_DEFAULT_S)
+
+
 # --------------------------------------------------------------------------- MLflow's HTTP client
 
 
 def http_defaults() -> Dict[str, str]:
     """Set MLflow's HTTP retry settings (:data:`HTTP_DEFAULTS`) in ``os.environ`` where unset (MLflow reads them at
-    every request); returns the settings in force."""
+    every request) and bound the retries of a request by ``FL_HTTP_RETRY_S`` (:func:`install_http_deadline`);
+    returns the MLflow settings in force."""
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    install_http_deadline()
     return {key: os.environ[key] for key in HTTP_DEFAULTS}
 
 
+def spread_pause(backoff_s: float, left_s: float, pauses_left: int) -> float:
+    """The pause before the next retry of a request whose retries end at a deadline: urllib3's exponential
+    ``backoff_s``, but no longer than an even share of the ``left_s`` seconds to the deadline among the
+    ``pauses_left`` pauses still to come (this one included), and never past it."""
+    return max(0.0, min(backoff_s, max(0.0, left_s) / max(1, pauses_left)))
+
+
 def http_retry_window_s() -> Tuple[int, float, float]:
-    """(retries, seconds of backoff pauses without jitter, timeout per attempt) of MLflow's HTTP client as set now:
-    urllib3 pauses ``factor * 2 ** (n - 1)`` after the n-th consecutive error (none after the first, at most 120 s)."""
+    """(retries, seconds of pauses without jitter, timeout per attempt) of MLflow's HTTP client as set now: urllib3
+    pauses ``factor * 2 ** (n - 1)`` after the n-th consecutive error (none after the first, at most 120 s), spread
+    over ``FL_HTTP_RETRY_S`` (:func:`spread_pause`) where the deadline is installed."""
     def number(key: str, default: float) -> float:
         try:
             return float(os.environ.get(key, default))
@@ -102,8 +138,83 @@ def http_retry_window_s() -> Tuple[int, float, float]:
 
     retries = int(number("MLFLOW_HTTP_REQUEST_MAX_RETRIES", 7))
     factor = number("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", 2)
-    pauses = sum(min(120.0, factor * 2 ** (n - 1)) for n in range(2, retries + 1))
+    window = http_retry_s() if http_deadline_installed() else float("inf")
+    left, pauses = window, 0.0
+    for n in range(1, retries + 1):  # the pause after the n-th consecutive error
+        pause = 0.0 if n == 1 else spread_pause(min(120.0, factor * 2 ** (n - 1)), left, retries - n + 1)
+        pauses, left = pauses + pause, left - pause
     return retries, pauses, number("MLFLOW_HTTP_REQUEST_TIMEOUT", 120)
+
+
+_DEADLINE_RETRY: List[Optional[type]] = [None]  # the Retry class installed in MLflow's HTTP client
+
+
+def _deadline_retry(base: type) -> type:
+    """urllib3's ``Retry`` (``base``) with a wall-clock deadline: the first failure of a request starts it
+    (:func:`http_retry_s`, read then), the pauses are spread over it (:func:`spread_pause`; a server's Retry-After
+    too), and no retry starts after it. The counts of ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` still apply."""
+
+    class DeadlineRetry(base):
+        fl_deadline_retry = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.deadline: Optional[float] = None  # time.monotonic() after which no retry starts
+
+        def new(self, **kw):
+            retry = super().new(**kw)  # (increment() calls it once per failure: the first one starts the clock)
+            retry.deadline = self.deadline if self.deadline is not None else time.monotonic() + http_retry_s()
+            return retry
+
+        def _left(self) -> float:
+            return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+        def is_exhausted(self) -> bool:
+            return super().is_exhausted() or self._left() <= 0
+
+        def get_backoff_time(self) -> float:
+            backoff = super().get_backoff_time()
+            if self.deadline is None or backoff <= 0:
+                return backoff
+            total = self.total if isinstance(self.total, int) and self.total >= 0 else 0
+            return spread_pause(backoff, self._left(), total + 1)
+
+        def get_retry_after(self, response):
+            after = super().get_retry_after(response)
+            return after if after is None or self.deadline is None else max(0.0, min(after, self._left()))
+
+    return DeadlineRetry
+
+
+def http_deadline_installed() -> bool:
+    """Whether MLflow's HTTP client of this process retries until ``FL_HTTP_RETRY_S`` at most
+    (:func:`install_http_deadline`)."""
+    return _DEADLINE_RETRY[0] is not None
+
+
+def install_http_deadline() -> bool:
+    """Make MLflow's HTTP client retry with :func:`_deadline_retry` (idempotent; its sessions made before are
+    dropped); False where its client is not the one this was written for (urllib3 < 2, or no ``Retry`` in
+    ``mlflow.utils.request_utils``): then only the counts bound the retries."""
+    if _DEADLINE_RETRY[0] is not None:
+        return True
+    try:
+        import urllib3
+        from mlflow.utils import request_utils
+    except ImportError:
+        return False
+    base = getattr(request_utils, "Retry", None)
+    cached = getattr(request_utils, "_cached_get_request_session", None)
+    if (base is None or not isinstance(base, type) or int(urllib3.__version__.split(".")[0]) < 2
+            or not hasattr(cached, "cache_clear")):
+        return False
+    with _LOCK:
+        if _DEADLINE_RETRY[0] is None:
+            if not getattr(base, "fl_deadline_retry", False):
+                request_utils.Retry = _deadline_retry(base)
+            _DEADLINE_RETRY[0] = request_utils.Retry
+            cached.cache_clear()
+    return True
 
 
 # --------------------------------------------------------------------------- PostgreSQL connection parameters
@@ -156,6 +267,7 @@ _HOOKS: List[Callable[[BaseException], None]] = []
 _BUSY_PRAGMA = re.compile(r"^\s*PRAGMA\s+busy_timeout\s*=\s*\d+\s*;?\s*$", re.IGNORECASE)
 _WATCHER: Optional[threading.Thread] = None
 _PREFIX = [""]  # before the line of a stalled server (a sweep's worker: "worker 2: ")
+_OUTAGES: Dict[str, float] = {}  # identity of a database -> time.monotonic() its outage began (this process)
 
 
 def install() -> None:
@@ -173,12 +285,13 @@ def install() -> None:
 
     event.listen(Engine, "connect", _on_connect)
     event.listen(Engine, "before_cursor_execute", _before_execute, retval=True)
-    event.listen(Engine, "after_cursor_execute", _clear)
+    event.listen(Engine, "after_cursor_execute", _after_execute)
     event.listen(Engine, "handle_error", _clear)
     event.listen(Engine, "commit", _on_end_of_transaction)
     event.listen(Engine, "rollback", _on_end_of_transaction)
     event.listen(Pool, "reset", _on_reset)
     event.listen(Pool, "checkin", _clear)
+    event.listen(Pool, "invalidate", _clear)  # a reset that failed on a dead connection: no longer waiting
 
 
 def _busy_ms() -> int:
@@ -212,7 +325,11 @@ def _before_execute(conn, _cursor, statement, parameters, _context, _executemany
 
 def _on_end_of_transaction(conn) -> None:
     """Before the driver's COMMIT or ROLLBACK (no event follows it: the pool's check-in, the next statement, or a
-    connection left idle, whose server the watcher then only probes, ends the mark)."""
+    connection left idle, whose server the watcher then only probes, ends the mark). Not on a connection already
+    invalidated (a statement or COMMIT failed on a server that went away): SQLAlchemy sends it nothing, and a mark
+    would stay until the watcher took the outage for a frozen server."""
+    if getattr(conn, "invalidated", False) or getattr(conn, "closed", False):
+        return
     _mark(conn.engine)
 
 
@@ -225,6 +342,14 @@ def _on_reset(_dbapi_connection, _record, _reset_state=None) -> None:
 
 def _clear(*_args) -> None:
     _INFLIGHT.pop(threading.get_ident(), None)
+
+
+def _after_execute(conn, *_args) -> None:
+    """A statement returned: this thread no longer waits, and its database answers (an outage is over,
+    :func:`answered`)."""
+    _INFLIGHT.pop(threading.get_ident(), None)
+    if _OUTAGES:
+        answered(_url_of(conn.engine))
 
 
 @contextmanager
@@ -284,15 +409,16 @@ def _url_of(engine) -> str:
 
 
 def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
-          timeout_s: Optional[float] = None) -> Tuple[bool, str]:
+          timeout_s: Optional[float] = None, ready: bool = False) -> Tuple[bool, str]:
     """Whether the database at ``url`` answers a new connection (its own, no pool): (True, "") when it runs
     ``SELECT 1`` or answers with an error of its own (an overloaded server is alive), (False, why) when the
-    connection is refused, closed or times out. Never waits longer than ``timeout_s`` (default: the connection's
-    ``connect_timeout`` + 5 s); never raises."""
+    connection is refused, closed or times out. ``ready``: a server that answers that it takes no work
+    (:data:`PG_NOT_READY`: starting up, shutting down) is (False, why) too. Never waits longer than ``timeout_s``
+    (default: the connection's ``connect_timeout`` + :data:`PROBE_MARGIN_S`); never raises."""
     import sqlalchemy
 
     args = {**pg_connect_args(url), **(connect_args or {})}
-    limit = timeout_s if timeout_s is not None else float(args.get("connect_timeout", 10)) + 5.0
+    limit = timeout_s if timeout_s is not None else _connect_timeout(url, args) + PROBE_MARGIN_S
     result: List[Tuple[bool, str]] = []
 
     def attempt() -> None:
@@ -304,7 +430,8 @@ def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
             result.append((True, ""))
         except Exception as err:  # noqa: BLE001  (whatever the driver raises)
             orig = getattr(err, "orig", err)
-            if getattr(orig, "sqlstate", None):  # the server itself answered with an error: alive
+            sqlstate = getattr(orig, "sqlstate", None)
+            if sqlstate and not (ready and sqlstate in PG_NOT_READY):  # the server itself answered: alive
                 result.append((True, ""))
             else:
                 result.append((False, envfail.first_line(orig)))
@@ -318,6 +445,19 @@ def probe(url: str, connect_args: Optional[Dict[str, object]] = None,
     if not result:
         return False, f"no answer to a new connection within {limit:g} s"
     return result[0]
+
+
+def _connect_timeout(url: str, args: Dict[str, object]) -> float:
+    """The ``connect_timeout`` a new connection to ``url`` gets, seconds: the URL's, else ``args``' (the project's
+    default or the caller's), else libpq's ``PGCONNECT_TIMEOUT``, else 10."""
+    for value in (_query(url).get("connect_timeout"), args.get("connect_timeout"),
+                  os.environ.get(PG_ENV["connect_timeout"])):
+        try:
+            if value is not None and float(value) > 0:
+                return float(value)
+        except ValueError:
+            continue
+    return 10.0
 
 
 def _stalled(engine, waited_s: float, why: str) -> None:
@@ -350,23 +490,48 @@ def _stalled(engine, waited_s: float, why: str) -> None:
     os._exit(envfail.EXIT_STATUS)
 
 
+def _outage_key(url: str) -> str:
+    from . import storefail
+
+    return storefail.identity(url)
+
+
+def outage_began(url: str) -> float:
+    """When (``time.monotonic()``) the outage of the database at ``url`` began in this process: the first call since
+    it last answered (:func:`answered`) records now."""
+    with _LOCK:
+        return _OUTAGES.setdefault(_outage_key(url), time.monotonic())
+
+
+def answered(url: str) -> None:
+    """A call to the database at ``url`` succeeded: its outage, if any, is over (the next failure starts a new one)."""
+    if _OUTAGES:
+        with _LOCK:
+            _OUTAGES.pop(_outage_key(url), None)
+
+
 def wait_until_back(url: str, within_s: Optional[float] = None, connect_args: Optional[Dict[str, object]] = None,
                     sleep: Callable[[float], None] = time.sleep) -> Tuple[bool, float]:
-    """Probe the database at ``url`` (:func:`probe`) until it answers, pausing 0.5 s, then doubling up to 4 s;
-    gives up after ``within_s`` seconds (default :func:`retry_s`). Returns (whether it answers, seconds waited)."""
+    """Probe the database at ``url`` (:func:`probe`, ``ready=True``) until it answers, pausing 0.5 s, then doubling
+    up to 2 s, until the deadline: ``within_s`` seconds (default :func:`retry_s`) after the outage began
+    (:func:`outage_began`: the first failure since the database last answered, so waits that follow one another in
+    an outage share one deadline). No probe runs past the deadline. Returns (whether it answers, seconds since the
+    outage began)."""
     limit = retry_s() if within_s is None else within_s
-    t0 = time.monotonic()
+    t0 = outage_began(url)
+    deadline = t0 + limit
     pause = 0.5
     while True:
-        left = limit - (time.monotonic() - t0)
-        ok, _why = probe(url, connect_args, timeout_s=max(1.0, min(left, 15.0)))
-        if ok:
-            return True, time.monotonic() - t0
-        left = limit - (time.monotonic() - t0)
+        left = deadline - time.monotonic()
+        if left > 0:
+            ok, _why = probe(url, connect_args, timeout_s=min(left, 15.0), ready=True)
+            if ok:
+                return True, time.monotonic() - t0
+        left = deadline - time.monotonic()
         if left <= 0:
             return False, time.monotonic() - t0
         sleep(min(pause, left))
-        pause = min(4.0, pause * 2)
+        pause = min(2.0, pause * 2)
 
 
 def engine_kwargs(url: str) -> Dict[str, object]:

@@ -109,8 +109,8 @@ Multirun (-m, --multirun): every other swept key (algorithm={two}) gives one job
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. See docs/cli.md.
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db; make ui
-browses it, docs/tracking.md). Waits on it are bounded: a tracking server about 30 s (MLflow's
-MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1 where unset), a locked SQLite store
+browses it, docs/tracking.md). Waits on it are bounded: a tracking server 30 s from a request's first failure
+(FL_HTTP_RETRY_S; MLflow's MLFLOW_HTTP_REQUEST_MAX_RETRIES=10, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1 where unset), a locked SQLite store
 FL_SQLITE_BUSY_TIMEOUT_S (30 s); docs/reliability.md.
 A killed or interrupted run continues when the same command runs again; a completed one is not rerun.
 Exit status: 0 ok (also a --grid experiment that failed: see its metrics.json), 1 a seed failed,

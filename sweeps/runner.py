@@ -570,11 +570,12 @@ def fail_silent_trials(study) -> List[int]:
 
 
 @contextmanager
-def heartbeat(study, trial) -> Iterator[None]:
+def heartbeat(study, trial, on_error: Optional[Callable[[BaseException], None]] = None) -> Iterator[None]:
     """Record Optuna's heartbeat of ``trial`` every :data:`HEARTBEAT_S` seconds (at once, then every second while
     the database fails) from a daemon thread while the block runs; nothing for a storage without heartbeats.
     ``study.optimize`` does this itself; the sweep asks and tells its trials explicitly. Errors are not raised here:
-    the trial's own next use of the storage meets them."""
+    the trial's own next use of the storage meets them; ``on_error(err)`` hears of each (:func:`optimize`: the
+    storage's outage begins then, :func:`fl_core.storewait.outage_began`, even while the trial computes)."""
     storage = study._storage
     interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
     if interval is None:
@@ -587,8 +588,13 @@ def heartbeat(study, trial) -> Iterator[None]:
             try:
                 storage.record_heartbeat(trial._trial_id)
                 pause = interval
-            except Exception:  # the database is away: try again soon
+            except Exception as err:  # the database is away: try again soon
                 pause = 1.0
+                if on_error is not None:
+                    try:
+                        on_error(err)
+                    except Exception:  # noqa: BLE001  (a note only: the trial's own call decides)
+                        pass
             if stop.wait(pause):
                 return
 
@@ -931,10 +937,18 @@ def storage_failure(err: BaseException, settings: Settings) -> Optional[envfail.
     return failure if _is_store_of(failure, settings.storage) else None
 
 
+def note_outage(settings: Settings, err: BaseException) -> None:
+    """``err`` (from any thread: the trial's heartbeat too) is the storage's failure: its outage begins now if it
+    has not begun yet (:func:`fl_core.storewait.outage_began`), so :func:`wait_for_storage` counts from here."""
+    if storage_failure(err, settings) is not None:
+        storewait.outage_began(settings.storage)
+
+
 def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) -> float:
-    """After ``failure`` of the storage: wait until it answers again (:func:`fl_core.storewait.wait_until_back`,
-    ``FL_DB_RETRY_S``, default 30 s); returns the seconds waited. A locked SQLite file is not waited for again (its
-    busy timeout was the wait).
+    """After ``failure`` of the storage: wait until it answers again (:func:`fl_core.storewait.wait_until_back`),
+    at most until ``FL_DB_RETRY_S`` (default 30 s) after the outage began: its first failure seen by this process
+    (the trial's heartbeat included, :func:`note_outage`); the waits of one outage share that deadline. Returns the
+    seconds since the outage began. A locked SQLite file is not waited for again (its busy timeout was the wait).
 
     Raises:
         fl_core.envfail.EnvironmentFailure: it does not answer within that time (one line: what failed first and
@@ -945,7 +959,7 @@ def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) ->
     back, waited = storewait.wait_until_back(settings.storage)
     if not back:
         raise envfail.EnvironmentFailure(failure.resource, f"{failure.cause}, and it did not answer again within "
-                                         f"{waited:.0f} s ({storewait.RETRY_ENV})", failure.action,
+                                         f"{storewait.retry_s():g} s ({storewait.RETRY_ENV})", failure.action,
                                          store=failure.store) from None
     return waited
 
@@ -1021,7 +1035,7 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
             trial = storage_call(settings, study.ask)
             t0 = time.perf_counter()
             try:
-                with heartbeat(study, trial):
+                with heartbeat(study, trial, functools.partial(note_outage, settings)):
                     outcome = runner(trial)
             except Exception as err:
                 failure = storage_failure(err, settings)
@@ -1114,7 +1128,14 @@ def _worker_main(settings: Settings, n_trials: int, worker: int, parent_pid: int
         report(failure)
         if not failure.quiet:
             print(f"error: {prefix}{failure}", file=sys.stderr, flush=True)
-        sys.exit(envfail.EXIT_STATUS)
+        # The fault path does no more work than it must: the trial's MLflow run is ended and the line is out, so the
+        # interpreter's own teardown (garbage, threads, the storage's pool on a dead server) is skipped.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(envfail.EXIT_STATUS)
 
 
 def _work(settings: Settings, n_trials: int, worker: int) -> None:

@@ -250,7 +250,7 @@ def _assert_as_uninterrupted(tmp: Path, uninterrupted) -> None:
                                   "exp/"),  # seed 1, round 3: seed_1.pt holds round 2
     ("outputs_write@6:ENOSPC", "results folder results is out of space (no space left on device writing "
                                ".exp.staging/models/"),  # seed 1's model, after its completion record
-    ("outputs_write@15:ENOSPC", "results folder results is out of space (no space left on device writing "
+    ("outputs_write@16:ENOSPC", "results folder results is out of space (no space left on device writing "
                                 ".exp.staging/.metrics.json"),  # both seeds done, the outputs being staged
 ])
 def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch, capsys, empty_store,
@@ -398,7 +398,8 @@ def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_no
 
 def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeypatch):
     """MLFLOW_TRACKING_URI at a dead port: MLflow's own retries (here 1, backoff factor 1), then one line and exit
-    3; the project's defaults (5 retries, factor 1, 15 s per request) apply only where the variables are unset."""
+    3; the project's defaults (10 retries, factor 1, 15 s per request) apply only where the variables are unset. The
+    line names the settings of the retry window: the deadline FL_HTTP_RETRY_S and the count (issue 32)."""
     from fl_core import storewait
     from test_distributed import _free_port
 
@@ -418,8 +419,166 @@ def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeyp
     shown = uri.replace(":secret@", ":***@")
     assert _lines(log.read_text()) == [
         f"error: tracking server {shown} does not answer (connection refused; MLflow retried 1 time over about 0 s, "
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES / MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); start it or set MLFLOW_TRACKING_URI to "
-        "one that answers, then run the same command again"]
+        "FL_HTTP_RETRY_S / MLFLOW_HTTP_REQUEST_MAX_RETRIES); start it or set MLFLOW_TRACKING_URI to one that "
+        "answers, then run the same command again"]
+
+
+def _mlflow_session():
+    """MLflow's HTTP session as its client makes it for a request (retries from the MLFLOW_HTTP_REQUEST_* settings)."""
+    from mlflow.utils import request_utils
+
+    return request_utils._get_request_session(int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]),
+                                              int(os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"]), 0.0,
+                                              request_utils._TRANSIENT_FAILURE_RESPONSE_CODES, True, True)
+
+
+def test_mlflow_http_retries_end_at_a_wall_clock_deadline(monkeypatch):
+    """Issue 32: the retries of one request end FL_HTTP_RETRY_S after its first failure, whatever the retry count
+    (10 retries with backoff factor 1 are 6 minutes of pauses by urllib3's exponential schedule alone), and the
+    pauses are spread over the deadline (no 16 s gap at its end: the window's arithmetic with the defaults)."""
+    import requests
+
+    from fl_core import storewait
+    from test_distributed import _free_port
+
+    for key in storewait.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv(storewait.HTTP_RETRY_ENV, raising=False)
+    assert storewait.http_defaults()["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "10"
+    assert storewait._DEADLINE_RETRY[0] is not None
+    assert storewait.http_retry_window_s() == (10, 30.0, 15.0)
+    pauses = [0.0] + [storewait.spread_pause(min(120.0, 2.0 ** (n - 1)), 30.0 - sum_, 10 - n + 1)
+                      for n, sum_ in ((2, 0.0), (3, 2.0))]
+    assert pauses == [0.0, 2.0, 3.5]  # then 3.5 s each: a restarted server is reached within 3.5 s
+    monkeypatch.setenv(storewait.HTTP_RETRY_ENV, "2")
+    t0 = time.monotonic()
+    with pytest.raises(requests.exceptions.ConnectionError):
+        _mlflow_session().get(f"http://127.0.0.1:{_free_port()}/health", timeout=1)
+    assert 1.5 < time.monotonic() - t0 < 3.5
+
+
+def test_mlflow_http_retries_reach_a_server_soon_after_it_answers_again(monkeypatch):
+    """A tracking server that answers again 3 s after the first failure (a restart) is reached within about one
+    spread pause (here FL_HTTP_RETRY_S=10: about 1.1 s apart), not at the next exponential step (6 s, then 14 s)."""
+    import http.server
+    import socket
+    import threading
+
+    from fl_core import storewait
+
+    for key in storewait.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(storewait.HTTP_RETRY_ENV, "10")
+    storewait.http_defaults()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *_args):
+            pass
+
+    servers = []
+
+    def serve_later() -> None:
+        time.sleep(3.0)
+        servers.append(http.server.HTTPServer(("127.0.0.1", port), Ok))
+        servers[0].serve_forever(poll_interval=0.1)
+
+    threading.Thread(target=serve_later, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        assert _mlflow_session().get(f"http://127.0.0.1:{port}/health", timeout=2).text == "OK"
+        assert time.monotonic() - t0 < 3.0 + 1.5
+    finally:
+        if servers:
+            servers[0].shutdown()
+
+
+def test_the_campaigns_busy_processes_run_in_sessions_of_their_own_and_end_with_it():
+    """benchmarks/env_faults.py --busy N: N CPU-bound processes, each in its own session (the kernel's autogroups
+    share the CPU between sessions, so only then do they load the commands under test), killed by stop(); one whose
+    campaign died ends by itself."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.env_faults import BUSY_CODE, Busy
+
+    busy = Busy(2)
+    try:
+        assert [p.poll() for p in busy.procs] == [None, None]
+        assert all(os.getsid(p.pid) == p.pid != os.getsid(0) for p in busy.procs)
+    finally:
+        busy.stop()
+    assert all(p.returncode is not None for p in busy.procs)
+    orphan = subprocess.Popen([sys.executable, "-c", BUSY_CODE, "1"])  # its "campaign" (pid 1) is not its parent
+    assert orphan.wait(timeout=30) == 0
+
+
+def test_waits_for_a_database_share_one_deadline_per_outage(monkeypatch):
+    """wait_until_back counts FL_DB_RETRY_S from the outage's first failure: a second wait of the same outage does
+    not start a new one (a server that seemed back and failed again), a call that succeeds ends the outage, and a
+    server that answers "the database system is starting up" (57P03) is not back."""
+    from fl_core import storewait
+    from test_distributed import _free_port
+
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}/optuna"  # nothing listens: refused at once
+    storewait.answered(url)
+    t0 = time.monotonic()
+    assert storewait.wait_until_back(url, within_s=1.5)[0] is False
+    first = time.monotonic() - t0
+    assert 1.4 < first < 2.5
+    t1 = time.monotonic()
+    back, since = storewait.wait_until_back(url, within_s=1.5)
+    assert back is False and time.monotonic() - t1 < 0.3 and since >= 1.5  # the same outage: its deadline passed
+    storewait.answered(url)  # a call succeeded: the next failure is a new outage
+    t2 = time.monotonic()
+    assert storewait.wait_until_back(url, within_s=0.5)[0] is False
+    assert 0.4 < time.monotonic() - t2 < 1.5
+    storewait.answered(url)
+
+    class StartingUp(Exception):
+        sqlstate = "57P03"
+
+    class Engine:
+        def connect(self):
+            raise StartingUp("FATAL:  the database system is starting up")
+
+        def dispose(self):
+            pass
+
+    import sqlalchemy
+
+    monkeypatch.setattr(sqlalchemy, "create_engine", lambda *a, **k: Engine())
+    assert storewait.probe(url) == (True, "")  # alive: the stall watch leaves a slow server alone
+    assert storewait.probe(url, ready=True) == (False, "FATAL:  the database system is starting up")
+
+
+def test_the_trial_heartbeat_starts_the_outage_clock():
+    """A heartbeat that fails tells on_error at once (sweeps.runner.optimize: the outage begins then, even while the
+    trial computes and has not used the storage itself)."""
+    from types import SimpleNamespace
+
+    from sweeps import runner
+
+    errors = []
+
+    class Storage:
+        def get_heartbeat_interval(self):
+            return 10
+
+        def record_heartbeat(self, _trial_id):
+            raise ConnectionError("server closed the connection")
+
+    study = SimpleNamespace(_storage=Storage())
+    with runner.heartbeat(study, SimpleNamespace(_trial_id=1, number=0), errors.append):
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert errors and isinstance(errors[0], ConnectionError)
 
 
 def test_a_sqlite_store_in_a_missing_folder_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
@@ -632,6 +791,32 @@ def test_a_trial_whose_heartbeat_stopped_is_marked_fail_by_any_process(postgres)
     assert runner.fail_silent_trials(study) == [lost.number]
     states = {t.number: (t.state.name, t.user_attrs.get("reason")) for t in study.get_trials()}
     assert states == {lost.number: ("FAIL", runner.HEARTBEAT_REASON), alive.number: ("RUNNING", None)}
+
+
+def test_a_commit_that_failed_on_a_stopped_server_leaves_no_stall_mark(postgres):
+    """Issue 32: Optuna's commit fails on a stopped server and its session rolls back a connection SQLAlchemy has
+    already invalidated (nothing is sent). That rollback left this thread marked as waiting, so 15 s later the stall
+    watch ended a sweep's worker as if the server were frozen ("no answer for 16 s ... Connection refused"), beside
+    the wait for the storage that owns this case."""
+    import threading
+
+    import optuna
+
+    from fl_core import storewait
+    from sweeps import runner
+
+    url = postgres.create_database("commit_fails")
+    storewait.install()
+    runner.quiet_optuna()
+    study = optuna.create_study(study_name="c", storage=runner.open_storage(url))
+    trial = study.ask()
+    postgres.halt()
+    try:
+        with pytest.raises(optuna.exceptions.StorageInternalError):
+            trial.report(0.5, 1)  # the commit fails: the server ended the session
+        assert threading.get_ident() not in storewait._INFLIGHT
+    finally:
+        postgres.resume()
 
 
 @pytest.mark.slow
