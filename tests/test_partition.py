@@ -616,3 +616,19 @@ def test_dirichlet_refuses_a_non_finite_alpha(labels, variant, alpha):
     with pytest.raises(PartitionError, match=r"^partition\.alpha must be > 0, got -inf$"):
         make_partition(replace(cfg, alpha=-math.inf), labels, C)
     assert make_partition(PartitionConfig(name="iid", alpha=alpha, num_clients=10), labels, C).num_clients == 10
+
+
+def test_partition_files_are_the_same_bytes_on_every_python():
+    """partition.npz is written with every zip field fixed (fl_core.data.partition.write_npz): np.savez's bytes
+    differed between Python 3.11.2 and 3.11.7 (zip64 placeholders), and so did data/partitions' hash in dvc.lock.
+    The md5 below was measured on both versions; np.load reads the file back."""
+    import hashlib
+    import io
+
+    from fl_core.data.partition import write_npz
+
+    buf = io.BytesIO()
+    write_npz(buf, indices=np.arange(100, dtype=np.int64), num_classes=np.int64(10))
+    assert hashlib.md5(buf.getvalue()).hexdigest() == "e30940ba17cabcaf628bc36d55172b7c"
+    with np.load(io.BytesIO(buf.getvalue())) as z:
+        assert z["indices"].tolist() == list(range(100)) and int(z["num_classes"]) == 10

@@ -175,13 +175,8 @@ class Partition:
         )
         with _atomic(directory / "partition.npz") as tmp:
             with envfail.writing(tmp), open(tmp, "wb") as f:
-                np.savez(
-                    f,
-                    indices=indices,
-                    offsets=offsets,
-                    num_classes=np.int64(self.num_classes),
-                    label_hist=self.label_hist.astype(np.int64),
-                )
+                write_npz(f, indices=indices, offsets=offsets, num_classes=np.int64(self.num_classes),
+                          label_hist=self.label_hist.astype(np.int64))
             faults.point("partition_write", path=tmp)
 
     @classmethod
@@ -192,6 +187,25 @@ class Partition:
             num_classes, hist = int(z["num_classes"]), z["label_hist"].astype(np.int64)
         parts = [indices[offsets[i] : offsets[i + 1]].copy() for i in range(len(offsets) - 1)]
         return cls(client_indices=parts, num_classes=num_classes, label_hist=hist.reshape(len(parts), num_classes))
+
+
+def write_npz(f: Any, **arrays: np.ndarray) -> None:
+    """``np.savez``'s format (a zip of ``<name>.npy`` files; ``np.load`` reads it) into the open binary file ``f``,
+    with every zip field fixed: entries stored, dated 1980-01-01, their sizes in the local headers. ``np.savez``
+    streams its entries through Python's ``zipfile``, which writes zip64 size placeholders in some Python versions and
+    not in others (3.11.2 vs 3.11.7), so the same partition gave other bytes, and another hash in ``dvc.lock``, on
+    another machine's Python."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, array in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.asanyarray(array), allow_pickle=False)
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.create_system = 3  # Unix, whatever the platform
+            info.external_attr = 0o600 << 16
+            z.writestr(info, buf.getvalue())
 
 
 def _stats_json(stats: dict) -> str:
