@@ -114,10 +114,9 @@ def printed_commands() -> List[Tuple[str, str]]:
 
 def _clone(dest: Path, venv: Path | None) -> None:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True)
-    if venv is not None:
+    if venv is not None:  # `make` must not set it up again: that would point its editable install at this clone
         (dest / ".venv").symlink_to(venv.resolve(), target_is_directory=True)
-        (dest / ".venv" / ".installed").exists() or subprocess.run(["touch", str(dest / ".venv" / ".installed")],
-                                                                   check=True)
+        (dest / ".venv" / ".installed").touch()  # newer than the clone's pyproject.toml
 
 
 def _plain_env(home: Path) -> Dict[str, str]:
