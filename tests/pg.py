@@ -5,7 +5,8 @@ the end; :meth:`PostgresServer.halt`, :meth:`~PostgresServer.resume`, :meth:`~Po
 
 The server binaries are found as the newest ``/usr/lib/postgresql/<version>/bin/pg_ctl`` (Debian's layout), else
 ``pg_ctl`` on PATH (its own folder must hold ``initdb`` and ``postgres``). PostgreSQL refuses to run as root: as
-root every server command runs as the ``postgres`` user (``runuser -u postgres --``) in a folder that user owns.
+root every server command runs as the ``postgres`` user (``runuser -u postgres --``) in a folder that user owns;
+``runuser`` is looked up on PATH and then in ``/usr/sbin`` and ``/sbin``, which a plain user's PATH often lacks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def find_bin_dir() -> Optional[Path]:
     return None
 
 
+def find_runuser() -> str:
+    """The path of ``runuser``: on PATH, else in ``/usr/sbin`` or ``/sbin`` (a login shell's PATH for root holds
+    them, ``env -i PATH=/usr/bin:/bin`` does not).
+
+    Raises:
+        PostgresError: there is no ``runuser``, so a root process cannot start the server.
+    """
+    found = shutil.which("runuser") or shutil.which("runuser", path="/usr/sbin:/sbin")
+    if found is None:
+        raise PostgresError("runuser not found on PATH, /usr/sbin or /sbin: as root the server cannot be started")
+    return found
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on right now (the OS's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -80,7 +94,7 @@ class PostgresServer:
     # ------------------------------------------------------------------ commands
 
     def _as_server_user(self, args: List[str]) -> List[str]:
-        return ["runuser", "-u", SERVER_USER, "--", *args] if os.geteuid() == 0 else list(args)
+        return [find_runuser(), "-u", SERVER_USER, "--", *args] if os.geteuid() == 0 else list(args)
 
     def _run(self, args: List[str], timeout: float) -> str:
         """Run a server command (as :data:`SERVER_USER` when root) in :attr:`root`; its output.
