@@ -64,6 +64,8 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
             round's metrics (``test_acc`` a fraction, ``train_loss``, ... as in ``history``); for live plots or early
             looks. A round read back from a finished run is not trained again and not reported.
 
+    The runs use ``engine.threads`` torch threads (1 by default); the caller's thread count is restored afterwards.
+
     Returns:
         :class:`ExperimentResult`.
 
@@ -97,13 +99,19 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
         extra.append(f"engine.progress={'true' if progress else 'false'}")
     cfgs = [compose(overrides + extra + [f"seed={int(s)}"]) for s in seeds]
 
-    if write:
-        from pipeline.train import run_experiment
+    import torch
 
-        summary = run_experiment(cfgs, adhoc=True, on_round=on_round)
-        histories, models = _read_back(cfgs[0], summary)
-    else:
-        summary, histories, models = _in_memory(cfgs, on_round)
+    threads = torch.get_num_threads()  # the runs use engine.threads; the caller's count comes back afterwards
+    try:
+        if write:
+            from pipeline.train import run_experiment
+
+            summary = run_experiment(cfgs, adhoc=True, on_round=on_round)
+            histories, models = _read_back(cfgs[0], summary)
+        else:
+            summary, histories, models = _in_memory(cfgs, on_round)
+    finally:
+        torch.set_num_threads(threads)
     rows = [{"seed": s, **row} for s, hist in histories.items() for row in hist]
     history = pd.DataFrame(rows)
     config = to_container(cfgs[0])

@@ -92,6 +92,9 @@ def validate(cfg: Any) -> None:
     if cfg.dataset.name in GENERATED_DATASETS and cfg.train.augmentation != "none":
         raise ConfigError(f"train.augmentation={cfg.train.augmentation} flips and crops images; "
                           f"dataset={cfg.dataset.name} holds feature vectors (use train.augmentation=none)")
+    if cfg.engine.kernels == "portable" and int(cfg.engine.threads) != 1:
+        raise ConfigError(f"engine.threads={cfg.engine.threads}: engine.kernels=portable runs on 1 thread (its sums are "
+                          "split the same way on every machine); use engine.threads=1")
     device = str(cfg.engine.device)
     if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")

@@ -358,6 +358,9 @@ class EngineConfig:
     kernels: str = param("native", "CPU kernels: native (PyTorch's choice for this CPU: fastest; the same numbers on "
                          "the same machine) | portable (the same numbers on every x86-64 CPU with AVX2: AVX2 loops, "
                          "MKL's compatible branch, no oneDNN, 1 thread; docs/reliability.md)", choices=KERNELS)
+    threads: int = param(1, "torch's CPU threads for the run (0 = PyTorch's default, one per core); 1 keeps a run "
+                         "near its idle speed beside other jobs, and portable kernels need it (docs/benchmarks.md, "
+                         "Threads)", ge=0)
     checkpoint_every: int = param(10, "rounds; 0 = never", ge=0)
     checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
     eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)

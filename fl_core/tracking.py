@@ -58,6 +58,9 @@ _MAX_METRICS_PER_BATCH = 1000
 
 TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_ROLE, TAG_SEED = "fl.experiment", "fl.fingerprint", "fl.role", "fl.seed"
 TAG_END_REASON = "fl.end_reason"
+#: the DVC experiment a run was made by (``dvc exp run`` exports its name to the stage as ``DVC_EXP_NAME``); the
+#: run names carry it too, so a grid's experiments tell apart in the MLflow UI
+TAG_DVC_EXPERIMENT = "dvc.exp_name"
 #: statuses of a run that an interrupted command left behind (a new attempt continues in it); a FAILED run whose
 #: ``fl.end_reason`` starts with :data:`ENV_FAILURE` is one too (:func:`resumable`)
 RESUMABLE = ("RUNNING", "KILLED", "SCHEDULED")
@@ -116,6 +119,20 @@ def resumable(run) -> bool:
     status = run.info.status
     return status in RESUMABLE or (status == "FAILED" and
                                    run.data.tags.get(TAG_END_REASON, "").startswith((ENV_FAILURE, STOPPED_BY_ERROR)))
+
+
+def dvc_experiment_tags() -> Dict[str, str]:
+    """``{TAG_DVC_EXPERIMENT: name}`` when this process runs a stage of ``dvc exp run`` (``DVC_EXP_NAME`` set),
+    else ``{}``."""
+    name = os.environ.get("DVC_EXP_NAME", "").strip()
+    return {TAG_DVC_EXPERIMENT: name} if name else {}
+
+
+def run_name(name: str, tags: Dict[str, str]) -> str:
+    """The MLflow run name of ``name``: ``name [<DVC experiment>]`` for a run a DVC experiment made (``tags`` holds
+    :data:`TAG_DVC_EXPERIMENT`), else ``name``."""
+    exp = tags.get(TAG_DVC_EXPERIMENT)
+    return f"{name} [{exp}]" if exp else name
 
 
 def tracking_uri(root: Optional[Path] = None) -> str:
@@ -407,7 +424,8 @@ class Tracking:
         return runs[0] if runs else None
 
     def start_parent(self, name: str, tags: Dict[str, str]) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **procs.identity()})
+        run = self.client.create_run(self.experiment_id, run_name=run_name(name, tags),
+                                     tags={**tags, **procs.identity()})
         return run.info.run_id
 
     def end_parent(self, run_id: str, status: str = "FINISHED", reason: Optional[str] = None) -> None:
@@ -643,7 +661,7 @@ class MlflowRunLogger:
         tags = {**self.tags, **procs.identity()}
         if self.parent_id:
             tags["mlflow.parentRunId"] = self.parent_id
-        run = client.create_run(self.tracking.experiment_id, run_name=self.name, tags=tags)
+        run = client.create_run(self.tracking.experiment_id, run_name=run_name(self.name, tags), tags=tags)
         self.run_id = run.info.run_id
         self.tracking.log_params(self.run_id, self.params)
 

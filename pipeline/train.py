@@ -52,8 +52,8 @@ from fl_core.owned import ForeignFolder
 from fl_core.paths import project_root
 from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
                               split_summary)
-from fl_core.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, check_store, git_commit,
-                              resumable, run_params)
+from fl_core.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, check_store, dvc_experiment_tags,
+                              git_commit, resumable, run_params)
 
 from .common import fail
 from .files import atomic_write, write_json, write_text
@@ -279,7 +279,8 @@ class _Experiment:
                      # with dataset.validation_fraction > 0 the test_* metrics are measured on the held-out split
                      "eval_split": "validation" if cfg0.dataset.validation_fraction > 0 else "test",
                      "executor": self.probe.executor.name, "executor_reason": self.probe.executor.reason,
-                     "client_state": f"{self.probe.client_state}: {self.probe.client_state_reason}"}
+                     "client_state": f"{self.probe.client_state}: {self.probe.client_state_reason}",
+                     **dvc_experiment_tags()}
 
     def _preflight(self):
         """Build seed 1's simulator and push one training sample through the model, before anything is

@@ -43,7 +43,7 @@ PLAN: Dict[str, str] = {
     "make repro": "run",
     "make test": "skip: CI runs it on a clean clone (.ci/run)",
     ".venv/bin/dvc exp run -S train.lr=0.1 && make exp-show": "long",
-    ".venv/bin/fl-train algorithm=scaffold train.lr=0.1 seed=1,2,3": "run",
+    ".venv/bin/fl-train train.lr=0.1 seed=1,2,3 name=fedavg-lr0.1": "run",
     ".venv/bin/fl-train -m algorithm=fedavg,fedprox train.lr=0.01,0.05 seed=1": "long",
     "make exp-show": "run",
     ".venv/bin/dvc metrics show": "run",
@@ -55,7 +55,7 @@ PLAN: Dict[str, str] = {
     ".venv/bin/fl-train algorithm=scaffold seed=1,2,3": "run",
     ".venv/bin/fl-train partition=dirichlet partition.alpha=0.3 algorithm=fedbug "
     "algorithm.fedbug.gu_percentage=0.5 train.rounds=50 seed=1": "run",
-    ".venv/bin/fl-train -m algorithm=fedavg,fedprox seed=1,2 train.rounds=10": "run",
+    ".venv/bin/fl-train -m algorithm=fedavg,fedprox seed=1,2 train.rounds=10 'name=${algorithm.name}-r10'": "run",
     ".venv/bin/fl-train --help": "run",
     ".venv/bin/fl-train --cfg train.lr=0.1": "run",
     ".venv/bin/python -m pipeline.train +experiment=fedbug_cifar100 dataset.root=/data/cifar "
@@ -74,7 +74,7 @@ PLAN: Dict[str, str] = {
     "fl-train --grid fedbug": "run",
     "fl-train algorithm=fedprox seed=1,2,3": "run",
     "fl-train algorithm=fedprox seed=range(1,6)": "long",
-    "fl-train -m algorithm=fedavg,fedprox seed=1,2,3 train.rounds=100": "long",
+    "fl-train -m algorithm=fedavg,fedprox seed=1,2,3 train.rounds=100 'name=${algorithm.name}-r100'": "long",
     "fl-train -m partition=dirichlet partition.alpha=0.1,0.3,1.0 algorithm=fedavg,fedbug seed=1,2,3": "long",
     "fl-train -m 'algorithm=glob(fed*,exclude=fedbcgd*)' seed=range(1,4)": "skip: every rule, 3 seeds each: hours",
     "fl-train -m train.lr=0.01,0.05,0.1 'name=fedavg-lr${train.lr}' seed=1,2,3": "long",

@@ -118,7 +118,8 @@ def test_best(study, settings: Settings, trial, tracking=None) -> Dict[str, Any]
             logger.log_round(i * holder["R"] + r, round_metrics(row, "test"))
 
     try:
-        res = train_seeds(overrides, settings.seeds, DataCache(1), on_round=on_round, on_config=on_config)
+        res = train_seeds(overrides, settings.seeds, DataCache(1), on_round=on_round, on_config=on_config,
+                          threads=settings.threads)
     except BaseException as err:
         if logger is not None:
             logger.close("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED", repr(err))

@@ -673,7 +673,7 @@ class SeedsResult:
 
 def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache,
                 on_round: Optional[Callable[[int, int, Dict[str, float]], None]] = None,
-                on_config: Optional[Callable[[Dict[str, Any], str], None]] = None) -> SeedsResult:
+                on_config: Optional[Callable[[Dict[str, Any], str], None]] = None, threads: int = 1) -> SeedsResult:
     """Train ``overrides`` (experiment overrides, no seed) once per seed.
 
     Args:
@@ -685,6 +685,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
             ``comm_up_floats``, ...); it may raise ``optuna.TrialPruned``.
         on_config: called once, before training, with the first seed's composed config (plain dict)
             and the algorithm stack's description.
+        threads: torch threads of the runs (``engine.threads``; ``tune.py --threads``).
 
     Raises:
         InfeasibleConfig: see :class:`InfeasibleConfig`.
@@ -700,7 +701,8 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
     try:
         # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
         # the command line, every branch and both ends of every range over it) before the first trial
-        exp = resolve([compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("seed", seed)]), user=())
+        exp = resolve([compose(merge_overrides(overrides, TRIAL_FIXED, [make_override("engine.threads", threads),
+                                                                       make_override("seed", seed)]), user=())
                        for seed in seeds])
     except (ConfigError, ValueError) as err:  # a combination the config validation rejects
         raise InfeasibleConfig(envfail.first_line(err)) from None
@@ -812,7 +814,8 @@ class TrialRunner:
         logger = self._live = self._logger(trial, overrides)
         on_config, on_round = self._callbacks(trial, logger)
         try:
-            res = train_seeds(overrides, self.settings.seeds, self.cache, on_round=on_round, on_config=on_config)
+            res = train_seeds(overrides, self.settings.seeds, self.cache, on_round=on_round, on_config=on_config,
+                              threads=self.settings.threads)
         except optuna.TrialPruned as err:
             return self._finish(trial, logger, t0, Outcome("PRUNED", reason=f"pruned: {err}"), "KILLED")
         except RunFailed as err:

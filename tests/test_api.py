@@ -102,3 +102,12 @@ def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_
     seen.clear()
     run(small + ["name=cb"], seeds=(1, 2), write=True, progress=False, on_round=lambda s, r, row: seen.append(s))
     assert seen == []  # finished earlier: nothing trained, nothing reported
+
+
+def test_runs_use_engine_threads_and_give_the_callers_count_back():
+    torch.set_num_threads(2)  # conftest sets 1 again for the next test
+    seen = []
+    run(TINY + ["engine.threads=1"], seeds=(1,), on_round=lambda s, r, row: seen.append(torch.get_num_threads()))
+    assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+    run(TINY + ["engine.threads=3"], seeds=(1,), on_round=lambda s, r, row: seen.append(torch.get_num_threads()))
+    assert seen[3:] == [3, 3, 3] and torch.get_num_threads() == 2

@@ -19,10 +19,27 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
-def test_native_changes_nothing():
-    before = (torch.backends.mkldnn.enabled, torch.get_num_threads())
-    kernels.apply("native", CPU)
-    assert (torch.backends.mkldnn.enabled, torch.get_num_threads()) == before
+def test_native_sets_only_the_threads():
+    mkldnn = torch.backends.mkldnn.enabled
+    kernels.apply("native", CPU, threads=3)  # conftest restores the threads after the test
+    assert (torch.backends.mkldnn.enabled, torch.get_num_threads()) == (mkldnn, 3)
+    kernels.apply("native", CPU)  # engine.threads' default
+    assert torch.get_num_threads() == 1
+    kernels.apply("native", CPU, threads=0)  # PyTorch's own choice, as when the module loaded
+    assert torch.get_num_threads() == kernels.DEFAULT_THREADS
+
+
+def test_portable_refuses_other_thread_counts_in_one_line():
+    from fl_core.config import compose
+
+    with pytest.raises(ConfigError, match=r"^engine.threads=2: engine.kernels=portable runs on 1 thread .*"
+                                          r"use engine.threads=1$"):
+        compose(["engine.kernels=portable", "engine.threads=2"])
+    with pytest.raises(ConfigError, match=r"^engine.kernels=portable runs on 1 thread .*use engine.threads=1\)$"):
+        kernels.apply("portable", CPU, threads=0)
+    assert compose(["engine.threads=0"]).engine.threads == 0
+    with pytest.raises(ConfigError, match="engine.threads"):
+        compose(["engine.threads=-1"])
 
 
 def test_portable_refuses_what_it_cannot_pin(monkeypatch):

@@ -57,6 +57,7 @@ def project(tmp_path_factory):
     try:
         mp.chdir(proj)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the project's own store, as `make repro` uses it
+        mp.setenv("DVC_EXP_NAME", "dense-grid")  # what `dvc exp run` exports to the stage
         result = run(TINY + ["name=exp"], seeds=(1, 2), write=True)
     finally:
         mp.undo()
@@ -100,6 +101,19 @@ def test_parent_holds_the_seed_mean_curves_per_round(project):
     assert all(n.count("/") == 1 for n in per_round)
     assert {"test/acc", "test/loss", "train/loss", "comm/up_floats", "train/lr", "round/time_s"} <= per_round
     assert len(names) < 40
+
+
+def test_runs_of_a_dvc_experiment_carry_its_name(project, monkeypatch):
+    from fl_core.tracking import TAG_DVC_EXPERIMENT, dvc_experiment_tags, run_name
+
+    proj, _ = project
+    _, parent, children = _client(proj)
+    assert parent.info.run_name == "exp [dense-grid]" and parent.data.tags[TAG_DVC_EXPERIMENT] == "dense-grid"
+    for seed, child in children.items():
+        assert child.info.run_name == f"exp/seed{seed} [dense-grid]"
+        assert child.data.tags[TAG_DVC_EXPERIMENT] == "dense-grid"
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)  # outside `dvc exp run`: no tag, the plain name
+    assert dvc_experiment_tags() == {} and run_name("exp", dvc_experiment_tags()) == "exp"
 
 
 def test_best_child_model_loads_and_predicts_as_the_saved_state(project):

@@ -33,6 +33,7 @@ from ..schema import ConfigError
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports under ATEN_CPU_CAPABILITY=avx2
 PORTABLE_THREADS = 1  # one thread: no split reductions, and no threads spinning against other jobs on a small machine
+DEFAULT_THREADS = torch.get_num_threads()  # PyTorch's choice when this module loads (engine.threads=0)
 
 
 def missing_env() -> Dict[str, str]:
@@ -45,19 +46,26 @@ def env_prefix() -> str:
     return " ".join(f"{k}={v}" for k, v in PORTABLE_ENV.items())
 
 
-def apply(kernels: str, device: torch.device) -> None:
-    """Set this process up for ``engine.kernels`` before a run.
+def apply(kernels: str, device: torch.device, threads: int = 1) -> None:
+    """Set this process up for ``engine.kernels`` and ``engine.threads`` before a run.
 
-    ``portable``: oneDNN off and :data:`PORTABLE_THREADS` torch threads, for the rest of the process.
-    ``native``: nothing changes.
+    ``threads``: torch's intra-op threads for the rest of the process (``torch.set_num_threads``); 0 restores
+    PyTorch's own choice (:data:`DEFAULT_THREADS`: one per core, or ``OMP_NUM_THREADS``). One thread is the
+    default because a run on a busy machine otherwise slows to several times its idle time (docs/benchmarks.md,
+    Threads). ``portable``: oneDNN off and :data:`PORTABLE_THREADS` torch threads. ``native``: nothing else changes.
 
     Raises:
         ConfigError: one line naming ``engine.kernels``: ``portable`` with a CUDA device (it fixes CPU kernels
-            only), without the variables of :data:`PORTABLE_ENV` in the environment, with them set after torch
-            loaded, or on a CPU without AVX2.
+            only), with ``engine.threads`` other than :data:`PORTABLE_THREADS`, without the variables of
+            :data:`PORTABLE_ENV` in the environment, with them set after torch loaded, or on a CPU without AVX2.
     """
     if kernels != "portable":
+        torch.set_num_threads(int(threads) or DEFAULT_THREADS)
         return
+    if int(threads) != PORTABLE_THREADS:
+        raise ConfigError(f"engine.kernels=portable runs on {PORTABLE_THREADS} thread (its sums are split the same "
+                          f"way on every machine); engine.threads={threads} would change them "
+                          f"(use engine.threads={PORTABLE_THREADS})")
     if device.type != "cpu":
         raise ConfigError(f"engine.kernels=portable fixes the CPU kernels; engine.device={device} trains elsewhere "
                           "(use engine.kernels=native)")
