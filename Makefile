@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro check-repro exp-show ui test test-slow dashboard clean-venv
+.PHONY: setup repro check-repro exp-show ui test test-slow dashboard studies-status study-refresh clean-venv
 
 setup: $(STAMP)
 
@@ -61,6 +61,15 @@ PORT    ?= 8080
 dashboard: $(STAMP)
 	@$(PY) -m sweeps.dashboard $(if $(STORAGE),--storage '$(STORAGE)',$(if $(STUDY),--study '$(STUDY)')) \
 		--host 127.0.0.1 --port $(PORT)
+
+# the paper studies (studies/<s>/): which are stale against the code (dvc status), their last measured refresh
+# (studies/refresh_times.csv) and whether their report is committed; study-refresh runs one study's dvc repro, timed
+studies-status: $(STAMP)
+	@$(PY) -m pipeline.studies_status $(STUDY)
+
+study-refresh: $(STAMP)
+	@test -n "$(STUDY)" || { echo "error: name the study: make study-refresh STUDY=fedbug" >&2; exit 2; }
+	$(PY) -m pipeline.studies_status --refresh $(STUDY)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,10 +65,11 @@ def one_run(workload: str, threads: int, busy: bool, busy_threads: int, tmp: Pat
     try:
         if neighbour is not None:
             time.sleep(1.0)  # the neighbour has loaded torch and spins before the run starts
+        shutil.rmtree(tmp / "results", ignore_errors=True)  # a finished run would be read back, not trained
         cmd = [sys.executable, "-m", "pipeline.train", *WORKLOADS[workload], f"engine.threads={threads}", "seed=1",
                "tracking.enabled=false", "engine.progress=false", "engine.checkpoint_every=0",
                f"results_dir={tmp / 'results'}", f"engine.checkpoint_dir={tmp / 'ck'}", f"data_dir={tmp / 'data'}",
-               "name=threads_probe", "--overwrite"]
+               "name=threads_probe"]
         t0 = time.monotonic()
         subprocess.run(cmd, cwd=ROOT, env=child_env(), check=True, capture_output=True)
         return time.monotonic() - t0

@@ -1,0 +1,185 @@
+"""``make studies-status``: which paper study is stale against the code, and how long its refresh takes.
+
+For every folder ``studies/<s>/`` with a ``dvc.yaml`` this asks DVC (``dvc status --json`` in that folder) which of
+its stages would run again, and reads the last measured refresh of the study from ``studies/refresh_times.csv``
+(wall and CPU minutes of a ``dvc repro`` of the study, the machine, the date and the commit it ran on;
+``make study-refresh STUDY=<s>`` runs that ``dvc repro`` timed and appends a row; the newest row per study counts). Prints one Markdown table row per
+study::
+
+    | study | stages | stale | last refresh | committed report |
+
+``stale`` counts the stages DVC would run (``train@<experiment>`` one each); ``committed report`` says whether
+``studies/<s>/results/report.md`` is in git. Exit status 0 whatever the state (it reports, it does not check);
+2 when DVC cannot be run (one line).
+
+    python -m pipeline.studies_status            # every study
+    python -m pipeline.studies_status fedbug     # one
+    python -m pipeline.studies_status --refresh fedbug   # dvc repro there, timed into refresh_times.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDIES = ROOT / "studies"
+REFRESH_TIMES = STUDIES / "refresh_times.csv"
+REFRESH_COLUMNS = ("study", "wall_min", "cpu_min", "machine", "date", "commit")
+
+
+def dvc_command() -> List[str]:
+    """The DVC of the project's environment (``.venv/bin/dvc`` beside the interpreter running this), else ``dvc``
+    on PATH."""
+    here = Path(sys.executable).parent / "dvc"
+    if here.exists():
+        return [str(here)]
+    found = shutil.which("dvc")
+    if found is None:
+        raise FileNotFoundError("dvc not found beside this python or on PATH (run `make setup`)")
+    return [found]
+
+
+def stale_stages(folder: Path) -> Dict[str, List[str]]:
+    """``{stage: [what changed, ...]}`` for the stages of ``folder/dvc.yaml`` (not of a ``dvc.yaml`` in a subfolder)
+    that ``dvc status`` says would run again (``{}``: up to date).
+
+    Raises:
+        RuntimeError: DVC failed (its last line).
+    """
+    res = subprocess.run([*dvc_command(), "status", "--json", "dvc.yaml"], cwd=folder, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()
+        raise RuntimeError(f"dvc status in {folder.relative_to(ROOT)}: {tail[-1] if tail else res.returncode}")
+    status = json.loads(res.stdout or "{}")
+    out: Dict[str, List[str]] = {}
+    for stage, entries in status.items():
+        kinds = []
+        for entry in entries:
+            kinds.extend(entry.keys() if isinstance(entry, dict) else [str(entry)])
+        out[stage] = sorted(set(kinds))
+    return out
+
+
+def stage_count(folder: Path) -> int:
+    """How many stages ``dvc.yaml`` of ``folder`` expands to (``foreach`` over ``experiments`` counted per entry),
+    from ``dvc stage list``."""
+    res = subprocess.run([*dvc_command(), "stage", "list", "--name-only", "dvc.yaml"], cwd=folder, capture_output=True,
+                         text=True)
+    return len([ln for ln in res.stdout.splitlines() if ln.strip()]) if res.returncode == 0 else 0
+
+
+def refresh_times(path: Path = REFRESH_TIMES) -> Dict[str, Dict[str, str]]:
+    """The newest row of ``studies/refresh_times.csv`` per study (``{}`` when the file is absent)."""
+    if not path.exists():
+        return {}
+    rows: Dict[str, Dict[str, str]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            rows[row["study"]] = row
+    return rows
+
+
+def committed(path: Path) -> bool:
+    """Whether ``path`` is tracked by git."""
+    res = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))], cwd=ROOT,
+                         capture_output=True, text=True)
+    return res.returncode == 0
+
+
+def studies(names: Optional[List[str]] = None) -> List[Path]:
+    """The study folders (those holding a ``dvc.yaml``), or the named ones.
+
+    Raises:
+        FileNotFoundError: a named study has no ``studies/<name>/dvc.yaml``.
+    """
+    if not names:
+        return sorted(p.parent for p in STUDIES.glob("*/dvc.yaml"))
+    out = []
+    for n in names:
+        if not (STUDIES / n / "dvc.yaml").exists():
+            known = ", ".join(p.parent.name for p in sorted(STUDIES.glob("*/dvc.yaml")))
+            raise FileNotFoundError(f"study {n!r}: no studies/{n}/dvc.yaml (studies: {known})")
+        out.append(STUDIES / n)
+    return out
+
+
+def machine() -> str:
+    """CPU model and the cores this process may use, e.g. ``AMD EPYC 7B13, 2 cores``."""
+    cpu = platform.machine() or "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
+
+
+def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
+    """``dvc repro`` in ``folder`` (the project's environment first on PATH, as ``make repro`` runs it), timed: wall
+    and CPU minutes (the children's user + system time) appended to ``studies/refresh_times.csv`` with the machine,
+    the date and the commit; DVC's exit status (a failed refresh appends nothing)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    code = subprocess.run([*dvc_command(), "repro"], cwd=folder, env=env).returncode
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if code != 0:
+        return code
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "?"
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(REFRESH_COLUMNS)
+        w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", machine(), time.strftime("%Y-%m-%d"),
+                    commit])
+    print(f"{folder.name}: refreshed in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU); {path.relative_to(ROOT)}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.studies_status",
+                                description="Which paper study is stale against the code, and its refresh time.")
+    p.add_argument("study", nargs="*", help="study folder names under studies/ (default: all)")
+    p.add_argument("--refresh", action="store_true", help="run `dvc repro` in each named study, timed, and record "
+                   "the time in studies/refresh_times.csv")
+    args = p.parse_args(argv)
+    try:
+        folders = studies(args.study)
+        if args.refresh:
+            if not args.study:
+                print("error: --refresh needs the study names (e.g. fedbug)", file=sys.stderr)
+                return 2
+            return max(refresh(folder) for folder in folders)
+        times = refresh_times()
+        print("| study | stages | stale | last refresh (wall / CPU, machine, date, commit) | committed report |")
+        print("|---|---:|---:|---|---|")
+        for folder in folders:
+            stale = stale_stages(folder)
+            t = times.get(folder.name)
+            last = (f"{t['wall_min']} / {t['cpu_min']} min, {t['machine']}, {t['date']}, {t['commit']}"
+                    if t else "never measured")
+            report = "yes" if committed(folder / "results" / "report.md") else "no"
+            print(f"| {folder.name} | {stage_count(folder)} | {len(stale)} | {last} | {report} |")
+    except (FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
