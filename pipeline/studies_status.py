@@ -57,7 +57,8 @@ def stale_stages(folder: Path) -> Dict[str, List[str]]:
     Raises:
         RuntimeError: DVC failed (its last line).
     """
-    res = subprocess.run([*dvc_command(), "status", "--json", "dvc.yaml"], cwd=folder, capture_output=True, text=True)
+    res = subprocess.run([*dvc_command(), "status", "--json", "dvc.yaml"], cwd=folder, capture_output=True, text=True,
+                         check=False)
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()
         raise RuntimeError(f"dvc status in {folder.relative_to(ROOT)}: {tail[-1] if tail else res.returncode}")
@@ -74,8 +75,8 @@ def stale_stages(folder: Path) -> Dict[str, List[str]]:
 def stage_count(folder: Path) -> int:
     """How many stages ``dvc.yaml`` of ``folder`` expands to (``foreach`` over ``experiments`` counted per entry),
     from ``dvc stage list``."""
-    res = subprocess.run([*dvc_command(), "stage", "list", "--name-only", "dvc.yaml"], cwd=folder, capture_output=True,
-                         text=True)
+    res = subprocess.run([*dvc_command(), "stage", "list", "--name-only", "dvc.yaml"], cwd=folder, check=False,
+                         capture_output=True, text=True)
     return len([ln for ln in res.stdout.splitlines() if ln.strip()]) if res.returncode == 0 else 0
 
 
@@ -92,7 +93,7 @@ def refresh_times(path: Path = REFRESH_TIMES) -> Dict[str, Dict[str, str]]:
 
 def committed(path: Path) -> bool:
     """Whether ``path`` is tracked by git."""
-    res = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))], cwd=ROOT,
+    res = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))], cwd=ROOT, check=False,
                          capture_output=True, text=True)
     return res.returncode == 0
 
@@ -132,13 +133,13 @@ def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    code = subprocess.run([*dvc_command(), "repro"], cwd=folder, env=env).returncode
+    code = subprocess.run([*dvc_command(), "repro"], cwd=folder, env=env, check=False).returncode
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         return code
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, check=False,
                             text=True).stdout.strip() or "?"
     new = not path.exists()
     with path.open("a", newline="") as f:
