@@ -2,7 +2,7 @@
 """Config-key audit: every key of the config either changes the run or is refused.
 
 The project's rule is that no config key is accepted and then ignored. This script measures it. For every
-preset ``P`` of ``conf/algorithm/`` it trains, in memory (:func:`fl_core.api.run`, nothing written, nothing
+preset ``P`` of ``conf/algorithm/`` it trains, in memory (:func:`pipeline.api.run`, nothing written, nothing
 tracked), a baseline on a tiny fast setting (:data:`TINY`: digits, 4 clients, 2 rounds of 1 local epoch, full
 participation, float64, no checkpoints) and then, for each leaf key, the same run with that ONE key set to
 another valid value. Each key gets one of:
@@ -83,7 +83,7 @@ import torch  # noqa: E402
 from omegaconf import ListConfig  # noqa: E402
 
 from fl_core.algorithms import registry  # noqa: E402
-from fl_core.api import run as api_run  # noqa: E402
+from pipeline.api import run as api_run  # noqa: E402
 from fl_core.config import compose  # noqa: E402
 from fl_core.paths import conf_dir  # noqa: E402
 from fl_core.schema import SECTIONS, ConfigError  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python examples/compare_rules.py [--rounds R] [--out FILE.png]
 
-Nothing is written but the figure; nothing is tracked (``fl_core.api.run`` with ``write=False``).
+Nothing is written but the figure; nothing is tracked (``pipeline.api.run`` with ``write=False``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl_core.api import run  # noqa: E402
+from pipeline.api import run  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 and partition keys, and its per-seed configs, in one frozen :class:`ResolvedExperiment`.
 
 :func:`resolve` builds it from the composed configs (:func:`fl_core.config.compose`, one per seed); the train stage
-(:mod:`pipeline.train`), the Python API (:mod:`fl_core.api`), the sweeps (:mod:`sweeps.runner`) and the engine's
+(:mod:`pipeline.train`), the Python API (:mod:`pipeline.api`), the sweeps (:mod:`sweeps.runner`) and the engine's
 factory (:func:`fl_core.engine.factory.build_simulator`) read it and derive none of it again. The fingerprint is
 computed here and nowhere else (:func:`fingerprint`): it names an experiment's checkpoints
 (``<checkpoint_dir>/<name>/<fingerprint>/``), its MLflow parent (tag ``fl.fingerprint``) and, with the seed, a

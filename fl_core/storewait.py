@@ -56,6 +56,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import envfail
+from .storeurl import _role, identity, mask, redact
 
 #: MLflow's HTTP settings and the project's defaults (set where unset, :func:`http_defaults`)
 HTTP_DEFAULTS: Dict[str, str] = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "10", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -460,12 +461,23 @@ def _connect_timeout(url: str, args: Dict[str, object]) -> float:
     return 10.0
 
 
+def stalled(url: str, waited_s: float, why: str) -> envfail.EnvironmentFailure:
+    """The failure of a PostgreSQL server that stopped answering: a statement (or a commit) waited ``waited_s``
+    seconds and a new connection got no answer (``why``); :func:`fl_core.storewait.install`'s watcher ends the process
+    with it."""
+    label, action = _role(url)
+    return envfail.EnvironmentFailure(
+        f"{label} {mask(url)}",
+        f"does not answer (no answer for {waited_s:.0f} s, {STALL_ENV}; a new connection: "
+        f"{redact(why, url)})",
+        f"{action or 'check the PostgreSQL server (a frozen or overloaded process, the network)'}, {envfail.AGAIN}",
+        store=mask(url))
+
+
 def _stalled(engine, waited_s: float, why: str) -> None:
     """A statement on ``engine`` waited ``waited_s`` seconds and the server does not answer: hooks, one line, exit 3
     (``FL_DEBUG=1``: every thread's stack first)."""
-    from . import storefail
-
-    failure = storefail.stalled(_url_of(engine), waited_s, why)
+    failure = stalled(_url_of(engine), waited_s, why)
     done = threading.Event()
 
     def run_hooks() -> None:
@@ -491,9 +503,7 @@ def _stalled(engine, waited_s: float, why: str) -> None:
 
 
 def _outage_key(url: str) -> str:
-    from . import storefail
-
-    return storefail.identity(url)
+    return identity(url)
 
 
 def outage_began(url: str) -> float:

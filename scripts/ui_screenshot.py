@@ -4,7 +4,7 @@
                                               [--chromium /usr/bin/chromium] [--size 1280,800] [--keep DIR]
 
 Builds a throwaway project folder (a temporary directory): one experiment of the default setting (digits,
-FedAvg, shards) with ``--seeds`` seeds and ``--rounds`` rounds through ``fl_core.api.run(..., write=True)``, so it
+FedAvg, shards) with ``--seeds`` seeds and ``--rounds`` rounds through ``pipeline.api.run(..., write=True)``, so it
 has its own ``mlflow.db`` and ``mlartifacts/``; starts ``mlflow ui`` on it on a free port of 127.0.0.1 (as
 ``make ui`` does); saves a screenshot of the parent run's "Model metrics" page taken by headless Chromium, driven
 by Playwright (``pip install -e '.[docs]'``; Playwright's own browsers are not needed); stops the UI and removes
@@ -64,7 +64,7 @@ def free_port() -> int:
 
 def build_store(project: Path, rounds: int, seeds: int) -> tuple:
     """Train one small experiment in ``project`` (its own ./mlflow.db); returns (experiment id, parent run id)."""
-    from fl_core.api import run
+    from pipeline.api import run
 
     here, env = Path.cwd(), os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.chdir(project)

@@ -1,4 +1,4 @@
-"""The Python API (fl_core.api.run): in-memory runs equal the CLI's, nothing is written, bad calls in one line."""
+"""The Python API (pipeline.api.run): in-memory runs equal the CLI's, nothing is written, bad calls in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_core.api import run
+from pipeline.api import run
 from fl_core.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from fl_core.api import run
+from pipeline.api import run
 
 SEEDS = (0, 1, 2, 3, 4)
 ROUNDS = ["train.rounds=5", "engine.progress=false"]

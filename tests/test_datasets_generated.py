@@ -298,7 +298,7 @@ def test_gru_is_torch_gru_and_is_reinitialised_by_the_run_seed():
 
 
 def _run(overrides, executor, data_dir):
-    from fl_core.api import run
+    from pipeline.api import run
 
     base = ["train.rounds=2", "train.batch_size=20", "engine.progress=false", "tracking.enabled=false",
             "engine.checkpoint_every=0", "engine.dtype=float64", f"engine.executor={executor}", f"data_dir={data_dir}"]

@@ -49,7 +49,7 @@ def _model_of(cfg: dict, state: dict) -> torch.nn.Module:
 def project(tmp_path_factory):
     """A project folder after ``run(TINY, seeds=(1, 2), write=True)`` with the default store (./mlflow.db, created
     by the run), and the run's result."""
-    from fl_core.api import run
+    from pipeline.api import run
 
     proj = tmp_path_factory.mktemp("moved") / "proj"
     proj.mkdir()

@@ -126,7 +126,7 @@ def test_a_server_optimiser_brings_its_own_step_size():
 
 
 def test_fedprox_with_adam_trains_as_the_fedadam_preset_over_fedprox_bit_for_bit():
-    from fl_core.api import run
+    from pipeline.api import run
 
     tiny = ["train.rounds=2", "partition.num_clients=4", "train.local_epochs=1", "engine.progress=false"]
     a = run(["algorithm=fedprox", "algorithm.server_opt=adam"] + tiny, seeds=(1,))
@@ -155,7 +155,7 @@ def test_adaptive_v0_tau2_is_reddis_initialisation():
 
 
 def test_duplicate_seeds_are_refused(tmp_path):
-    from fl_core.api import run
+    from pipeline.api import run
     from pipeline.grid import load_grid
 
     (tmp_path / "params.yaml").write_text("seeds: [1, 1]\nexperiments:\n  a: {algorithm: fedavg}\n")

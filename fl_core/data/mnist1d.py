@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .sources import DataSourceError, FLDataset
+from .dataset import DataSourceError, FLDataset
 
 __all__ = ["PINNED_VERSION", "LENGTH", "mnist1d_args", "mnist1d_provenance", "mnist1d_dataset"]
 

@@ -46,7 +46,7 @@ import torch
 
 from fl_core.seeding import numpy_rng
 
-from .sources import FLDataset
+from .dataset import FLDataset
 
 __all__ = ["FEATURES", "CLASSES", "covariance_diagonal", "logits", "generate_devices", "synthetic_dataset",
            "synthetic_provenance"]

@@ -1,6 +1,6 @@
 """Python API: run an experiment from a notebook or a script and get its numbers back.
 
-    from fl_core.api import run
+    from pipeline.api import run
     fedavg = run(["partition=dirichlet", "partition.alpha=0.1"], seeds=(1, 2))
     scaffold = run(["partition=dirichlet", "partition.alpha=0.1", "algorithm=scaffold"], seeds=(1, 2))
     print(fedavg.summary["final_acc_mean"], scaffold.summary["final_acc_mean"])
@@ -80,7 +80,7 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
     """
     import pandas as pd
 
-    from .config import ConfigError, compose, to_container
+    from fl_core.config import ConfigError, compose, to_container
 
     overrides = list(overrides)
     if any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides):
@@ -121,12 +121,12 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
 def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
     """Train every seed in this process without files or tracking, with a progress bar when ``engine.progress``;
     (summary, histories, models)."""
-    from .data.access import dataset_for, partition_for
-    from .engine.factory import DTYPES, build_simulator, client_data, resolve_device
-    from .engine.simulator import RunFailed
-    from .experiment import resolve
-    from .metrics import summarize_run, summarize_seeds
-    from . import progress
+    from fl_core.data.access import dataset_for, partition_for
+    from fl_core.engine.factory import DTYPES, build_simulator, client_data, resolve_device
+    from fl_core.engine.simulator import RunFailed
+    from fl_core.experiment import resolve
+    from fl_core.metrics import summarize_run, summarize_seeds
+    from fl_core import progress
 
     exp = resolve(cfgs)
     cfg0 = exp.cfg0
