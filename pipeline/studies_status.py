@@ -163,7 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         folders = studies(args.study)
         if args.refresh:
             if not args.study:
-                print("error: --refresh needs the study names (e.g. fedbug)", file=sys.stderr)
+                print("error: --refresh needs the study names (python -m pipeline.studies_status --refresh STUDY ...)",
+                      file=sys.stderr)
                 return 2
             return max(refresh(folder) for folder in folders)
         times = refresh_times()
