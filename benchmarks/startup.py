@@ -47,18 +47,9 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def machine() -> str:
-    """CPU model and the cores this process may use."""
-    cpu = platform.processor() or platform.machine() or "?"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu}, {cores} cores"
+from fl_core.procs import machine  # noqa: E402,F401  (after the path is set; benchmarks/threads.py takes it from here)
 
 
 def load() -> str:

@@ -72,3 +72,18 @@ def gone(tags: Dict[str, str], started: Optional[float] = None) -> bool:
     except (KeyError, TypeError, ValueError):
         return False
     return not alive(pid, since)
+
+
+def machine() -> str:
+    """The CPU model (``/proc/cpuinfo``'s first ``model name``, else the platform's name) and the cores this process
+    may use, e.g. ``AMD EPYC 7B13, 2 cores``: what a benchmark table or a measured refresh names."""
+    import platform
+
+    cpu = platform.processor() or platform.machine() or "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores"

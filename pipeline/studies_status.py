@@ -23,7 +23,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -31,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from fl_core import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "studies"
@@ -115,17 +116,6 @@ def studies(names: Optional[List[str]] = None) -> List[Path]:
     return out
 
 
-def machine() -> str:
-    """CPU model and the cores this process may use, e.g. ``AMD EPYC 7B13, 2 cores``."""
-    cpu = platform.machine() or "?"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
-
-
 def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     """``dvc repro`` in ``folder`` (the project's environment first on PATH, as ``make repro`` runs it), timed: wall
     and CPU minutes (the children's user + system time) appended to ``studies/refresh_times.csv`` with the machine,
@@ -146,7 +136,7 @@ def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
         w = csv.writer(f)
         if new:
             w.writerow(REFRESH_COLUMNS)
-        w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", machine(), time.strftime("%Y-%m-%d"),
+        w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", procs.machine(), time.strftime("%Y-%m-%d"),
                     commit])
     print(f"{folder.name}: refreshed in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU); {path.relative_to(ROOT)}")
     return 0
