@@ -100,6 +100,16 @@ def _sqlite_failure(url: Optional[str], orig: BaseException) -> Optional[envfail
     return None
 
 
+REFUSED = "refused the connection (connection refused: is the server running?)"
+LOST_REFUSED = "lost its connection (connection refused: is the server running?)"
+
+
+def after_answering(cause: str) -> str:
+    """``cause`` of a store that had answered earlier in this process: a refused connection then means it went
+    away, so it reads as a lost one (whether the failing call held a connection or opened a new one is timing)."""
+    return LOST_REFUSED if cause == REFUSED else cause
+
+
 _PG_LOST = ("server closed the connection", "terminating connection", "connection is closed", "consuming input failed",
             "connection is lost", "ssl connection has been closed", "could not receive data", "could not send data",
             "connection reset", "the database system is shutting down", "the database system is starting up",
@@ -114,7 +124,7 @@ def _pg_cause(orig: BaseException) -> str:
     if sqlstate == "57014" or "statement timeout" in low:
         return f"did not finish a statement within its statement_timeout ({first})"
     if "connection refused" in low:
-        return "refused the connection (connection refused: is the server running?)"
+        return REFUSED
     if "timeout expired" in low or "timed out" in low:
         return f"does not answer ({first})"
     if sqlstate in ("57P01", "57P02", "57P03") or any(s in low for s in _PG_LOST):

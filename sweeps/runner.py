@@ -961,7 +961,8 @@ def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) ->
         raise failure
     back, waited = storewait.wait_until_back(settings.storage)
     if not back:
-        raise envfail.EnvironmentFailure(failure.resource, f"{failure.cause}, and it did not answer again within "
+        cause = storefail.after_answering(failure.cause)  # only called after the storage had answered this sweep
+        raise envfail.EnvironmentFailure(failure.resource, f"{cause}, and it did not answer again within "
                                          f"{storewait.retry_s():g} s ({storewait.RETRY_ENV})", failure.action,
                                          store=failure.store) from None
     return waited
@@ -1045,9 +1046,10 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
                 if failure is None:
                     raise
                 waited = wait_for_storage(settings, failure)
-                outcome = Outcome("FAIL", reason=f"storage lost: {failure.cause}")
+                cause = storefail.after_answering(failure.cause)
+                outcome = Outcome("FAIL", reason=f"storage lost: {cause}")
                 storage_call(settings, functools.partial(trial.set_user_attr, "reason", outcome.reason))
-                print(f"note: {who}trial {trial.number} ended FAIL: the Optuna storage {failure.cause}; it answered "
+                print(f"note: {who}trial {trial.number} ended FAIL: the Optuna storage {cause}; it answered "
                       f"again after {waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
             _tell(study, trial, outcome, settings, who)
             line = trial_line(trial.number, outcome, trial.params, time.perf_counter() - t0, runner.worker)

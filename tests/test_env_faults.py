@@ -618,6 +618,23 @@ def test_database_errors_name_the_database_with_the_password_masked():
     assert "connect_timeout" not in storewait.pg_connect_args(url + "?connect_timeout=3")  # the URL's own
 
 
+def test_a_storage_that_refuses_mid_sweep_reads_as_lost_whatever_the_timing(monkeypatch):
+    """A sweep's storage answered before wait_for_storage is called: whether the failing call held a pooled
+    connection (server closed it) or opened a new one (refused) is timing, so both read as a lost connection."""
+    from fl_core import storefail, storewait
+    from sweeps import runner
+
+    url = "postgresql+psycopg://fl:s3cret@127.0.0.1:1/optuna"
+    monkeypatch.setattr(storewait, "wait_until_back", lambda u: (False, 3.0))
+    settings = type("S", (), {"storage": url})()
+    for cause in (storefail.REFUSED, "lost its connection (server closed the connection unexpectedly)"):
+        failure = envfail.EnvironmentFailure("Optuna storage x", cause, "check it", store=url)
+        with pytest.raises(envfail.EnvironmentFailure) as got:
+            runner.wait_for_storage(settings, failure)
+        assert got.value.cause.startswith("lost its connection (") and "did not answer again within" in got.value.cause
+    assert storefail.after_answering("does not answer (timeout expired)") == "does not answer (timeout expired)"
+
+
 def test_sqlite_busy_timeout_replaces_mlflows_and_bounds_a_lock(tmp_path, monkeypatch):
     import sqlalchemy
 
