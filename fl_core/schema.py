@@ -353,6 +353,10 @@ class EngineConfig:
                                   "must exceed the longest gap between two rounds' collectives (docs/reliability.md)",
                                   gt=0, when=when("engine.executor", "distributed"))
     max_parallel_clients: int = param(0, "vectorized: clients trained at once (0 = all sampled clients)", ge=0)
+    population: bool = param(True, "vectorized: an experiment's seeds train as one population, each round's clients "
+                             "of every seed in one pass, each seed with its own numbers (false: one seed after "
+                             "another; docs/architecture.md, Populations)", when=when("engine.executor", "vectorized",
+                                                                                     "auto"))
     device: str = param("cpu", "cpu | cuda | cuda:N | auto (checked in validate)")
     dtype: str = param("float32", "float32 | float64 (slow; for numerical checks)", choices=("float32", "float64"))
     kernels: str = param("native", "CPU kernels: native (PyTorch's choice for this CPU: fastest; the same numbers on "

@@ -121,40 +121,33 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
 def _in_memory(cfgs: List, on_round: Optional[Callable] = None) -> tuple:
     """Train every seed in this process without files or tracking, with a progress bar when ``engine.progress``;
     (summary, histories, models)."""
-    from fl_core.data.access import dataset_for, partition_for
-    from fl_core.engine.factory import DTYPES, build_simulator, client_data, resolve_device
-    from fl_core.engine.simulator import RunFailed
+    from fl_core import progress
     from fl_core.experiment import resolve
     from fl_core.metrics import summarize_run, summarize_seeds
-    from fl_core import progress
+
+    from .experiment import ExperimentRunner, Observer, OnRound
 
     exp = resolve(cfgs)
     cfg0 = exp.cfg0
-    ds = dataset_for(cfg0, write_cache=False)
-    part = partition_for(cfg0, ds, write_cache=False)
-    device = resolve_device(cfg0.engine.device)
-    data = client_data(ds, part, device, DTYPES[cfg0.engine.dtype])
+    runner = ExperimentRunner(exp)
     histories, models, summaries, failures = {}, {}, {}, {}
     bar = progress.bar(total=int(cfg0.train.rounds) * len(exp.seeds), desc=str(cfg0.name or "run"), unit="round",
                        enabled=bool(cfg0.engine.progress))  # None off a terminal
+    observers: List[Observer] = [] if bar is None else [OnRound(lambda seed, r, row: bar.update(1))]
+    if on_round is not None:
+        observers.append(OnRound(on_round))
     try:
-        for seed, cfg in zip(exp.seeds, exp.configs):
-            callbacks = [] if bar is None else [lambda r, row: bar.update(1)]
-            if on_round is not None:
-                callbacks.append(lambda r, row, seed=seed: on_round(seed, r, row))
-            sim = build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks, experiment=exp)
-            try:
-                result = sim.run()
-            except RunFailed as err:
-                failures[seed] = str(err)
-                histories[seed] = err.history
-                continue
-            histories[seed] = result.history
-            models[seed] = result.state_dict
-            summaries[seed] = summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)
+        runs = runner.train(exp.configs, observers)
     finally:
         if bar is not None:
             bar.close()
+    for run in runs:
+        histories[run.seed] = run.history
+        if run.failure is not None:
+            failures[run.seed] = str(run.failure)
+            continue
+        models[run.seed] = run.result.state_dict
+        summaries[run.seed] = summarize_run(run.history, run.cfg.train.target_acc, run.cfg.train.final_window)
     return summarize_seeds(summaries, failures), histories, models
 
 

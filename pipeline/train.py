@@ -39,7 +39,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 # Only light modules at the top: ``--help``, ``--hydra-help``, ``--cfg`` and ``--info`` import no torch, MLflow or
 # matplotlib (tests/test_cli.py checks it). What a run needs (the engine, the data, the figures) is imported by the
@@ -56,6 +56,7 @@ from fl_core.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Trackin
                               git_commit, resumable, run_params)
 
 from .common import fail
+from .experiment import ExperimentRunner, Observer
 from .files import atomic_write, write_json, write_text
 
 if TYPE_CHECKING:  # annotations only: a run imports torch where it trains
@@ -228,14 +229,14 @@ class _Progress:
             self.bar.close()
 
 
-class _Experiment:
-    """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs."""
+class _Experiment(Observer):
+    """One run of :func:`run_experiment`: the checked inputs, the store, the MLflow parent, the outputs. It observes
+    the seeds the :class:`~pipeline.experiment.ExperimentRunner` trains: their MLflow child runs, progress, callbacks,
+    and each seed's completion record, files and child run as soon as it ends."""
 
     def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False,
                  on_round: Optional[Callable] = None):
-        from fl_core.data.access import dataset_for, partition_for
         from fl_core.engine.diagnostics import effective_update
-        from fl_core.engine.factory import DTYPES, client_data, resolve_device
 
         self.cfgs, self.cfg0 = cfgs, cfgs[0]
         self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
@@ -251,13 +252,12 @@ class _Experiment:
         self.store = ExperimentStore(self.name, exp.fingerprint, Path(cfg0.results_dir),
                                      Path(cfg0.engine.checkpoint_dir))
         self.store.check_owned()  # a folder the project did not write: one line, nothing created or read yet
-        self.device = resolve_device(cfg0.engine.device)
-        self.ds = dataset_for(cfg0, write_cache=False)
-        self.part = partition_for(cfg0, self.ds, write_cache=False)
+        self.runner = ExperimentRunner(exp, cache_dir=objective_cache(cfg0))
+        self.device, self.ds, self.part = self.runner.inputs.device, self.runner.inputs.ds, self.runner.inputs.part
         # the effective update amount u = eta E |D| / (B K) of the IID-to-non-IID study (section 3 of that paper)
         self.u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(self.part.sizes)),
                                   cfg0.train.batch_size, self.part.num_clients, cfg0.train.local_steps)
-        self.data = client_data(self.ds, self.part, self.device, DTYPES[cfg0.engine.dtype])
+        self.data = self.runner.inputs.data
         self.model_name = exp.model
         self.probe = self._preflight()
         self.algo_desc = self.probe.algo.describe()
@@ -270,7 +270,9 @@ class _Experiment:
         self.tracking: Optional[Tracking] = None
         self.parent_id: Optional[str] = None
         self.records: Dict[int, Dict] = {}
-        self._live_logger = None  # the MLflow child run of the seed in progress (ended on an environment failure)
+        self._live_loggers: Dict[int, Any] = {}  # seed -> its MLflow child run in training (ended on a failure)
+        self._staging: Optional[Path] = None
+        self._schedule_files: List[Path] = []
         self._inputs: Optional[List[Dict[str, str]]] = None
         commit = git_commit(project_root())
         self.tags = {"algorithm": self.algo_desc, "dataset": cfg0.dataset.name, "partition": self.pkey,
@@ -292,13 +294,10 @@ class _Experiment:
         """
         import torch
 
-        from fl_core.engine.factory import build_simulator
-
         cfg = self.cfg0
         shape = tuple(self.ds.input_shape)
         try:
-            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
-                                  cache_dir=objective_cache(cfg), experiment=self.exp)
+            sim = self.runner.simulator(cfg)
             with torch.no_grad():
                 sim.model.eval()
                 sim.model(self.data.x[:1])
@@ -382,9 +381,9 @@ class _Experiment:
         store_down = (self.tracking is not None and failure is not None and failure.store is not None
                       and storefail.identity(failure.store) == storefail.identity(self.tracking.uri))
         if not store_down:
-            with contextlib.suppress(Exception):
-                if self._live_logger is not None:
-                    self._live_logger.close(status, reason)
+            for logger in self._live_loggers.values():
+                with contextlib.suppress(Exception):
+                    logger.close(status, reason)
             with contextlib.suppress(Exception):
                 if self.tracking is not None and self.parent_id is not None:
                     self.tracking.end_parent(self.parent_id, status, reason)
@@ -394,11 +393,22 @@ class _Experiment:
         store = self.store
         staging = store.begin_staging()
         self._write_description(staging)
-        schedule_files = write_schedule(self.probe, self.part, self.cfg0, staging)
-        for i, cfg in enumerate(self.cfgs):
-            if i:
-                faults.point("between_seeds")
-            self.records[int(cfg.seed)] = self._seed(cfg, staging, schedule_files)
+        self._staging = staging
+        self._schedule_files = write_schedule(self.probe, self.part, self.cfg0, staging)
+        todo = []
+        for cfg in self.cfgs:  # the records in the seeds' order (the outputs list them so)
+            seed = int(cfg.seed)
+            rec = self.records[seed] = store.load_record(seed)
+            if rec is None:
+                todo.append(cfg)
+        for cfg in self.cfgs:
+            seed = int(cfg.seed)
+            if self.records[seed] is not None:
+                print(f"{self.name} seed {seed}: done earlier (read from its completion record)", file=sys.stderr)
+                self.progress.skip(len(self.records[seed]["history"]))
+                self._publish_seed(cfg, self.records[seed], None)
+        self.runner.train(todo, [self], checkpoint_path=lambda seed: (
+            store.checkpoint_path(seed) if self.cfg0.engine.checkpoint_every else None))
         summary = self._write_outputs(staging)
         store.publish()
         faults.point("after_outputs")
@@ -422,46 +432,50 @@ class _Experiment:
                        "tracked by git\n*\n")
         plot_label_distribution(self.part, staging / "partition" / "labels_per_client.png", title=self.pkey)
 
-    def _seed(self, cfg, staging: Path, schedule_files: List[Path]) -> Dict:
-        """Train (or resume, or read back) one seed; returns its completion record."""
-        from fl_core.engine.factory import build_simulator
-        from fl_core.engine.simulator import RunFailed
+    # ------------------------------------------------------------------ the seeds (pipeline.experiment.Observer)
+    def logger(self, seed: int, cfg):
+        """The seed's MLflow child run (None without tracking), built with its simulator."""
+        if self.tracking is None:
+            return None
+        logger = self._live_loggers[seed] = self._child_logger(cfg, seed)
+        return logger
 
-        seed = int(cfg.seed)
-        store = self.store
-        rec = store.load_record(seed)
-        logger = None
-        if rec is not None:
-            print(f"{self.name} seed {seed}: done earlier (read from its completion record)", file=sys.stderr)
-            self.progress.skip(len(rec["history"]))
+    def started(self, seed: int, resumed_from: int) -> None:
+        self.progress.start(seed, resumed_from)
+        _end_startup()
+
+    def round(self, seed: int, r: int, row: Dict) -> None:
+        self.progress(r, row)
+        for cb in self.callbacks:
+            cb(r, row)
+        for cb in self.seed_callbacks:
+            cb(seed, r, row)
+
+    def finished(self, run) -> None:
+        """A seed has ended: its completion record (its checkpoint then removed), files and child run."""
+        seed = run.seed
+        if run.failure is not None:
+            print(f"error: {self.name} seed {seed} FAILED: {run.failure}", file=sys.stderr)
+            rec = {"status": "failed", "reason": str(run.failure), "history": run.failure.history}
         else:
-            sim = build_simulator(cfg, self.ds, self.part, device=self.device, data=self.data,
-                                  checkpoint_path=store.checkpoint_path(seed) if cfg.engine.checkpoint_every else None,
-                                  callbacks=[self.progress] + self.callbacks
-                                  + [functools.partial(cb, seed) for cb in self.seed_callbacks],
-                                  cache_dir=objective_cache(cfg), experiment=self.exp)
-            if self.tracking is not None:
-                sim.logger = logger = self._live_logger = self._child_logger(cfg, seed)
-            self.progress.start(seed, sim.restore())
-            _end_startup()
-            try:
-                result = sim.run()
-            except RunFailed as err:
-                print(f"error: {self.name} seed {seed} FAILED: {err}", file=sys.stderr)
-                rec = {"status": "failed", "reason": str(err), "history": err.history}
-            else:
-                faults.point("after_last_round")
-                rec = {"status": "ok", "history": result.history, "state_dict": result.state_dict,
-                       "summary": summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)}
-            store.save_record(seed, rec)
-            faults.point("after_record")
-            sim.discard_checkpoint()
-        files = self._write_seed_files(seed, rec, staging)
+            faults.point("after_last_round")
+            result = run.result
+            rec = {"status": "ok", "history": result.history, "state_dict": result.state_dict,
+                   "summary": summarize_run(result.history, run.cfg.train.target_acc, run.cfg.train.final_window)}
+        self.store.save_record(seed, rec)
+        faults.point("after_record")
+        run.sim.discard_checkpoint()
+        self.records[seed] = rec
+        self._publish_seed(run.cfg, rec, self._live_loggers.get(seed))
+
+    def _publish_seed(self, cfg, rec: Dict, logger) -> None:
+        """The files of a seed with a completion record and its MLflow child run brought to its end."""
+        seed = int(cfg.seed)
+        files = self._write_seed_files(seed, rec, self._staging)
         if self.tracking is not None:
-            self._finish_child(cfg, seed, rec, logger, files + schedule_files)
-        self._live_logger = None
+            self._finish_child(cfg, seed, rec, logger, files + self._schedule_files)
+        self._live_loggers.pop(seed, None)
         faults.point("after_child_finished")
-        return rec
 
     def _child_logger(self, cfg, seed: int):
         derived = {f"model.{k}": v for k, v in self.probe.model.problem_params().items()} \
@@ -979,22 +993,19 @@ def _release_ranks(cfg) -> None:
 def _serve(cfgs: List, device) -> int:
     """A worker rank of ``engine.executor=distributed``: build this rank's executor for each seed rank 0 runs and
     train the clients it hands over (:func:`fl_core.engine.distributed.serve`); writes nothing, logs nothing."""
-    from fl_core.data.access import dataset_for, partition_for
     from fl_core.engine import distributed
-    from fl_core.engine.factory import DTYPES, build_simulator, client_data
 
-    device = distributed.rank_device(device)
+    from .experiment import Inputs
+
     exp = resolve(cfgs)
     by_job = {exp.job_key(c.seed): c for c in cfgs}
-    ds = dataset_for(cfgs[0], write_cache=False)
-    part = partition_for(cfgs[0], ds, write_cache=False)
-    data = client_data(ds, part, device, DTYPES[cfgs[0].engine.dtype])
+    runner = ExperimentRunner(exp, Inputs.load(cfgs[0], distributed.rank_device(device)))
 
     def executor_for(job):
         if job not in by_job:
             raise RuntimeError(f"rank 0 runs {job}, which this rank's command does not define (same command on "
                                "every rank?)")
-        return build_simulator(by_job[job], ds, part, device=device, data=data, experiment=exp).executor
+        return runner.simulator(by_job[job]).executor
 
     try:
         _end_startup()

@@ -674,7 +674,8 @@ class SeedsResult:
 def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache,
                 on_round: Optional[Callable[[int, int, Dict[str, float]], None]] = None,
                 on_config: Optional[Callable[[Dict[str, Any], str], None]] = None, threads: int = 1) -> SeedsResult:
-    """Train ``overrides`` (experiment overrides, no seed) once per seed.
+    """Train ``overrides`` (experiment overrides, no seed) once per seed, through the one runner of an
+    experiment's seeds (:class:`pipeline.experiment.ExperimentRunner`: one population where they share a pass).
 
     Args:
         overrides: Hydra overrides of the experiment; :data:`TRIAL_FIXED` and ``seed=s`` are appended.
@@ -694,9 +695,9 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
     """
     from fl_core.algorithms import InfeasibleSetting
     from fl_core.config import compose, to_container
-    from fl_core.engine import factory
     from fl_core.experiment import resolve
     from fl_core.metrics import summarize_run
+    from pipeline.experiment import ExperimentRunner, Inputs, Observer
 
     try:
         # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
@@ -706,26 +707,39 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
                        for seed in seeds])
     except (ConfigError, ValueError) as err:  # a combination the config validation rejects
         raise InfeasibleConfig(envfail.first_line(err)) from None
-    accs: List[float] = []
-    uplink, algo = 0.0, ""
-    for i, cfg in enumerate(exp.configs):
-        try:
-            ds, part, data, device = cache.get(cfg)
-            callbacks = [] if on_round is None else [lambda r, row, i=i: on_round(i, r, row)]
-            sim = factory.build_simulator(cfg, ds, part, device=device, data=data, callbacks=callbacks,
-                                          experiment=exp)
-        except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
-            raise InfeasibleConfig(envfail.first_line(err)) from None
-        if i == 0:
-            algo = sim.algo.describe()
-            if on_config is not None:
-                on_config(to_container(cfg), algo)
-        try:
-            result = sim.run()
-        except InfeasibleSetting as err:
-            raise InfeasibleConfig(envfail.first_line(err)) from None
-        accs.append(float(summarize_run(result.history, cfg.train.target_acc, cfg.train.final_window)["final_acc"]))
-        uplink = float(result.history[-1]["comm_up_floats"]) / sim.spec.d
+    index = {int(cfg.seed): i for i, cfg in enumerate(exp.configs)}
+    seen: Dict[str, Any] = {"first": None, "training": False}
+
+    class _Seeds(Observer):
+        def built(self, run) -> None:
+            if seen["first"] is None:  # the first seed's config and rule stack, before any seed trains
+                seen["first"] = run.sim
+                if on_config is not None:
+                    on_config(to_container(run.cfg), run.sim.algo.describe())
+
+        def started(self, seed: int, resumed_from: int) -> None:
+            seen["training"] = True
+
+        def round(self, seed: int, r: int, row: Dict[str, float]) -> None:
+            if on_round is not None:
+                on_round(index[seed], r, row)
+
+        def finished(self, run) -> None:
+            if run.failure is not None:  # the trial ends on its first diverging seed
+                raise run.failure
+
+    try:
+        runs = ExperimentRunner(exp, Inputs(*cache.get(exp.cfg0))).train(exp.configs, [_Seeds()])
+    except InfeasibleSetting as err:  # a rule's setting the data cannot run (before the generic ValueError)
+        raise InfeasibleConfig(envfail.first_line(err)) from None
+    except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
+        if seen["training"]:
+            raise
+        raise InfeasibleConfig(envfail.first_line(err)) from None
+    accs = [float(summarize_run(run.history, run.cfg.train.target_acc, run.cfg.train.final_window)["final_acc"])
+            for run in runs]
+    uplink = float(runs[-1].history[-1]["comm_up_floats"]) / seen["first"].spec.d
+    algo = seen["first"].algo.describe()
     return SeedsResult(accs, uplink, algo)
 
 

@@ -203,6 +203,31 @@ def test_kill_at_every_point_leaves_one_clean_run(tmp_path, point, reference, mo
     _assert_clean(tmp, reference)
 
 
+POPULATION = {**GRID, "engine": {**GRID["engine"], "executor": "vectorized"}}  # the seeds train as one population
+
+
+@pytest.fixture(scope="module")
+def population_reference(tmp_path_factory, empty_store):
+    """Final models of an uninterrupted run whose two seeds train as one population."""
+    tmp = _project(tmp_path_factory.mktemp("population"), POPULATION, store=empty_store)
+    assert _forked(tmp, ["--grid", "exp"]) == 0
+    return _models(tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["checkpoint_write@4", "after_last_round", "after_record", "after_child_finished",
+                                   "after_outputs"])
+def test_a_kill_inside_a_population_leaves_one_clean_run(tmp_path, fault, population_reference, monkeypatch,
+                                                         empty_store):
+    """checkpoint_write@4: seed 1 holds round 2, seed 2 round 1 (the rerun catches seed 2 up); after_record: seed 1
+    is recorded, seed 2 resumes alone."""
+    tmp = _project(tmp_path, POPULATION, store=empty_store)
+    _earlier_outputs(tmp)
+    assert _forked(tmp, ["--grid", "exp"], fault) == -signal.SIGKILL, fault
+    assert _in_process(tmp, ["--grid", "exp"], monkeypatch) == 0
+    _assert_clean(tmp, population_reference)
+
+
 @pytest.mark.slow
 def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys,
                                                                empty_store):

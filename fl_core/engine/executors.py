@@ -10,9 +10,10 @@ A client's local epochs this round are ``RoundContext.epochs[cid]`` when the rou
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -342,11 +343,14 @@ class Executor:
         (:func:`~fl_core.engine.probes.layer_activation_means`)."""
         return lambda: layer_activation_means(self.model, self.data.x[self.data.indices[cid]])
 
-    def augment_params(self, rctx: RoundContext, cid: int, k: int) -> Optional[augment.AugmentParams]:
-        """Augmentation draws of client ``cid``'s k-th local step (1-indexed), or None without augmentation."""
+    def augment_params(self, rctx: RoundContext, cid: int, k: int,
+                       seed: Optional[int] = None) -> Optional[augment.AugmentParams]:
+        """Augmentation draws of client ``cid``'s k-th local step (1-indexed), or None without augmentation;
+        ``seed``: the run seed of the client's replica in a population (default: this executor's)."""
         if self.augmentation == "none":
             return None
-        return augment.draw(self.augmentation, self.batch_size, self.crop_padding, self.seed, rctx.round, cid, k)
+        return augment.draw(self.augmentation, self.batch_size, self.crop_padding,
+                            self.seed if seed is None else seed, rctx.round, cid, k)
 
 
 class SequentialExecutor(Executor):
@@ -460,6 +464,19 @@ class _Chunk:
     bufs: Dict[str, torch.Tensor]  # momentum buffers [C, *shape]
     moments: Dict[str, tuple]  # Adam's (m, v, step count [C]) per tensor
     masked: bool  # some client has a step mask
+    lr: Any = 0.0  # eta_l: one float, or [C] when the replicas of a population differ in it
+    population: bool = False  # the clients come from the rounds of several replicas (:meth:`run_population`)
+
+
+@dataclass
+class PopulationJob:
+    """One replica's share of a population round (:meth:`VectorizedExecutor.run_population`): its own executor
+    (its rule stack's instance and seed), its round's context, the clients it trains and its client-state store."""
+
+    executor: "VectorizedExecutor"
+    rctx: RoundContext
+    client_ids: Sequence[int]
+    store: ClientStateStore
 
 
 class VectorizedExecutor(Executor):
@@ -508,7 +525,11 @@ class VectorizedExecutor(Executor):
                                         randomness="different")
 
     def _loss(self, params, x, y, w, client, rctx):
-        """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks."""
+        """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks. In a
+        population the client's own replica's round values (received model, rule broadcast) come in ``client``."""
+        if "round" in client:
+            rctx = dataclasses.replace(rctx, global_flat=client["round"]["global_flat"],
+                                       extra=client["round"]["extra"])
         logits, feats = torch.func.functional_call(self._fwd, {f"model.{n}": p for n, p in params.items()}, (x,))
         ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                             num_steps=client["num_steps"], label_counts=client["label_counts"],
@@ -524,6 +545,69 @@ class VectorizedExecutor(Executor):
             updates.extend(self._train_chunk(rctx, [int(c) for c in client_ids[s:s + chunk]], store))
         return updates
 
+    def run_population(self, jobs: Sequence[PopulationJob],
+                       chunk: Optional[int] = None) -> List[Union[List[ClientUpdate], NonFiniteLossError]]:
+        """Train the clients of several replicas' rounds (same model and rule stack, same round number; each
+        replica its own received model, rule broadcast, eta_l, seed and client states) in one pass: the vmap
+        axis is (replica x client), in chunks of ``chunk`` clients (0: all; None: ``max_parallel_clients``). Each client's batches,
+        augmentation and hooks are those of its replica (:func:`batch_schedule` with the replica's seed; its own
+        rule instance's ``client_begin`` / ``finish_client``), so each replica's updates are those of its own
+        :meth:`run_round` up to float rounding.
+
+        Returns:
+            per job, its clients' updates in order, or the :class:`NonFiniteLossError` of its first client whose
+            loss became non-finite (the other replicas' updates are unaffected).
+        """
+        ctxs: List[ClientContext] = []
+        owner: List[int] = []
+        for j, job in enumerate(jobs):
+            ex = job.executor
+            mine = ex.client_contexts(job.rctx, [int(c) for c in job.client_ids], job.store)
+            ex._begin_clients(job.rctx, mine)
+            ctxs.extend(mine)
+            owner.extend([j] * len(mine))
+        size = (self.max_parallel_clients if chunk is None else chunk) or len(ctxs)
+        updates: List[ClientUpdate] = []
+        bad: set = set()
+        for s in range(0, len(ctxs), size):
+            chunk = self._stack_chunk(jobs[0].rctx, ctxs[s:s + size])
+            for k in range(chunk.kmax):
+                self._chunk_step(chunk, k)
+            ups, b = self._chunk_updates(chunk)
+            updates.extend(ups)
+            bad.update(s + i for i in b)
+        out: List[Union[List[ClientUpdate], NonFiniteLossError]] = []
+        for j, job in enumerate(jobs):
+            rows = [i for i, o in enumerate(owner) if o == j]
+            failed = [i for i in rows if i in bad]
+            if failed:
+                out.append(NonFiniteLossError(_non_finite(updates[failed[0]].train_loss, job.rctx.round,
+                                                          ctxs[failed[0]].client_id)))
+            else:
+                out.append(job.executor._finish_clients([ctxs[i] for i in rows], [updates[i] for i in rows],
+                                                        job.store))
+        return out
+
+    def _round_values(self, rctx: RoundContext, ctxs: List[ClientContext]):
+        """(the hooks' round context of the chunk, the per-client round values vmap slices or None, eta_l):
+        ``rctx`` itself when every client received it; in a population, its copy with the received models
+        [C, d] and the rule's broadcast [C, ...] of each client's replica, and eta_l [C] where the replicas differ."""
+        rounds = [c.round for c in ctxs]
+        if all(r is rctx for r in rounds):
+            return rctx, None, rctx.lr
+        dev = self.data.x.device
+        uniq: Dict[int, RoundContext] = {}
+        for r in rounds:
+            uniq.setdefault(id(r), r)
+        slot = {key: i for i, key in enumerate(uniq)}
+        which = torch.tensor([slot[id(r)] for r in rounds], device=dev)
+        glob = torch.stack([r.global_flat for r in uniq.values()])[which]  # [C, d]
+        extra = {k: torch.stack([r.extra[k] for r in uniq.values()])[which] for k in rctx.extra}
+        lrs = [float(r.lr) for r in rounds]
+        lr = lrs[0] if len(set(lrs)) == 1 else torch.tensor(lrs, dtype=self.data.x.dtype, device=dev)
+        return dataclasses.replace(rctx, global_flat=glob, extra=extra, lr=lr), {"global_flat": glob,
+                                                                                 "extra": extra}, lr
+
     def _schedule(self, rctx: RoundContext, ctxs: List[ClientContext]):
         """Positions [C, Kmax, B] into the training set and sample weights [C, Kmax, B] (0 = padding).
 
@@ -536,7 +620,7 @@ class VectorizedExecutor(Executor):
         kmax = max(steps)
         pos = torch.zeros(C * kmax * B, dtype=torch.long)
         w = torch.zeros(C * kmax * B, dtype=self.data.x.dtype)
-        seeds = derive_seeds(("batches", self.seed, rctx.round), [c.client_id for c in ctxs]).tolist()
+        seeds = self._batch_seeds(rctx, ctxs)
         g = torch.Generator()  # re-seeded per client: manual_seed resets it whole, as a fresh generator
         perms: List[torch.Tensor] = []
         meta: List[tuple] = []  # per permutation: (row c, its first step, K_i, client offset, n_i)
@@ -560,6 +644,21 @@ class VectorizedExecutor(Executor):
             w[lin] = 1.0
         dev = self.data.x.device
         return pos.view(C, kmax, B).to(dev), w.view(C, kmax, B).to(dev), kmax
+
+    def _batch_seeds(self, rctx: RoundContext, ctxs: List[ClientContext]) -> List[int]:
+        """Each client's batch-generator seed of the round (:func:`batch_schedule`): keyed by its replica's run
+        seed in a population, by this executor's otherwise."""
+        if all(c.round is rctx for c in ctxs):
+            return derive_seeds(("batches", self.seed, rctx.round), [c.client_id for c in ctxs]).tolist()
+        seeds = [0] * len(ctxs)
+        rows: Dict[int, List[int]] = {}
+        for i, c in enumerate(ctxs):
+            rows.setdefault(int(c.round.seed), []).append(i)
+        for run_seed, ix in rows.items():
+            vals = derive_seeds(("batches", run_seed, rctx.round), [ctxs[i].client_id for i in ix]).tolist()
+            for i, v in zip(ix, vals):
+                seeds[i] = v
+        return seeds
 
     def _stacked_reference_outputs(self, batched_ctx: ClientContext, x: torch.Tensor):
         """:meth:`reference_outputs` of every client of the chunk at once: x [C, B, ...] -> entry -> (logits
@@ -598,8 +697,12 @@ class VectorizedExecutor(Executor):
         values, batch schedule, anchor and optimiser state."""
         data, needs, dev = self.data, self.needs, self.data.x.device
         C = len(ctxs)
-        g = rctx.global_params()
-        params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
+        rctx, per_client, lr = self._round_values(rctx, ctxs)
+        g = rctx.global_params()  # [*shape], or [C, *shape] in a population
+        if per_client is None:
+            params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
+        else:
+            params = {n: g[n].detach().clone() for n in self._names}
         lr_scale = self._stacked_lr_scale(ctxs, g)
         steps = torch.tensor([c.num_steps for c in ctxs], device=dev)
         # per-client values as stacked tensors [C, ...] (vmap hands each client its slice)
@@ -609,14 +712,18 @@ class VectorizedExecutor(Executor):
                   "label_counts": torch.stack([c.label_counts for c in ctxs]),
                   "state": ({k: torch.stack([c.state[k] for c in ctxs]) for k in ctxs[0].state}
                             if ctxs[0].state is not None else {})}
+        if per_client is not None:
+            client["round"] = per_client
         pos, w, kmax = self._schedule(rctx, ctxs)
         batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                                     num_steps=client["num_steps"], label_counts=client["label_counts"],
                                     state=client["state"])
         if needs.full_gradient:
             batched_ctx.full_grad = torch.stack([c.full_grad for c in ctxs])  # [C, d]
-        anchor = ({n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape) for n in self._names}
-                  if needs.anchor_gradient else None)
+        anchor = None
+        if needs.anchor_gradient:
+            anchor = {n: (g[n].detach().unsqueeze(0).expand(C, *g[n].shape) if per_client is None
+                          else g[n].detach()) for n in self._names}
         loss_sum = torch.zeros(C, dtype=dtype, device=dev)
         # momentum buffers [C, *shape], new for every chunk and round; a zero buffer makes the first step's
         # rho * 0 + d_p = d_p, the sequential executor's buf = d_p
@@ -627,18 +734,21 @@ class VectorizedExecutor(Executor):
             if self.optimizer == "adam" else {}
         return _Chunk(rctx=rctx, ctxs=ctxs, params=params, lr_scale=lr_scale, steps=steps, client=client, pos=pos,
                       w=w, kmax=kmax, batched_ctx=batched_ctx, anchor=anchor, loss_sum=loss_sum, bufs=bufs,
-                      moments=moments, masked=any(c.step_mask is not None for c in ctxs))
+                      moments=moments, masked=any(c.step_mask is not None for c in ctxs), lr=lr,
+                      population=per_client is not None)
 
     def _stacked_lr_scale(self, ctxs: List[ClientContext], g: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Per-client step-size multipliers stacked [C, *shape] for the tensors some client scales; 1 where a
         client has none."""
         lr_scale = {}
         scaled = any(c.lr_scale for c in ctxs)
+        shapes = dict(zip(ctxs[0].round.spec.names, ctxs[0].round.spec.shapes)) if scaled else {}
         for n in self._names if scaled else ():
             if any(c.lr_scale and n in c.lr_scale for c in ctxs):
-                ones = torch.ones((1,) * g[n].dim(), dtype=g[n].dtype, device=self.data.x.device)
+                shape, dtype = tuple(shapes[n]), g[n].dtype
+                ones = torch.ones((1,) * len(shape), dtype=dtype, device=self.data.x.device)
                 lr_scale[n] = torch.stack([(c.lr_scale[n] if c.lr_scale and n in c.lr_scale else ones)
-                                           .to(g[n].dtype).expand(g[n].shape) for c in ctxs])
+                                           .to(dtype).expand(shape) for c in ctxs])
         return lr_scale
 
     def _chunk_step(self, chunk: _Chunk, k: int) -> None:
@@ -662,7 +772,8 @@ class VectorizedExecutor(Executor):
         b = chunk.pos[:, k]
         x, y = self.data.x[b], self.data.y[b]  # [C, B, ...]
         if self.augmentation != "none":
-            aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1) for ctx in chunk.ctxs])
+            aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1, ctx.round.seed)
+                                 for ctx in chunk.ctxs])
             x = augment.apply(x, aug, self.crop_padding)
         if self.needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
             chunk.client["reference_outputs"] = self._stacked_reference_outputs(chunk.batched_ctx, x)
@@ -714,7 +825,7 @@ class VectorizedExecutor(Executor):
         v = torch.where(moves, v * b2 + (1 - b2) * d_p * d_p, v)
         chunk.moments[n] = (m, v, t)
         tf = t.clamp_min(1).to(chunk.params[n].dtype).view(shape)
-        step = m / (v.sqrt() / (1 - b2 ** tf).sqrt() + ADAM_EPS) * (chunk.rctx.lr / (1 - b1 ** tf))
+        step = m / (v.sqrt() / (1 - b2 ** tf).sqrt() + ADAM_EPS) * (self._lr(chunk, shape) / (1 - b1 ** tf))
         if n in chunk.lr_scale:
             step = step * chunk.lr_scale[n]
         return step
@@ -726,27 +837,47 @@ class VectorizedExecutor(Executor):
             chunk.bufs[n] = d_p = torch.where(moves, self.momentum * chunk.bufs[n] + d_p, chunk.bufs[n])
         if n in chunk.lr_scale:
             d_p = d_p * chunk.lr_scale[n]
-        return chunk.rctx.lr * d_p
+        return self._lr(chunk, (d_p.shape[0],) + (1,) * (d_p.dim() - 1)) * d_p
+
+    @staticmethod
+    def _lr(chunk: _Chunk, shape: Tuple[int, ...]):
+        """eta_l of the chunk's clients: one float, or [C] viewed as ``shape`` (a population over eta_l)."""
+        return chunk.lr.view(shape) if isinstance(chunk.lr, torch.Tensor) else chunk.lr
 
     def _finish_chunk(self, chunk: _Chunk, store: ClientStateStore) -> List[ClientUpdate]:
         """The clients' updates (delta, mean loss over their steps; the rule's ``finish_client``), their states
         stored; a non-finite loss raises :class:`NonFiniteLossError`."""
-        ctxs, rctx, C = chunk.ctxs, chunk.rctx, len(chunk.ctxs)
+        updates, bad = self._chunk_updates(chunk)
+        if bad:
+            raise NonFiniteLossError(_non_finite(updates[bad[0]].train_loss, chunk.rctx.round,
+                                                 chunk.ctxs[bad[0]].client_id))
+        return self._finish_clients(chunk.ctxs, updates, store)
+
+    def _chunk_updates(self, chunk: _Chunk) -> Tuple[List[ClientUpdate], List[int]]:
+        """The chunk's clients' updates (delta from the model each received, mean loss over their steps) and
+        the positions of those whose loss is not finite."""
+        ctxs, C = chunk.ctxs, len(chunk.ctxs)
         flat = torch.cat([chunk.params[n].reshape(C, -1) for n in self._names], 1)  # [C, d]
-        deltas = flat - rctx.global_flat
+        deltas = flat - chunk.batched_ctx.round.global_flat  # [d] or, in a population, [C, d]
         mean = chunk.loss_sum / chunk.steps.clamp_min(1)
         bad = torch.nonzero(~torch.isfinite(mean)).flatten().tolist()
-        if bad:
-            raise NonFiniteLossError(f"non-finite training loss ({float(mean[bad[0]])}) in round {rctx.round}, "
-                                     f"client {ctxs[bad[0]].client_id}")
         updates = [ClientUpdate(ctx.client_id, ctx.num_samples, ctx.num_steps, delta, loss)
                    for ctx, delta, loss in zip(ctxs, deltas.unbind(0), mean.tolist())]
+        return updates, bad
+
+    def _finish_clients(self, ctxs: List[ClientContext], updates: List[ClientUpdate],
+                        store: ClientStateStore) -> List[ClientUpdate]:
+        """The rule's ``finish_client`` of each client (this executor's rule stack) and its state stored."""
         if overrides(self.algo, "finish_client"):
             updates = [self.algo.finish_client(ctx, up) for ctx, up in zip(ctxs, updates)]
         for ctx in ctxs:
             if ctx.state is not None:
                 store.put(ctx.client_id, ctx.state)
         return updates
+
+
+def _non_finite(loss: float, round_idx: int, client_id: int) -> str:
+    return f"non-finite training loss ({loss}) in round {round_idx}, client {client_id}"
 
 
 EXECUTORS["vectorized"] = VectorizedExecutor

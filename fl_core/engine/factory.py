@@ -46,7 +46,7 @@ PROBE_TIE = 0.05  # predictions within 5 % of each other: keep the device's defa
 
 
 def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_bytes: int,
-                   world_size: int = 1, held_bytes: int = 0) -> memory.Fit:
+                   world_size: int = 1, held_bytes: int = 0, replicas: int = 1) -> memory.Fit:
     """Whether the vectorised executor fits this run's rounds on the model's device (:mod:`.memory`).
 
     n is the number of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``, as the timing probe
@@ -60,10 +60,11 @@ def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_by
         world_size: ranks that share each round's clients (``engine.executor=distributed``).
         held_bytes: what the run adds to the device whichever executor trains (the in-memory store's client states
             when they live on this device).
+        replicas: the replicas of a population that train together (:mod:`.population`): n is theirs together.
     """
     t = cfg.train
     device = next(model.parameters()).device
-    n = len(sample_clients(len(data.indices), t.participation, t.sampler, int(cfg.seed), 1))
+    n = len(sample_clients(len(data.indices), t.participation, t.sampler, int(cfg.seed), 1)) * max(1, int(replicas))
     n = -(-n // max(1, int(world_size)))
     sample = data.x[:1]
     d = sum(p.numel() for p in model.parameters())
@@ -254,3 +255,17 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                                           bool(t.drop_stragglers)))
     sim.client_state_reason = store_reason
     return sim
+
+
+def population_chunk(cfg, sim: Simulator, replicas: int) -> int:
+    """The clients a population of ``replicas`` replicas like ``sim`` (seed or eta_l apart) trains at once
+    (:meth:`~.executors.VectorizedExecutor.run_population`): ``engine.max_parallel_clients`` when set, else 0 (all of
+    a round's clients of every replica) when that fits in memory (:func:`vectorized_fit` for them together, the
+    replicas' in-memory client states held), else the most that fit (at least one client)."""
+    if int(cfg.engine.max_parallel_clients):
+        return int(cfg.engine.max_parallel_clients)
+    dtype = DTYPES[cfg.engine.dtype]
+    state_bytes = diskstate.client_state_bytes(sim.algo, sim.spec.d, dtype)
+    held = sim.num_clients * state_bytes * replicas if sim.client_state == "memory" and sim.device.type == "cpu" else 0
+    fit = vectorized_fit(cfg, sim.model, sim.algo, sim.executor.data, state_bytes, held_bytes=held, replicas=replicas)
+    return 0 if fit.fits else max(1, fit.chunk)

@@ -156,6 +156,19 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_siz
     return out
 
 
+@dataclass
+class RoundStart:
+    """Round ``round`` up to local training (:meth:`Simulator.start_round`)."""
+
+    round: int
+    t0: float  # time.perf_counter() when the round began
+    lr: float  # eta_l of the round
+    sampled: List[int]  # the sampled clients
+    work: Optional[RoundWork]  # the round's local-work plan (None without one)
+    clients: List[int]  # the clients that train (the sampled ones less dropped stragglers)
+    rctx: RoundContext  # what they receive
+
+
 class Simulator:
     """Runs R rounds of one algorithm for one seed, with checkpoints and resume.
 
@@ -328,35 +341,64 @@ class Simulator:
         with gcpause.frozen_heap():
             return self._run()
 
-    def _run(self) -> RunResult:
-        """Resume (or start), run rounds ``st["round"] + 1 .. R``, then the post-training step and the result."""
+    def begin(self) -> Tuple[dict, ClientStateStore, int]:
+        """Resume (or start): the round state, the client-state store and the round resumed from, the logger
+        opened. :meth:`run` and a population (:mod:`.population`) begin here."""
         resumed_from = self.restore()
         st, self._restored = self._restored, None
         store = self._open_store(st)
         self.logger.open(st.get("logger"))
+        return st, store, resumed_from
+
+    def fail(self, st: dict, store: ClientStateStore, err: NonFiniteLossError) -> RunFailed:
+        """The run ends FAILED on ``err`` (:meth:`_close_failed`); the :class:`RunFailed` to raise or report."""
+        self._close_failed(store, str(err))
+        return RunFailed(str(err), st["history"])
+
+    def finish(self, st: dict, store: ClientStateStore, resumed_from: int) -> RunResult:
+        """After the last round (:meth:`_finish`)."""
+        return self._finish(st, store, resumed_from)
+
+    def _run(self) -> RunResult:
+        """Resume (or start), run rounds ``st["round"] + 1 .. R``, then the post-training step and the result."""
+        st, store, resumed_from = self.begin()
         try:
             for r in range(st["round"] + 1, self.rounds + 1):
                 self._round(r, st, store)
                 if r == resumed_from + 1:  # the first round imported what it uses: freeze it too
                     gcpause.refreeze()
         except NonFiniteLossError as err:
-            self._close_failed(store, str(err))
-            raise RunFailed(str(err), st["history"]) from None
+            raise self.fail(st, store, err) from None
         return self._finish(st, store, resumed_from)
 
     def _round(self, r: int, st: dict, store: ClientStateStore) -> None:
         """Round r: sample, broadcast, train, aggregate, the round's row (metrics, evaluation), log, checkpoint."""
+        start = self.start_round(r, st)
+        self.end_round(start, st, store, self.executor.run_round(start.rctx, start.clients, store))
+
+    def start_round(self, r: int, st: dict) -> "RoundStart":
+        """Round r up to local training: its clock, eta_l, the sampled clients, the local-work plan and what the
+        clients receive (:meth:`_sample`, :meth:`_broadcast`). A population (:mod:`.population`) trains the
+        clients of several replicas' starts in one pass, then ends each replica's round with :meth:`end_round`."""
         t0 = time.perf_counter()
         lr = self.lr * self.lr_decay ** (r - 1)
         sampled, work, clients = self._sample(r)
-        rctx = self._broadcast(r, lr, st, clients, work)
-        updates = self.executor.run_round(rctx, clients, store)
+        return RoundStart(r, t0, lr, sampled, work, clients, self._broadcast(r, lr, st, clients, work))
+
+    def end_round(self, start: "RoundStart", st: dict, store: ClientStateStore, updates) -> None:
+        """Round ``start.round`` after local training: aggregate ``updates``, the round's row (metrics,
+        evaluation), log, checkpoint.
+
+        Raises:
+            NonFiniteLossError: the evaluated model's test loss is not finite.
+        """
+        r, rctx = start.round, start.rctx
         diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
-        step = self._aggregate(rctx, st, updates, len(sampled))
-        row = self._round_row(r, lr, st, updates, work, step, diag)
+        step = self._aggregate(rctx, st, updates, len(start.sampled))
+        row = self._round_row(r, start.lr, st, updates, start.work, step, diag)
         self._probe_row(row, st, rctx, updates)
         self._evaluate_round(r, st, row)
-        self._record_round(r, st, store, row, t0)
+        self._record_round(r, st, store, row, start.t0)
 
     def _sample(self, r: int) -> Tuple[List[int], Optional[RoundWork], List[int]]:
         """The clients sampled in round r, the round's local-work plan (None without one) and the clients that

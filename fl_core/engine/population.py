@@ -1,0 +1,111 @@
+"""Populations: several replicas of one experiment (its seeds) trained in one pass per round.
+
+A replica is one :class:`~.simulator.Simulator` with its own global model, rule state (its own rule stack's
+instance), client sampling stream, batch order, initialisation, client-state store, checkpoint, logger and server
+step. The replicas advance in lock-step: in each pass the replicas at the lowest round each sample and broadcast
+(:meth:`~.simulator.Simulator.start_round`), the clients of all of them train in one vectorised pass whose vmap
+axis is (replica x client) (:meth:`~.executors.VectorizedExecutor.run_population`), and each replica aggregates,
+evaluates, logs and checkpoints its own round (:meth:`~.simulator.Simulator.end_round`). Every random draw stays a
+function of its replica's ``(seed, round, client)`` (:mod:`fl_core.seeding`), so a replica's numbers are those of
+its separate run up to float rounding, and a replica resumed from its checkpoint rejoins the others (replicas at
+different rounds after a kill catch up first: a pass takes only the replicas at the lowest round).
+
+A replica whose loss becomes non-finite ends FAILED alone; the others go on. Replicas that cannot share a pass
+(another executor, a rule stack or model that differs) run one after another, as without a population
+(:func:`can_share`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+from .. import faults
+from . import gcpause
+from .executors import NonFiniteLossError, PopulationJob, VectorizedExecutor
+from .simulator import RunFailed, RunResult, Simulator
+
+Outcome = Union[RunResult, RunFailed]
+
+
+def vectorized(sim: Simulator) -> bool:
+    """Whether ``sim`` trains on the vectorised executor itself (not wrapped by another, e.g. distributed): the
+    executor a population needs."""
+    return type(sim.executor) is VectorizedExecutor
+
+
+def can_share(sims: Sequence[Simulator]) -> bool:
+    """Whether ``sims`` can train as one population: at least two, each on the vectorised executor (not wrapped by
+    another, e.g. distributed), of one model architecture, rule stack and round count."""
+    if len(sims) < 2 or not all(vectorized(s) for s in sims):
+        return False
+    first = sims[0]
+    same = (first.spec.names, first.spec.shapes, first.rounds, first.algo.describe(), first.num_clients)
+    return all((s.spec.names, s.spec.shapes, s.rounds, s.algo.describe(), s.num_clients) == same for s in sims)
+
+
+Done = Optional[Callable[[int, Outcome], None]]
+
+
+def run_replicas(sims: Sequence[Simulator], together: bool = True, chunk: int = 0, on_done: Done = None) -> List[Outcome]:
+    """Run every simulator of ``sims`` to its end: as one population when ``together`` and :func:`can_share`
+    (``chunk`` clients at once, 0: all of a round's clients of every replica; :func:`.factory.population_chunk`),
+    else one after another (fault point ``between_seeds`` between two). ``on_done(i, outcome)`` hears of each
+    replica as soon as it ends (it may raise to stop the rest). Returns, in order, each one's
+    :class:`~.simulator.RunResult` or the :class:`~.simulator.RunFailed` it ended with (its logger's run closed
+    FAILED)."""
+    if together and can_share(sims):
+        with gcpause.frozen_heap():
+            return _lock_step(list(sims), chunk, on_done)
+    out: List[Outcome] = []
+    for i, sim in enumerate(sims):
+        if i:
+            faults.point("between_seeds")
+        out.append(run_one(sim))
+        if on_done is not None:
+            on_done(i, out[-1])
+    return out
+
+
+def run_one(sim: Simulator) -> Outcome:
+    """``sim.run()``, or the :class:`~.simulator.RunFailed` it raised."""
+    try:
+        return sim.run()
+    except RunFailed as err:
+        return err
+
+
+def _lock_step(sims: List[Simulator], chunk: int, on_done: Done) -> List[Outcome]:
+    states = {i: sim.begin() for i, sim in enumerate(sims)}  # i -> (round state, client store, resumed from)
+    results: Dict[int, Outcome] = {}
+
+    def done(i: int, outcome: Outcome) -> None:
+        results[i] = outcome
+        del states[i]
+        if on_done is not None:
+            on_done(i, outcome)
+
+    for i, (st, store, resumed) in list(states.items()):
+        if st["round"] >= sims[i].rounds:  # a checkpoint of the last round: nothing left to train
+            done(i, sims[i].finish(st, store, resumed))
+    first_pass = True
+    while states:
+        r = min(st["round"] for st, _, _ in states.values()) + 1
+        group = [i for i, (st, _, _) in states.items() if st["round"] + 1 == r]
+        starts = {i: sims[i].start_round(r, states[i][0]) for i in group}
+        jobs = [PopulationJob(sims[i].executor, starts[i].rctx, starts[i].clients, states[i][1]) for i in group]
+        trained = sims[group[0]].executor.run_population(jobs, chunk)
+        for i, updates in zip(group, trained):
+            st, store, resumed = states[i]
+            try:
+                if isinstance(updates, NonFiniteLossError):
+                    raise updates
+                sims[i].end_round(starts[i], st, store, updates)
+            except NonFiniteLossError as err:
+                done(i, sims[i].fail(st, store, err))
+                continue
+            if st["round"] >= sims[i].rounds:
+                done(i, sims[i].finish(st, store, resumed))
+        if first_pass:  # the first pass imported what it uses: freeze it too
+            gcpause.refreeze()
+            first_pass = False
+    return [results[i] for i in range(len(sims))]

@@ -1,0 +1,141 @@
+"""Populations (fl_core.engine.population): an experiment's seeds, or runs that differ only in eta_l, trained in
+one vectorised pass per round give each replica the numbers of its own separate run (float64, to the executors'
+tolerance), resume after a kill inside the population, and fail one replica alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from fl_core.engine import population
+from fl_core.engine.simulator import RunFailed
+
+from test_conformance import BASES, TOL, UNEQUAL, _run, _sim, _stack
+from test_heterogeneity import ADAM, DRAWN, DROP
+
+SEEDS = (1, 2, 3)
+
+
+def _rows(history):
+    return [{k: v for k, v in row.items() if k != "round_time_s"} for row in history]
+
+
+def _assert_as_apart(stack: tuple, variants) -> None:
+    """``variants`` (extra overrides per replica) trained as one population equal their separate sequential runs."""
+    sims = [_sim(stack + v, "vectorized") for v in variants]
+    if not population.can_share(sims):
+        pytest.fail(f"{' '.join(stack)}: the replicas cannot share a pass")
+    got = population.run_replicas(sims)
+    for v, res in zip(variants, got):
+        assert not isinstance(res, RunFailed), f"{v}: {res}"
+        ref, hist, _, _ = _run(stack + v)
+        gap = float((res.final_flat - ref).abs().max())
+        assert gap <= TOL, f"{' '.join(stack + v)}: population and separate run differ by {gap:.3g}"
+        _same_rows(res.history, hist, v)
+
+
+def _same_rows(got, want, label) -> None:
+    assert len(got) == len(want), label
+    for a, b in zip(_rows(got), _rows(want)):
+        assert a.keys() == b.keys(), label
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-7, abs=1e-9), (label, a["round"], k)
+
+
+def _seeds(*extra):
+    return [tuple(extra) + (f"seed={s}",) for s in SEEDS]
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_seeds_of_every_base_as_one_population_equal_their_separate_runs(base):
+    stack = _stack(base, extra=UNEQUAL)
+    if not _sim(stack).algo.vectorizable:
+        pytest.skip(f"{base} has hooks that only run sequentially: its seeds run apart")
+    _assert_as_apart(stack, _seeds())
+
+
+@pytest.mark.parametrize("stack", [_stack("scaffold", "fedbug", UNEQUAL), _stack("fedavg", "fednlr", UNEQUAL),
+                                   _stack("fedavg", extra=UNEQUAL + ("algorithm.transforms=[qsgd]",)),
+                                   _stack("fedprox", extra=UNEQUAL + ADAM), _stack("feddyn", extra=UNEQUAL + DROP),
+                                   _stack("fedavg", extra=UNEQUAL + DRAWN + ("train.momentum=0.9",))])
+def test_wrappers_transforms_and_local_work_as_one_population_equal_their_separate_runs(stack):
+    _assert_as_apart(stack, _seeds())
+
+
+def test_a_population_over_eta_l_equals_the_separate_runs():
+    _assert_as_apart(_stack("fedprox", extra=UNEQUAL), [(f"train.lr={lr}",) for lr in (0.01, 0.05, 0.2)])
+    _assert_as_apart(_stack("scaffold", extra=UNEQUAL), [(f"train.lr={lr}", f"seed={s}")
+                                                         for lr, s in ((0.02, 1), (0.1, 2))])
+
+
+def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
+    assert not population.can_share([_sim(("algorithm=fedavg",), "vectorized"),
+                                     _sim(("algorithm=fedprox",), "vectorized")])
+    assert not population.can_share([_sim(("model.hidden=8",), "vectorized"), _sim((), "vectorized")])
+    assert not population.can_share([_sim(("seed=1",)), _sim(("seed=2",))])  # the sequential executor
+    assert not population.can_share([_sim((), "vectorized")])
+
+
+def test_a_diverging_replica_fails_alone_and_the_others_are_as_apart():
+    stack = _stack("fedavg", extra=UNEQUAL)
+    variants = [("train.lr=0.05",), ("train.lr=1e300",), ("train.lr=0.05", "seed=2")]
+    got = population.run_replicas([_sim(stack + v, "vectorized") for v in variants])
+    assert isinstance(got[1], RunFailed) and "non-finite" in str(got[1])
+    for i in (0, 2):
+        assert float((got[i].final_flat - _run(stack + variants[i])[0]).abs().max()) <= TOL
+
+
+def test_a_population_killed_between_replicas_resumes_each_from_its_own_checkpoint(tmp_path):
+    """Replica 0 stops after its round 2 is checkpointed, the others hold round 1's: the rerun catches them up
+    and every replica ends with the parameters of an uninterrupted run."""
+    class Stop(Exception):
+        pass
+
+    def stop(r, row):
+        if r == 2:
+            raise Stop
+
+    stack = _stack("scaffold", extra=UNEQUAL + ("engine.checkpoint_every=1", "train.rounds=4"))
+    paths = [tmp_path / f"seed{s}.pt" for s in SEEDS]
+    sims = [_sim(stack + v, "vectorized", checkpoint_path=p, callbacks=[stop] if i == 0 else [])
+            for i, (v, p) in enumerate(zip(_seeds(), paths))]
+    with pytest.raises(Stop):
+        population.run_replicas(sims)
+    again = [_sim(stack + v, "vectorized", checkpoint_path=p) for v, p in zip(_seeds(), paths)]
+    assert [s.restore() for s in again] == [2, 1, 1]
+    got = population.run_replicas(again)
+    for v, res in zip(_seeds(), got):
+        full = _sim(stack + v, "vectorized").run()
+        assert float((res.final_flat - full.final_flat).abs().max()) <= TOL, v
+        _same_rows(res.history, full.history, v)
+
+
+def test_a_population_in_chunks_equals_its_separate_runs():
+    stack = _stack("scaffold", extra=UNEQUAL)
+    sims = [_sim(stack + v, "vectorized") for v in _seeds()]
+    got = population.run_replicas(sims, chunk=2)  # 2 clients at once across the replicas' rounds
+    for v, res in zip(_seeds(), got):
+        assert float((res.final_flat - _run(stack + v)[0]).abs().max()) <= TOL
+
+
+def test_the_api_trains_an_experiments_seeds_as_one_population_with_each_seeds_own_numbers(monkeypatch):
+    """Through the one runner (pipeline.experiment): seeds 1 and 2 together give, bit for bit, what each gives
+    alone (float32, the digits MLP; each alone is not a population), and every round is heard once per seed."""
+    import torch
+
+    from pipeline.api import run
+
+    over = ["engine.executor=vectorized", "train.rounds=3", "model=mlp", "partition.num_clients=6",
+            "train.participation=0.5"]
+    heard, passes = [], []
+    lock_step = population._lock_step
+    monkeypatch.setattr(population, "_lock_step", lambda sims, *a: passes.append(len(sims)) or lock_step(sims, *a))
+    both = run(over, seeds=(1, 2), progress=False, on_round=lambda s, r, row: heard.append((s, r)))
+    assert passes == [2]
+    assert sorted(heard) == [(s, r) for s in (1, 2) for r in (1, 2, 3)]
+    for s in (1, 2):
+        alone = run(over, seeds=(s,), progress=False)
+        for k, v in alone.models[s].items():
+            assert torch.equal(both.models[s][k], v), (s, k)
+        cols = [c for c in alone.history.columns if c not in ("round_time_s", "seed")]
+        mine = both.history[both.history.seed == s][cols].reset_index(drop=True)
+        assert mine.equals(alone.history[cols].reset_index(drop=True)), s
