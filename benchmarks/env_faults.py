@@ -12,7 +12,7 @@ Every case works on throwaway resources it makes itself:
   injected ``FL_FAULT=path_check:EROFS``; a folder without write permission: the injected ``path_check:EACCES``;
 - a full disk: a small tmpfs holding ``engine.checkpoint_dir`` that the campaign fills once the run's first checkpoint
   exists (real, with mounts), and ``ENOSPC`` injected at the named write points (``checkpoint_write``,
-  ``outputs_write``, ``prepare_write``, ``partition_write``: :data:`fl_core.faults.WRITE_POINTS`);
+  ``outputs_write``, ``prepare_write``, ``partition_write``: :data:`fl_core.store.faults.WRITE_POINTS`);
 - ``engine.executor=distributed`` under ``torchrun`` (2 ranks): rank 1 SIGKILLed, and rank 1 frozen (SIGSTOP), once
   rank 0's second checkpoint exists, with plain ``torchrun`` and with ``python -m pipeline.torchrun``;
 - the tracking store: the SQLite store locked by a second process (``BEGIN EXCLUSIVE``) from the first checkpoint
@@ -75,7 +75,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, without an insta
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import faults as kill  # noqa: E402  (the kill campaign's scaffolding)
-from fl_core import envfail, faults  # noqa: E402
+from fl_core.store import envfail, faults  # noqa: E402
 
 NAME = kill.NAME  # "exp"
 SEEDS = kill.SEEDS  # [1, 2]
@@ -674,7 +674,7 @@ def _server_ready(port: int, deadline: float) -> bool:
 @case("tracking_server_restarted", "tracking")
 def _tracking_server_restarted(ctx: Context) -> Outcome:
     """mlflow server SIGKILLed after the 1st checkpoint and started again at once; MLflow's retries carry the run."""
-    from fl_core.tracking import ensure_store
+    from fl_core.store.tracking import ensure_store
 
     label = "tracking server killed and restarted"
     chain = kill.Chain(ctx.base, label, grid(ctx.rounds))

@@ -16,7 +16,7 @@ Scenarios:
    that timeout), until an attempt finishes by itself (at most 40 attempts per chain). Target: at least
    5 kills per requested chain (20 with the defaults); when attempts finished before enough kills
    landed, more chains are run (at most 3 x ``--chains`` extra) and the table says so.
-3. ``named points``: one chain per point of :data:`fl_core.faults.POINTS`, killed there with
+3. ``named points``: one chain per point of :data:`fl_core.store.faults.POINTS`, killed there with
    ``FL_FAULT`` (``@2`` for ``checkpoint_write`` and ``checkpoint_swap`` so that a previous checkpoint
    exists; ``results/exp/old.txt`` is created first so that ``outputs_swap`` is reached), then one plain
    rerun.
@@ -77,7 +77,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, without an insta
 
 import yaml  # noqa: E402
 
-from fl_core import faults  # noqa: E402
+from fl_core.store import faults  # noqa: E402
 
 SEEDS = [1, 2]
 NAME = "exp"

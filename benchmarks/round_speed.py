@@ -512,7 +512,7 @@ class _Tracking:
 
     def get(self):
         if self._tracking is None:
-            from fl_core.tracking import Tracking
+            from fl_core.store.tracking import Tracking
 
             self._tmp = tempfile.TemporaryDirectory(prefix="round_speed_mlflow_")
             self._saved_uri = os.environ.pop("MLFLOW_TRACKING_URI", None)  # force the temporary store

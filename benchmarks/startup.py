@@ -49,7 +49,7 @@ from typing import List, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fl_core.procs import machine  # noqa: E402,F401  (after the path is set; benchmarks/threads.py takes it from here)
+from fl_core.store.procs import machine  # noqa: E402,F401  (after the path is set; benchmarks/threads.py takes it from here)
 
 
 def load() -> str:

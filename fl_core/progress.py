@@ -3,7 +3,7 @@
 A bar refreshes its line with carriage returns; in a log file (stderr redirected, a DVC stage, CI, a Slurm job)
 that is hundreds of ``\\r`` fragments on one line, so :func:`bar` draws one only when stderr is a terminal. Before a
 command prints its last ``error:`` line it calls :func:`end_line`, which closes the bars still open so that the
-error starts a line of its own (:func:`fl_core.envfail.run_cli`, :func:`pipeline.common.fail`).
+error starts a line of its own (:func:`fl_core.store.envfail.run_cli`, :func:`pipeline.common.fail`).
 """
 
 from __future__ import annotations

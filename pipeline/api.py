@@ -74,8 +74,8 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
             override, no seeds, or ``track=True`` without ``write``.
         fl_core.data.DataSourceError, fl_core.data.PartitionError: unreadable data or a partition that
             cannot be built.
-        fl_core.envfail.EnvironmentFailure, OSError: with ``write=True``, the environment failed (``results_dir`` or
-            ``engine.checkpoint_dir`` a file or not writable, a full disk); :func:`fl_core.envfail.classify` gives
+        fl_core.store.envfail.EnvironmentFailure, OSError: with ``write=True``, the environment failed (``results_dir`` or
+            ``engine.checkpoint_dir`` a file or not writable, a full disk); :func:`fl_core.store.envfail.classify` gives
             the one line, and the same call again resumes (docs/reliability.md, When the environment fails).
     """
     import pandas as pd

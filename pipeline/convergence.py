@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fl_core import owned
+from fl_core.store import owned
 from fl_core.config import ConfigError
 
 from .figures import _legend_below, _new_figure, _tidy, method_styles, save_figure

@@ -163,7 +163,7 @@ class ExperimentRunner:
             runs = runs[:1]  # replicas that cannot share a pass: one after another, built one at a time
         for i, cfg in enumerate(cfgs):
             if i:
-                from fl_core import faults
+                from fl_core.store import faults
 
                 faults.point("between_seeds")
                 runs.append(self._build(cfg, observers, checkpoint_path))

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from fl_core import envfail, faults
+from fl_core.store import envfail, faults
 
 
 def _umask() -> int:
@@ -25,7 +25,7 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
 
     A crash midway leaves the previous ``path`` intact (no half-written outputs). The file gets the
     permissions a plain ``open(path, "w")`` would give (0666 minus the umask). Fault point ``outputs_write``
-    (:mod:`fl_core.faults`) sits after the write, before the rename.
+    (:mod:`fl_core.store.faults`) sits after the write, before the rename.
 
     Raises:
         OSError: the write failed (a full disk, ...), naming the temporary file, which is removed.

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from fl_core import envfail
+from fl_core.store import envfail
 from fl_core.config import ConfigError
 from fl_core.experiment import derive_name
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from fl_core import envfail
+from fl_core.store import envfail
 
 from .common import fail
 from .prepare import check_data_dirs, stage_configs

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from fl_core import envfail
+from fl_core.store import envfail
 from fl_core.config import ConfigError
 
 from .common import fail
@@ -48,7 +48,7 @@ def check_data_dirs(cfgs: list) -> None:
     """The data folders the stage writes to (``data_dir`` of every experiment), checked before any data is read.
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: a folder is a file or not writable (one line, exit status 3)."""
+        fl_core.store.envfail.EnvironmentFailure: a folder is a file or not writable (one line, exit status 3)."""
     for data_dir in dict.fromkeys(str(c.data_dir) for c in cfgs):
         envfail.check_folder(data_dir, "data folder", "data_dir")
 

@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from fl_core import owned
+from fl_core.store import owned
 from fl_core.algorithms import registry
 from fl_core.config import ConfigError
 
@@ -561,14 +561,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point; returns the exit status (an environment failure: one line and 3,
-    :func:`fl_core.envfail.run_cli`)."""
-    from fl_core import envfail
+    :func:`fl_core.store.envfail.run_cli`)."""
+    from fl_core.store import envfail
 
     return envfail.run_cli(_main, argv)
 
 
 def _main(argv: List[str]) -> int:
-    from fl_core import envfail
+    from fl_core.store import envfail
 
     from .claims import default_claims_path, load_claims
 

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fl_core.metrics import mean_std
-from fl_core.runstore import EXPERIMENT_FILE, METRICS_FILE
+from fl_core.store.runstore import EXPERIMENT_FILE, METRICS_FILE
 
 from .grid import Grid
 from .labels import _num, partition_label, run_label

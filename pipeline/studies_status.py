@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fl_core import procs
+from fl_core.store import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDIES = ROOT / "studies"

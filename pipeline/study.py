@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import yaml
 
-from fl_core import owned
+from fl_core.store import owned
 from fl_core.config import ConfigError
 
 from .files import atomic_write, write_text
@@ -359,7 +359,7 @@ def _log_mlflow(params: Path, files: List[Path]) -> None:
     experiment = ((raw.get("tracking") or {}).get("experiment")) or "fl-pipeline"
     if (raw.get("tracking") or {}).get("enabled") is False:
         return
-    from fl_core.tracking import Tracking
+    from fl_core.store.tracking import Tracking
 
     tr = Tracking(experiment)
     run_id = tr.start_parent("study-figures", {"kind": "study-figures"})

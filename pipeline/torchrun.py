@@ -5,7 +5,7 @@ The same launcher as ``torchrun`` (``torch.distributed.run``: the same options, 
 traceback of its own and a ``ChildFailedError`` table (some 35 lines, besides its warning lines); here the ranks'
 own lines stay (rank 0's ``error:`` line names a lost or frozen rank, docs/reliability.md) and the launcher adds one
 line, ``torchrun: rank R ended first (exit status S | signal NAME); ...``. Exit status: rank 0's when it failed with
-one (3 for a lost rank: fl_core.envfail), else 1. ``FL_DEBUG=1`` or ``--debug`` among the arguments (passed on to
+one (3 for a lost rank: fl_core.store.envfail), else 1. ``FL_DEBUG=1`` or ``--debug`` among the arguments (passed on to
 the ranks, which then show their tracebacks too) keeps torchrun's own report and log lines.
 """
 
@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from fl_core import envfail
+from fl_core.store import envfail
 
 
 def _quiet_launcher() -> None:

@@ -24,7 +24,7 @@ Exit status: 0 on success (and for a ``--grid`` experiment whose seeds failed: `
 ``metrics.json`` records it, so a DVC pipeline goes on); 1 if a seed failed in a single run (e.g.
 non-finite loss; the other seeds still run); 2 for bad input or an experiment another process
 holds (one line, nothing written); 3 when the environment failed (a folder that is a file or not writable, a
-full disk, a lost torch.distributed rank: one line, :mod:`fl_core.envfail`; ``--debug`` or ``FL_DEBUG=1`` shows
+full disk, a lost torch.distributed rank: one line, :mod:`fl_core.store.envfail`; ``--debug`` or ``FL_DEBUG=1`` shows
 the traceback); 130 when interrupted (Ctrl-C, SIGTERM).
 """
 
@@ -44,15 +44,16 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 # Only light modules at the top: ``--help``, ``--hydra-help``, ``--cfg`` and ``--info`` import no torch, MLflow or
 # matplotlib (tests/test_cli.py checks it). What a run needs (the engine, the data, the figures) is imported by the
 # functions that use it.
-from fl_core import envfail, faults, progress
+from fl_core import progress
+from fl_core.store import envfail, faults
 from fl_core.config import ConfigError, compose, to_container
 from fl_core.experiment import resolve
 from fl_core.metrics import mean_std, summarize_run, summarize_seeds
-from fl_core.owned import ForeignFolder
+from fl_core.store.owned import ForeignFolder
 from fl_core.paths import project_root
-from fl_core.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
+from fl_core.store.runstore import (EXPERIMENT_FILE, METRICS_FILE, ExperimentBusy, ExperimentStore, read_results,
                               split_summary)
-from fl_core.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, check_store, dvc_experiment_tags,
+from fl_core.store.tracking import (TAG_EXPERIMENT, TAG_FINGERPRINT, TAG_SEED, Tracking, check_store, dvc_experiment_tags,
                               git_commit, resumable, run_params)
 
 from .common import fail
@@ -242,7 +243,7 @@ class _Experiment(Observer):
         self.replace = replace  # False: refuse a results/<name>/ that holds another config's results
         self.adhoc = adhoc  # a run outside the grid: its results/<name>/ carries a .gitignore of its own
         cfg0 = self.cfg0
-        # the folders this run writes to, before any data is read or lock taken (fl_core.envfail)
+        # the folders this run writes to, before any data is read or lock taken (fl_core.store.envfail)
         envfail.check_folder(cfg0.results_dir, "results folder", "results_dir")
         envfail.check_folder(cfg0.engine.checkpoint_dir, "checkpoint folder", "engine.checkpoint_dir")
         if cfg0.tracking.enabled:
@@ -360,16 +361,16 @@ class _Experiment(Observer):
         """The one place a start that stops on an exception ends what it opened, so that no MLflow run is left RUNNING
         and no staging folder behind: the seed's and the experiment's MLflow runs end KILLED on Ctrl-C / SIGTERM,
         FAILED with ``fl.end_reason`` ``environment failure: <the line>`` on an environment failure
-        (:func:`fl_core.envfail.classify`), else FAILED with ``stopped by an error: <type>: <first line>``; the same
-        command continues them (:func:`fl_core.tracking.resumable`). This start's staging folder is removed (the next
+        (:func:`fl_core.store.envfail.classify`), else FAILED with ``stopped by an error: <type>: <first line>``; the same
+        command continues them (:func:`fl_core.store.tracking.resumable`). This start's staging folder is removed (the next
         start rebuilds it); checkpoints and completion records stay. When the failure is the tracking store itself
         (locked, unreachable) the runs are not touched, as that would only wait once more: the next start ends or
         continues them. Best effort: the failure may be the disk or the store these steps need."""
         import contextlib
         import shutil
 
-        from fl_core import storefail
-        from fl_core.tracking import ENV_FAILURE, STOPPED_BY_ERROR
+        from fl_core.store import storefail
+        from fl_core.store.tracking import ENV_FAILURE, STOPPED_BY_ERROR
 
         failure = envfail.classify(err) if isinstance(err, Exception) else None
         if isinstance(err, KeyboardInterrupt):
@@ -648,8 +649,8 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
     Everything that can fail on the inputs (data files, partition, model vs. input shape, rule vs.
     model) is checked before anything is written. Then, holding the experiment's writer lock, finished
     seeds are read back from their completion records, a seed in training resumes from its checkpoint,
-    and MLflow parent and child runs are found by tags and continued (:mod:`fl_core.runstore`,
-    :mod:`fl_core.tracking`). A seed whose loss becomes non-finite ends as FAILED; the experiment
+    and MLflow parent and child runs are found by tags and continued (:mod:`fl_core.store.runstore`,
+    :mod:`fl_core.store.tracking`). A seed whose loss becomes non-finite ends as FAILED; the experiment
     still completes, with ``status`` in ``metrics.json`` and ``failures`` in ``experiment.json``.
 
     Args:
@@ -668,12 +669,12 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
     Raises:
         ConfigError, DataSourceError, PartitionError: bad inputs (nothing written).
         ExperimentBusy: another process writes this experiment (nothing written).
-        fl_core.envfail.EnvironmentFailure: ``results_dir`` or ``engine.checkpoint_dir`` is a file or not writable
+        fl_core.store.envfail.EnvironmentFailure: ``results_dir`` or ``engine.checkpoint_dir`` is a file or not writable
             (nothing written, no lock taken), or a torch.distributed rank was lost.
-        OSError: a write failed (a full disk, ...: :func:`fl_core.envfail.classify` names it); as for any
+        OSError: a write failed (a full disk, ...: :func:`fl_core.store.envfail.classify` names it); as for any
             environment failure the MLflow runs are ended FAILED with the reason (``fl.end_reason``), the last
             checkpoint stays valid, no temporary file is left, and the same command resumes.
-        mlflow.exceptions.MlflowException: the tracking store failed (:mod:`fl_core.storefail` names a locked or
+        mlflow.exceptions.MlflowException: the tracking store failed (:mod:`fl_core.store.storefail` names a locked or
             unreachable one); its runs are left to the next start, which ends or continues them.
         Interrupted: Ctrl-C / SIGTERM; the MLflow runs are ended KILLED and the same command resumes.
     """
@@ -919,7 +920,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ``argv`` None (``fl-train``, ``python -m pipeline.train``): ``sys.argv``, with the garbage collector paused for
     the start-up (:func:`_end_startup`) and, once the command is done, every object frozen so that the exit collects
     nothing; a list (tests, the jobs of ``-m``): those arguments, the collector left as it is. An environment failure
-    ends with one ``error:`` line and status 3 (:func:`fl_core.envfail.run_cli`; ``--debug``: the traceback)."""
+    ends with one ``error:`` line and status 3 (:func:`fl_core.store.envfail.run_cli`; ``--debug``: the traceback)."""
     global _gc_paused
     if argv is not None:
         return envfail.run_cli(functools.partial(_main, from_command_line=False), argv)

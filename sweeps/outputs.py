@@ -34,7 +34,7 @@ def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Opti
     else a new one; None without MLflow."""
     if tracking is None:
         return None
-    from fl_core.tracking import git_commit
+    from fl_core.store.tracking import git_commit
 
     run_id = study.user_attrs.get("mlflow_parent_run_id")
     if run_id:
@@ -432,7 +432,7 @@ def _best_test(study, settings: Settings, best, run_test: bool, tracking, status
 
 
 #: every file a sweep writes into its output folder (``--out``, default ``sweeps/results/<study>/``): a folder holding
-#: anything else is not the sweep's to write into (fl_core.owned)
+#: anything else is not the sweep's to write into (fl_core.store.owned)
 OUTPUT_FILES = ("best.yaml", "trials.csv", "summary.md", "summary.json", "history.png", "importances.png",
                 "parallel_coordinate.png", "intermediate_values.png", "pareto_front.png")
 

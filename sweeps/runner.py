@@ -15,7 +15,7 @@ compares trials at the same seed and round. How a trial ends (:class:`TrialRunne
 - FAIL, reason "interrupted (Ctrl-C)"; FAIL, reason "stale: ..." (:func:`fail_stale_trials`: its process on this
   machine is gone; :func:`fail_silent_trials`: no Optuna heartbeat for :data:`GRACE_S` s, any machine).
 
-An environment failure (:mod:`fl_core.envfail`: the storage gone for good or not answering, MLflow's store, the disk)
+An environment failure (:mod:`fl_core.store.envfail`: the storage gone for good or not answering, MLflow's store, the disk)
 is not a property of the trial: the sweep stops with one line (:func:`optimize`, :func:`run_workers`).
 
 Processes killed hard: spawned workers die with the process that started them
@@ -42,11 +42,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from fl_core import envfail, procs, progress, storefail, storewait
+from fl_core import progress
+from fl_core.store import envfail, procs, storefail, storewait
 from fl_core.config import ConfigError
 from fl_core.schema import format_value
-from fl_core.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
-from fl_core.tracking import end_orphaned_runs as tracking_end_orphans
+from fl_core.store.tracking import ORPHAN_REASON  # noqa: F401  (re-exported: MLflow tag fl.end_reason of ended orphans)
+from fl_core.store.tracking import end_orphaned_runs as tracking_end_orphans
 
 from .spaces import TRIAL_FIXED, VALIDATION_FRACTION, Space, load_space, make_override, merge_overrides
 
@@ -127,7 +128,7 @@ def default_storage(study_name: str) -> str:
 
 
 def shown_storage(spec: str) -> str:
-    """How the storage ``spec`` is shown in messages, tags and summaries: :func:`fl_core.storefail.mask` (the
+    """How the storage ``spec`` is shown in messages, tags and summaries: :func:`fl_core.store.storefail.mask` (the
     password and secret query values of an RDB URL replaced by ``***``; a journal path unchanged)."""
     return storefail.mask(spec)
 
@@ -145,8 +146,8 @@ def storage_error(spec: str, err: BaseException) -> StorageError:
 
 
 def bounded_storage(spec: str) -> None:
-    """Name the RDB storage ``spec`` ``Optuna storage`` in the messages of its failures (:mod:`fl_core.storefail`) and
-    bound the waits on it (:func:`fl_core.storewait.install`: SQLite's busy timeout, the stall watch)."""
+    """Name the RDB storage ``spec`` ``Optuna storage`` in the messages of its failures (:mod:`fl_core.store.storefail`) and
+    bound the waits on it (:func:`fl_core.store.storewait.install`: SQLite's busy timeout, the stall watch)."""
     storewait.install()
     storefail.name_store(spec, "Optuna storage", STORAGE_ACTION)
 
@@ -156,7 +157,7 @@ def open_storage(spec: str):
     SQLAlchemy (the URL's driver must be installed; psycopg 3 for PostgreSQL is a dependency), else a journal
     file (parent folders created), safe for several processes on one machine.
 
-    An RDB storage waits a bounded time (:mod:`fl_core.storewait`: PostgreSQL's connect and statement timeouts and
+    An RDB storage waits a bounded time (:mod:`fl_core.store.storewait`: PostgreSQL's connect and statement timeouts and
     keepalives as ``connect_args``, where the URL does not set them; SQLite's busy timeout) and keeps Optuna's
     heartbeat of running trials (every :data:`HEARTBEAT_S` s, stale after :data:`GRACE_S` s: :func:`heartbeat`,
     :func:`fail_stale_trials`).
@@ -510,7 +511,7 @@ def label_study(study, settings: Settings, space: Space) -> Dict[str, str]:
 
 
 def _alive(pid: int, since: Optional[datetime]) -> bool:
-    """Whether process ``pid`` of this machine runs and started before ``since`` (:func:`fl_core.procs.alive`)."""
+    """Whether process ``pid`` of this machine runs and started before ``since`` (:func:`fl_core.store.procs.alive`)."""
     return procs.alive(pid, since.timestamp() if since is not None else None)
 
 
@@ -575,7 +576,7 @@ def heartbeat(study, trial, on_error: Optional[Callable[[BaseException], None]] 
     the database fails) from a daemon thread while the block runs; nothing for a storage without heartbeats.
     ``study.optimize`` does this itself; the sweep asks and tells its trials explicitly. Errors are not raised here:
     the trial's own next use of the storage meets them; ``on_error(err)`` hears of each (:func:`optimize`: the
-    storage's outage begins then, :func:`fl_core.storewait.outage_began`, even while the trial computes)."""
+    storage's outage begins then, :func:`fl_core.store.storewait.outage_began`, even while the trial computes)."""
     storage = study._storage
     interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
     if interval is None:
@@ -611,7 +612,7 @@ owner_tags = procs.identity  # MLflow tags naming the process that creates a run
 
 def end_orphaned_runs(client, experiment_id: str) -> List[str]:
     """End the sweep's MLflow runs left RUNNING by a process of this machine that is gone (status KILLED,
-    ``fl.end_reason`` = :data:`ORPHAN_REASON`; :func:`fl_core.tracking.end_orphaned_runs`).
+    ``fl.end_reason`` = :data:`ORPHAN_REASON`; :func:`fl_core.store.tracking.end_orphaned_runs`).
 
     Returns:
         The ids of the runs ended.
@@ -781,14 +782,14 @@ class TrialRunner:
         storewait.on_stall(self._on_stall)
 
     def _on_stall(self, failure: BaseException) -> None:
-        """A database stopped answering and the process ends (:func:`fl_core.storewait.on_stall`): the trial's MLflow
+        """A database stopped answering and the process ends (:func:`fl_core.store.storewait.on_stall`): the trial's MLflow
         run ends FAILED, unless it is MLflow's store that does not answer."""
         self._end_run(self._live, failure)
 
     def _end_run(self, logger, failure) -> None:
         """End the trial's MLflow run FAILED with ``fl.end_reason`` ``environment failure: <line>`` (best effort; not
         when MLflow's own store is the one that failed)."""
-        from fl_core.tracking import ENV_FAILURE
+        from fl_core.store.tracking import ENV_FAILURE
 
         if logger is None or logger.run_id is None or _is_store_of(failure, self.tracking.uri):
             return
@@ -868,7 +869,7 @@ class TrialRunner:
         ``step = seed_index * rounds + round``, raising ``optuna.TrialPruned`` when the pruner says so)."""
         import optuna
 
-        from fl_core.tracking import run_params
+        from fl_core.store.tracking import run_params
 
         s = self.settings
         rounds = {"R": 1}
@@ -947,7 +948,7 @@ def _is_store_of(failure, url: Optional[str]) -> bool:
 
 def storage_failure(err: BaseException, settings: Settings) -> Optional[envfail.EnvironmentFailure]:
     """The environment failure ``err`` stands for when it is the sweep's RDB storage that failed (lost, refused,
-    timed out, locked: :mod:`fl_core.storefail`), else None."""
+    timed out, locked: :mod:`fl_core.store.storefail`), else None."""
     if not is_url(settings.storage):
         return None
     failure = envfail.classify(err)
@@ -956,19 +957,19 @@ def storage_failure(err: BaseException, settings: Settings) -> Optional[envfail.
 
 def note_outage(settings: Settings, err: BaseException) -> None:
     """``err`` (from any thread: the trial's heartbeat too) is the storage's failure: its outage begins now if it
-    has not begun yet (:func:`fl_core.storewait.outage_began`), so :func:`wait_for_storage` counts from here."""
+    has not begun yet (:func:`fl_core.store.storewait.outage_began`), so :func:`wait_for_storage` counts from here."""
     if storage_failure(err, settings) is not None:
         storewait.outage_began(settings.storage)
 
 
 def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) -> float:
-    """After ``failure`` of the storage: wait until it answers again (:func:`fl_core.storewait.wait_until_back`),
+    """After ``failure`` of the storage: wait until it answers again (:func:`fl_core.store.storewait.wait_until_back`),
     at most until ``FL_DB_RETRY_S`` (default 30 s) after the outage began: its first failure seen by this process
     (the trial's heartbeat included, :func:`note_outage`); the waits of one outage share that deadline. Returns the
     seconds since the outage began. A locked SQLite file is not waited for again (its busy timeout was the wait).
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: it does not answer within that time (one line: what failed first and
+        fl_core.store.envfail.EnvironmentFailure: it does not answer within that time (one line: what failed first and
             how long it was waited for).
     """
     if settings.storage.startswith("sqlite"):
@@ -1029,7 +1030,7 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
         True if interrupted by Ctrl-C, else False.
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: the storage did not come back within ``FL_DB_RETRY_S``; the running trial
+        fl_core.store.envfail.EnvironmentFailure: the storage did not come back within ``FL_DB_RETRY_S``; the running trial
             stays RUNNING in it until its heartbeat is stale (the next invocation, or another process, marks it
             FAIL).
         Exception: another error outside a trial's training (MLflow, a bug); the running trial is told FAIL first.
@@ -1164,7 +1165,7 @@ def _work(settings: Settings, n_trials: int, worker: int) -> None:
     quiet_optuna()
     tracking = None
     if settings.experiment:
-        from fl_core.tracking import Tracking
+        from fl_core.store.tracking import Tracking
 
         tracking = Tracking(settings.experiment)
     runner = TrialRunner(settings, tracking, worker)

@@ -31,7 +31,8 @@ from typing import List, NoReturn, Optional, Tuple
 if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fl_core import envfail, progress, storefail, storewait
+from fl_core import progress
+from fl_core.store import envfail, storefail, storewait
 from fl_core.paths import project_root
 from sweeps.runner import (EXIT_INTERRUPTED, GRACE_S, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
                            TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_silent_trials,
@@ -137,9 +138,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     130 interrupted, 1 an error stopped the sweep or a worker (the outputs of the trials done are
     written), 3 an environment failure (a folder not writable, a full disk, the storage gone for longer than
     ``FL_DB_RETRY_S`` or not answering, MLflow's store locked or unreachable: one line, with ``--workers`` one per
-    worker, :func:`fl_core.envfail.run_cli`; the MLflow parent run ends FAILED where MLflow answers, and the next
+    worker, :func:`fl_core.store.envfail.run_cli`; the MLflow parent run ends FAILED where MLflow answers, and the next
     invocation writes the outputs; ``--debug`` or ``FL_DEBUG=1``: the traceback)."""
-    from fl_core import envfail
+    from fl_core.store import envfail
 
     return envfail.run_cli(_exit_status, argv)
 
@@ -184,8 +185,8 @@ def _main(argv: Optional[List[str]]) -> int:
 
 def _check_out(out: Path) -> None:
     """Refuse, in one line and exit 2, an output folder that holds files a sweep does not write (a folder of the user's:
-    :mod:`fl_core.owned`), before the study or any trial starts."""
-    from fl_core import owned
+    :mod:`fl_core.store.owned`), before the study or any trial starts."""
+    from fl_core.store import owned
     from pipeline.common import fail
     from sweeps.outputs import OUTPUT_FILES
 
@@ -198,7 +199,7 @@ def _check_out(out: Path) -> None:
 def _end_parent_on(failure, settings: Settings, tracking) -> None:
     """After an environment failure: end the study's MLflow parent run FAILED with ``fl.end_reason`` ``environment
     failure: <line>`` (best effort; not when MLflow's own store is what failed: the next invocation reopens it)."""
-    from fl_core.tracking import ENV_FAILURE
+    from fl_core.store.tracking import ENV_FAILURE
 
     if tracking is None or not settings.parent_run_id:
         return
@@ -275,7 +276,7 @@ def _sampler_and_data(settings: Settings, space, base_cfg):
 
 
 def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
-    """(the study, the MLflow :class:`~fl_core.tracking.Tracking` or None): under the storage's setup lock
+    """(the study, the MLflow :class:`~fl_core.store.tracking.Tracking` or None): under the storage's setup lock
     (:func:`sweeps.runner.setup_lock`: one process at a time, on any machine) open the storage, create or load
     the study, check its signature, mark stale trials FAIL (``--fail-stale``), end orphaned MLflow runs and
     create or reopen the parent run (``settings.parent_run_id``). A storage failure, a lock held too long or
@@ -295,7 +296,7 @@ def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
         _fail_silent(study)
         tracking = None
         if settings.experiment:
-            from fl_core.tracking import Tracking
+            from fl_core.store.tracking import Tracking
 
             tracking = Tracking(settings.experiment)
             _end_orphaned_runs(tracking)

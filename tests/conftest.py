@@ -74,7 +74,7 @@ def skip_unless_permissions_apply(tmp_path: Path) -> None:
 def empty_store(tmp_path_factory) -> Path:
     """An MLflow SQLite store with its schema built once per test process (MLflow's migrations take seconds per
     store); a test copies it (``shutil.copy``) rather than building its own."""
-    from fl_core.tracking import ensure_store
+    from fl_core.store.tracking import ensure_store
 
     db = tmp_path_factory.mktemp("store") / "mlflow.db"
     ensure_store(f"sqlite:///{db}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fl_core.engine.simulator import RunFailed
-from fl_core.tracking import Tracking, mlflow_metric_name
+from fl_core.store.tracking import Tracking, mlflow_metric_name
 
 from conftest import run_sim
 
@@ -40,7 +40,7 @@ def test_interrupted_then_resumed_run_ends_identical(digits, tmp_path):
 
 
 def _metric_steps(tracking, run_id, key):
-    """Steps of the per-round metric ``key`` (MLflow name: :func:`fl_core.tracking.mlflow_metric_name`)."""
+    """Steps of the per-round metric ``key`` (MLflow name: :func:`fl_core.store.tracking.mlflow_metric_name`)."""
     return [m.step for m in tracking.client.get_metric_history(run_id, mlflow_metric_name(key))]
 
 

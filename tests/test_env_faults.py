@@ -1,4 +1,4 @@
-"""When the environment fails (fl_core/envfail.py, docs/reliability.md): one line, exit status 3, no run left RUNNING,
+"""When the environment fails (fl_core/store/envfail.py, docs/reliability.md): one line, exit status 3, no run left RUNNING,
 nothing lost.
 
 Faults are real where that is cheap and portable (a file where a folder is needed) and injected at named points
@@ -7,7 +7,7 @@ bits, so a read-only folder is a read-only mount where ``unshare`` allows one, e
 fails is then run again and must end with exactly the runs and metrics of an uninterrupted run. The torchrun cases
 (a worker killed, a worker frozen) are marked slow, as in tests/test_distributed.py.
 
-The tracking store and the databases (fl_core/storefail.py, fl_core/storewait.py) fail for real: a second process
+The tracking store and the databases (fl_core/store/storefail.py, fl_core/store/storewait.py) fail for real: a second process
 holds the SQLite lock, a port nothing listens on, a folder that does not exist; a throwaway PostgreSQL server
 (tests/pg.py) stopped, frozen with SIGSTOP or restarted under a sweep (those marked slow).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_core import envfail, faults
+from fl_core.store import envfail, faults
 from pg import trial_states
 from test_faults import GRID, SEEDS, _env, _fork, _forked, _in_process, _mlflow_state, _project, _wait
 
@@ -365,7 +365,7 @@ def test_a_tracking_store_locked_during_a_run_is_one_line_and_the_rerun_loses_no
     checkpoint write, the lock is taken, the run continues): its next write waits FL_SQLITE_BUSY_TIMEOUT_S, then
     one line and exit 3; the runs, which only the locked store could end, are left to the rerun, which ends them as
     orphans, continues them and loses nothing."""
-    from fl_core import storewait
+    from fl_core.store import storewait
 
     tmp = _project(tmp_path / "p", store=empty_store)
     log, stamp = tmp_path / "stderr", tmp_path / "stamp"
@@ -400,7 +400,7 @@ def test_a_tracking_server_port_nothing_listens_on_is_one_line(tmp_path, monkeyp
     """MLFLOW_TRACKING_URI at a dead port: MLflow's own retries (here 1, backoff factor 1), then one line and exit
     3; the project's defaults (10 retries, factor 1, 15 s per request) apply only where the variables are unset. The
     line names the settings of the retry window: the deadline FL_HTTP_RETRY_S and the count (issue 32)."""
-    from fl_core import storewait
+    from fl_core.store import storewait
     from test_distributed import _free_port
 
     for key in storewait.HTTP_DEFAULTS:
@@ -438,7 +438,7 @@ def test_mlflow_http_retries_end_at_a_wall_clock_deadline(monkeypatch):
     pauses are spread over the deadline (no 16 s gap at its end: the window's arithmetic with the defaults)."""
     import requests
 
-    from fl_core import storewait
+    from fl_core.store import storewait
     from test_distributed import _free_port
 
     for key in storewait.HTTP_DEFAULTS:
@@ -464,7 +464,7 @@ def test_mlflow_http_retries_reach_a_server_soon_after_it_answers_again(monkeypa
     import socket
     import threading
 
-    from fl_core import storewait
+    from fl_core.store import storewait
 
     for key in storewait.HTTP_DEFAULTS:
         monkeypatch.delenv(key, raising=False)
@@ -522,7 +522,7 @@ def test_waits_for_a_database_share_one_deadline_per_outage(monkeypatch):
     """wait_until_back counts FL_DB_RETRY_S from the outage's first failure: a second wait of the same outage does
     not start a new one (a server that seemed back and failed again), a call that succeeds ends the outage, and a
     server that answers "the database system is starting up" (57P03) is not back."""
-    from fl_core import storewait
+    from fl_core.store import storewait
     from test_distributed import _free_port
 
     url = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}/optuna"  # nothing listens: refused at once
@@ -600,7 +600,7 @@ def test_database_errors_name_the_database_with_the_password_masked():
     a SQLite file locked by another process; the role given with storefail.name_store names them."""
     import sqlalchemy
 
-    from fl_core import storefail, storewait
+    from fl_core.store import storefail, storewait
     from test_distributed import _free_port
 
     url = f"postgresql+psycopg://fl:s3cret@127.0.0.1:{_free_port()}/optuna"
@@ -621,7 +621,7 @@ def test_database_errors_name_the_database_with_the_password_masked():
 def test_a_storage_that_refuses_mid_sweep_reads_as_lost_whatever_the_timing(monkeypatch):
     """A sweep's storage answered before wait_for_storage is called: whether the failing call held a pooled
     connection (server closed it) or opened a new one (refused) is timing, so both read as a lost connection."""
-    from fl_core import storefail, storewait
+    from fl_core.store import storefail, storewait
     from sweeps import runner
 
     url = "postgresql+psycopg://fl:s3cret@127.0.0.1:1/optuna"
@@ -638,7 +638,7 @@ def test_a_storage_that_refuses_mid_sweep_reads_as_lost_whatever_the_timing(monk
 def test_sqlite_busy_timeout_replaces_mlflows_and_bounds_a_lock(tmp_path, monkeypatch):
     import sqlalchemy
 
-    from fl_core import storewait
+    from fl_core.store import storewait
 
     storewait.install()
     monkeypatch.setenv(storewait.SQLITE_BUSY_ENV, "0.5")
@@ -819,7 +819,7 @@ def test_a_commit_that_failed_on_a_stopped_server_leaves_no_stall_mark(postgres)
 
     import optuna
 
-    from fl_core import storewait
+    from fl_core.store import storewait
     from sweeps import runner
 
     url = postgres.create_database("commit_fails")

@@ -2,7 +2,7 @@
 
 Each case runs a two-seed SCAFFOLD grid experiment in a process (a fork of this one, or a new
 interpreter) that ``FL_FAULT`` kills (SIGKILL) or interrupts (SIGINT) at a named point of
-:mod:`fl_core.faults`, then runs the same command again
+:mod:`fl_core.store.faults`, then runs the same command again
 (in this process) and checks the end state against an uninterrupted run: the same final models,
 one MLflow parent with one child per seed, every (metric, step) once (the parent's seed-mean curves
 included), one complete MLflow model per child and the parent's best-child tags, every run FINISHED,
@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from fl_core import faults
+from fl_core.store import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 4
@@ -121,7 +121,7 @@ def _in_process(tmp: Path, args, monkeypatch) -> int:
 
 def _earlier_outputs(tmp: Path) -> None:
     """``results/exp/`` as an earlier run of another config left it: its experiment.json and a model of a seed
-    this run does not train (the project's own files, so the run may replace them: fl_core.owned)."""
+    this run does not train (the project's own files, so the run may replace them: fl_core.store.owned)."""
     out = tmp / "results" / "exp"
     (out / "models").mkdir(parents=True)
     (out / "experiment.json").write_text(json.dumps({"experiment": "exp", "fingerprint": "an earlier config"}))
@@ -299,7 +299,7 @@ def test_ctrl_c_prints_one_line_and_the_rerun_resumes(tmp_path, reference, monke
 
 @pytest.mark.slow
 def test_second_writer_of_the_same_experiment_exits_2_naming_the_holder(tmp_path):
-    from fl_core.runstore import ExperimentStore
+    from fl_core.store.runstore import ExperimentStore
 
     tmp = _project(tmp_path)
     store = ExperimentStore("exp", "any", tmp / "results", tmp / "checkpoints")

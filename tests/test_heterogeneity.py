@@ -221,7 +221,7 @@ def test_dropped_stragglers_are_out_of_the_round_hand_checked():
 def test_a_dropped_straggler_leaves_the_rules_state_alone(tmp_path):
     """SCAFFOLD, round 1 (all 6 clients sampled, 3 dropped): the checkpoint after round 1 holds a control variate
     c_i for the kept clients only, and c = sum of their Delta c_i / N (as if the dropped ones were not sampled)."""
-    from fl_core import durable
+    from fl_core.store import durable
 
     class Stop(Exception):
         pass

@@ -1,6 +1,6 @@
 """What the MLflow UI shows: params of the rules in the stack only, per-round metric names grouped in
 sections (``test/acc``, ``train/loss``, ...; per-client and per-layer values only with tracking.detail_metrics),
-and experiments marked as model training (fl_core/tracking.py)."""
+and experiments marked as model training (fl_core/store/tracking.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from fl_core.algorithms import registry
 from fl_core.config import AlgorithmConfig, to_container
-from fl_core.tracking import (EXPERIMENT_KIND, METRIC_NAMES, METRIC_SECTIONS, TAG_EXPERIMENT_KIND, Tracking, flatten,
+from fl_core.store.tracking import (EXPERIMENT_KIND, METRIC_NAMES, METRIC_SECTIONS, TAG_EXPERIMENT_KIND, Tracking, flatten,
                               is_detail, mlflow_metric_name, rule_sections, run_params)
 
 from conftest import run_sim, tiny_cfg

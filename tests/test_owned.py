@@ -1,6 +1,6 @@
 """Nothing a user owns is deleted or overwritten, and no error leaves a run RUNNING or a staging folder behind.
 
-A run writes, replaces or deletes only folders of its own (:mod:`fl_core.owned`): a folder at ``results/<name>``
+A run writes, replaces or deletes only folders of its own (:mod:`fl_core.store.owned`): a folder at ``results/<name>``
 that the project did not write (``results_dir=. name=docs``, a folder of notes, a results folder holding a file the
 user added) is refused in one line, exit 2, before anything is created. And whatever error stops a run (one the
 project does not expect: ``FL_FAULT=POINT:ERROR``), the one place that ends its runs (``_end_on_failure``) leaves no
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fl_core import faults, owned
-from fl_core.runstore import ATTEMPT_PATTERNS, OUTPUT_PATTERNS, ExperimentStore
+from fl_core.store import faults, owned
+from fl_core.store.runstore import ATTEMPT_PATTERNS, OUTPUT_PATTERNS, ExperimentStore
 
 RUN = ["partition.num_clients=4", "train.rounds=2", "train.participation=1.0", "train.local_epochs=1",
        "train.batch_size=64", "engine.progress=false"]

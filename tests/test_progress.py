@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from fl_core import envfail, progress
+from fl_core import progress
+from fl_core.store import envfail
 
 
 class _Terminal(io.StringIO):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_core import durable, faults
+from fl_core.store import durable, faults
 
 from conftest import run_sim
 from test_faults import _forked, _in_process, _project

@@ -1,6 +1,6 @@
 """Secrets never leave memory (issue 32): every storage or tracking URI a message, a log line, an MLflow tag or a
-summary shows goes through :func:`fl_core.storefail.mask`, and error messages that may quote one through
-:func:`fl_core.storefail.redact`; tune.py's command-line errors are one line (exit 2); its progress bars are drawn
+summary shows goes through :func:`fl_core.store.storefail.mask`, and error messages that may quote one through
+:func:`fl_core.store.storefail.redact`; tune.py's command-line errors are one line (exit 2); its progress bars are drawn
 on a terminal only (:mod:`fl_core.progress`)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fl_core import storefail
-from fl_core.storefail import mask, redact
+from fl_core.store import storefail
+from fl_core.store.storefail import mask, redact
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = ROOT / "sweeps" / "tune.py"
@@ -79,7 +79,7 @@ def test_an_unparseable_uri_shows_only_its_scheme(url, shown):
 
 
 def test_mask_imports_no_sqlalchemy_at_module_load():
-    code = "import sys; import fl_core.storefail; print('sqlalchemy' in sys.modules)"
+    code = "import sys; import fl_core.store.storefail; print('sqlalchemy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "False"
 
@@ -184,8 +184,8 @@ def test_summary_json_and_the_mlflow_tag_show_the_storage_masked():
 def test_mlflow_does_not_print_a_tracking_uri_that_holds_a_password(monkeypatch):
     """MLflow prints "View run <name> at: <tracking URI>/#/..." on stdout as a run of a tracking server ends: off
     when the URI holds a password or a token, as before otherwise."""
-    from fl_core import storewait
-    from fl_core.tracking import bounded_uri
+    from fl_core.store import storewait
+    from fl_core.store.tracking import bounded_uri
 
     for key in (*storewait.HTTP_DEFAULTS, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"):
         monkeypatch.setenv(key, "x")  # restored after the test

@@ -1,4 +1,4 @@
-"""What an MLflow user gets from a run (fl_core/tracking.py, fl_core/mlflow_artifacts.py): seed-mean curves on
+"""What an MLflow user gets from a run (fl_core/store/tracking.py, fl_core/store/mlflow_artifacts.py): seed-mean curves on
 the parent, each seed's model as an MLflow model that loads and predicts as the saved state, the best child named
 on the parent, and artifacts that a moved project folder still opens."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl_core import mlflow_artifacts
-from fl_core.tracking import MODEL_NAME, TAG_BEST_CHILD, TAG_BEST_MODEL_URI, TAG_BEST_SEED, TAG_MODEL_FORMAT, Tracking
+from fl_core.store import mlflow_artifacts
+from fl_core.store.tracking import MODEL_NAME, TAG_BEST_CHILD, TAG_BEST_MODEL_URI, TAG_BEST_SEED, TAG_MODEL_FORMAT, Tracking
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["partition.num_clients=4", "train.rounds=3", "train.participation=1.0", "train.local_epochs=1",
@@ -104,7 +104,7 @@ def test_parent_holds_the_seed_mean_curves_per_round(project):
 
 
 def test_runs_of_a_dvc_experiment_carry_its_name(project, monkeypatch):
-    from fl_core.tracking import TAG_DVC_EXPERIMENT, dvc_experiment_tags, run_name
+    from fl_core.store.tracking import TAG_DVC_EXPERIMENT, dvc_experiment_tags, run_name
 
     proj, _ = project
     _, parent, children = _client(proj)

@@ -115,7 +115,7 @@ def test_on_a_terminal_the_trial_lines_go_above_the_bar(monkeypatch):
 
 
 def test_an_output_folder_of_the_users_is_refused_before_the_study_starts(tmp_path, capsys):
-    """``--out`` at a folder holding what a sweep does not write (fl_core.owned): one line, exit 2, the folder as it
+    """``--out`` at a folder holding what a sweep does not write (fl_core.store.owned): one line, exit 2, the folder as it
     was and no study journal created."""
     out, journal = tmp_path / "mine", tmp_path / "study.log"
     out.mkdir()

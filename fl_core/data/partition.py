@@ -65,7 +65,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from fl_core import envfail, faults
+from fl_core.store import envfail, faults
 from fl_core.schema import DIRICHLET_VARIANTS, PartitionConfig
 from fl_core.seeding import numpy_rng
 

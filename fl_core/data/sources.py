@@ -68,7 +68,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fl_core import envfail, faults, progress
+from fl_core import progress
+from fl_core.store import envfail, faults
 from fl_core.compat import torchvision
 
 from .dataset import DataSourceError, FLDataset
@@ -1230,7 +1231,7 @@ def get_dataset(cfg: Any, data_dir: Path, project_root: Path, write: bool = True
     try:
         _save_atomic(_to_blob(ds, signature), path)
     except OSError as err:  # data_dir is a file, read-only, ...
-        if err.errno in envfail.FULL:  # the environment, not the input: the command says so (fl_core.envfail)
+        if err.errno in envfail.FULL:  # the environment, not the input: the command says so (fl_core.store.envfail)
             raise
         raise DataSourceError(f"data_dir: cannot write the prepared dataset {path} ({_os_reason(err)})") from None
     return ds

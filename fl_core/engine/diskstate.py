@@ -146,7 +146,7 @@ class DiskClientStateStore:
     def state_dict(self) -> dict:
         """For a checkpoint: flush the files (fsync) and return the slot table and the layouts (N bytes + keys);
         from now on the slots it references are kept. Only a tensor [N] int8, str, int and tuples: the weights-only
-        loader of :func:`fl_core.durable.load` reads it back."""
+        loader of :func:`fl_core.store.durable.load` reads it back."""
         for fd in self._fds.values():
             os.fsync(fd)
         self._committed = [self.slot.copy(), self._committed[0]]

@@ -29,7 +29,7 @@ gloo's default 30 minutes. Every rank beats a heartbeat (a counter in the rendez
 min(1 s, timeout / 10)); rank 0 watches them. When a collective fails (a peer closed its connection, or the
 timeout passed), or torchrun sends rank 0 SIGTERM because a worker ended, rank 0 names the rank: its process ended
 or is stopped (same machine: ``/proc``), or its heartbeat stopped; it raises a
-:class:`~fl_core.envfail.EnvironmentFailure` (one line, exit status 3, the MLflow runs ended FAILED) and the other
+:class:`~fl_core.store.envfail.EnvironmentFailure` (one line, exit status 3, the MLflow runs ended FAILED) and the other
 ranks exit quietly (rank 1 speaks when rank 0 is the lost one).
 """
 
@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import envfail
+from ..store import envfail
 from ..algorithms.base import ClientUpdate, RoundContext
 from .executors import Executor, NonFiniteLossError
 from .state import ClientStateStore
@@ -271,7 +271,7 @@ def _diagnose(err: BaseException, wait_s: float,
 
 def _collective(fn: Callable, *args, **kwargs):
     """Run a collective; a failure of the group (a rank lost or frozen) becomes the rank's
-    :class:`~fl_core.envfail.EnvironmentFailure` (:func:`_diagnose`), raised again by every later collective."""
+    :class:`~fl_core.store.envfail.EnvironmentFailure` (:func:`_diagnose`), raised again by every later collective."""
     global _failure
     if _failure is not None:
         raise _failure
@@ -357,7 +357,7 @@ class DistributedExecutor(Executor):
 
         Raises:
             NonFiniteLossError: a client's loss diverged on any rank (names round and client).
-            fl_core.envfail.EnvironmentFailure: a rank is gone or frozen (names it; module docstring).
+            fl_core.store.envfail.EnvironmentFailure: a rank is gone or frozen (names it; module docstring).
         """
         if self.size == 1:
             return self.inner.run_round(rctx, client_ids, store)
@@ -407,7 +407,7 @@ def serve(executor_for: Callable[[Tuple[str, int]], Executor], on_task: Optional
         The number of tasks served.
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: rank 0 or another rank is gone; quiet (rank 0 says it) unless this is
+        fl_core.store.envfail.EnvironmentFailure: rank 0 or another rank is gone; quiet (rank 0 says it) unless this is
             rank 1 and rank 0 is the one lost.
     """
     rank = dist.get_rank()

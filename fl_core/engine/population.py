@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from .. import faults
+from ..store import faults
 from . import gcpause
 from .executors import NonFiniteLossError, PopulationJob, VectorizedExecutor
 from .simulator import RunFailed, RunResult, Simulator

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import durable, faults
+from ..store import durable, faults
 from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
@@ -35,7 +35,7 @@ CHECKPOINT_VERSION = 1
 
 
 class RunLogger(Protocol):
-    """Where per-round metrics go (MLflow in :mod:`fl_core.tracking`; tests may pass their own)."""
+    """Where per-round metrics go (MLflow in :mod:`fl_core.store.tracking`; tests may pass their own)."""
 
     def open(self, saved: Optional[dict]) -> None: ...
     def state(self) -> dict: ...
@@ -269,8 +269,8 @@ class Simulator:
         return st["global"] if st.get("eval") is None else st["eval"]
 
     def _save(self, st: dict, store: ClientStateStore) -> None:
-        """Write the round's checkpoint (:func:`fl_core.durable.save`). It holds only tensors and plain Python values
-        (the history rows' numbers are floats and ints, the logger's state strings), as :func:`fl_core.durable.load`
+        """Write the round's checkpoint (:func:`fl_core.store.durable.save`). It holds only tensors and plain Python values
+        (the history rows' numbers are floats and ints, the logger's state strings), as :func:`fl_core.store.durable.load`
         reads it with the weights-only loader."""
         if self.checkpoint_path is None:
             return

@@ -1,4 +1,4 @@
-"""The client-state store (checkpoint files: :mod:`fl_core.durable`).
+"""The client-state store (checkpoint files: :mod:`fl_core.store.durable`).
 
 The flat parameter layout (:class:`~fl_core.params.ParamSpec`, ``flatten_params``, ``load_flat``) lives in
 :mod:`fl_core.params`, below the algorithms and the engine; it is re-exported here for convenience.
@@ -47,7 +47,7 @@ class ClientStateStore:
 
     def state_dict(self) -> Dict[int, Dict[str, torch.Tensor]]:
         """For a checkpoint: {client id (int): {key: CPU tensor}}, nothing else, so that the weights-only loader of
-        :func:`fl_core.durable.load` reads it back."""
+        :func:`fl_core.store.durable.load` reads it back."""
         return {i: {k: v.cpu() for k, v in s.items()} for i, s in self._states.items()}
 
     def load_state_dict(self, sd: Dict[int, Dict[str, torch.Tensor]]) -> None:

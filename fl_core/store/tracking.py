@@ -12,13 +12,13 @@ Run identity: an experiment's parent run carries the tags ``fl.experiment`` (its
 up by tags (:meth:`Tracking.parent_run`, :meth:`Tracking.child_run`), so a command run again after
 a kill at any point continues in the same runs, and a reopened run skips every (metric, step) it
 already holds: each metric keeps exactly one value per round. Every run also records the process
-that runs it (:func:`fl_core.procs.identity`), so a later start can end the runs of a process that
+that runs it (:func:`fl_core.store.procs.identity`), so a later start can end the runs of a process that
 is gone (:meth:`Tracking.end_orphans`: status KILLED, tag ``fl.end_reason``). A run ended FAILED because the
 environment failed under it (``fl.end_reason`` ``environment failure: ...``) is continued by the next start as a
 KILLED one is (:func:`resumable`).
 
-Waiting on the store is bounded (:func:`bounded_uri`, :mod:`fl_core.storewait`: MLflow's HTTP retries, SQLite's
-busy timeout, PostgreSQL's timeouts) and a store that fails is named in one line (:mod:`fl_core.storefail`: locked,
+Waiting on the store is bounded (:func:`bounded_uri`, :mod:`fl_core.store.storewait`: MLflow's HTTP retries, SQLite's
+busy timeout, PostgreSQL's timeouts) and a store that fails is named in one line (:mod:`fl_core.store.storefail`: locked,
 unreachable, a ``sqlite:///`` URI in a folder that does not exist).
 
 What the UI shows: a run's params are :func:`run_params` (the config without the sections of the rules
@@ -34,7 +34,7 @@ experiment, not a GenAI one). The metric names are listed in ``docs/tracking.md`
 
 Artifacts of a SQLite store live in ``mlartifacts/`` beside ``mlflow.db``, recorded in the store as
 ``mlflow-artifacts:/...`` (no folder in the database): a moved or copied project folder keeps its artifacts
-(:mod:`fl_core.mlflow_artifacts`).
+(:mod:`fl_core.store.mlflow_artifacts`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 
 from . import envfail, mlflow_artifacts, procs, storefail, storewait
-from .paths import store_root
+from ..paths import store_root
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +65,13 @@ TAG_DVC_EXPERIMENT = "dvc.exp_name"
 #: ``fl.end_reason`` starts with :data:`ENV_FAILURE` is one too (:func:`resumable`)
 RESUMABLE = ("RUNNING", "KILLED", "SCHEDULED")
 ORPHAN_REASON = "orphaned: the process that ran it is gone"
-#: how the ``fl.end_reason`` of a run ended FAILED by an environment failure begins (:mod:`fl_core.envfail`): the
+#: how the ``fl.end_reason`` of a run ended FAILED by an environment failure begins (:mod:`fl_core.store.envfail`): the
 #: environment failed, not the run, so the same command continues it
 ENV_FAILURE = "environment failure: "
 #: how the ``fl.end_reason`` of a run ended FAILED because the command stopped on an error of its own (bad input found
 #: late, a defect) begins: not the run's numbers, so the same command continues it once the cause is fixed
 STOPPED_BY_ERROR = "stopped by an error: "
-#: what to do when the SQLite tracking store is locked (:func:`fl_core.storefail.name_store`)
+#: what to do when the SQLite tracking store is locked (:func:`fl_core.store.storefail.name_store`)
 SQLITE_LOCKED_ACTION = "retry, or set MLFLOW_TRACKING_URI to a tracking server"
 
 #: MLflow's experiment tag for the kind of work an experiment holds; ``custom_model_development`` is a
@@ -145,7 +145,7 @@ def tracking_uri(root: Optional[Path] = None) -> str:
 
 def artifact_root(uri: str) -> Optional[str]:
     """The artifact location of a new experiment: for a SQLite store ``mlflow-artifacts:/``, which
-    :mod:`fl_core.mlflow_artifacts` resolves to ``<folder of the .db>/mlartifacts`` and ``mlflow ui
+    :mod:`fl_core.store.mlflow_artifacts` resolves to ``<folder of the .db>/mlartifacts`` and ``mlflow ui
     --artifacts-destination <that folder>`` serves (no absolute path in the store, so a moved project folder keeps
     its artifacts); None (the server's default) for other stores."""
     return mlflow_artifacts.LOCATION if mlflow_artifacts.local_destination(uri) is not None else None
@@ -215,7 +215,7 @@ def rule_sections() -> Dict[str, FrozenSet[str]]:
     """Rule name -> the ``algorithm.<section>`` config sections it reads, from the rule registry
     (:mod:`fl_core.algorithms.registry`): ``fedbcgd_plus`` -> {fedbcgd}, ``topk`` / ``qsgd`` -> {compression},
     ``adam`` -> {adaptive}, ``momentum`` -> {fedavgm}, ``fedavg`` -> {}."""
-    from .algorithms import registry
+    from ..algorithms import registry
 
     return {r.name: frozenset(registry.stack_sections([r.name])) for r in registry.rules()}
 
@@ -227,7 +227,7 @@ def run_params(container: Dict[str, Any]) -> Dict[str, Any]:
     of the rules in the stack: ``algorithm.name``, ``algorithm.server_opt`` and every ``algorithm.wrappers`` entry
     (``registry.trim_sections``; a rule the registry does not know keeps the section of its own name).
     Everything outside ``algorithm`` is kept."""
-    from .algorithms import registry
+    from ..algorithms import registry
 
     algo = container.get("algorithm")
     if not isinstance(algo, dict):
@@ -246,7 +246,7 @@ def git_commit(root: Path) -> str:
 def _quiet_mlflow() -> None:
     """MLflow's and SQLAlchemy's loggers at WARNING; the ones that log a traceback for an error that is raised anyway
     (MLflow's database errors and engine retries, SQLAlchemy's pool resetting a dead connection) are silent unless
-    ``--debug`` / ``FL_DEBUG=1``: the error ends the command with one line (:mod:`fl_core.storefail`)."""
+    ``--debug`` / ``FL_DEBUG=1``: the error ends the command with one line (:mod:`fl_core.store.storefail`)."""
     for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if not envfail.debug():
@@ -263,7 +263,7 @@ def _filter(tags: Dict[str, str], status: Optional[str] = None) -> str:
 
 def end_orphaned_runs(client, experiment_id: str, tags: Optional[Dict[str, str]] = None) -> List[str]:
     """End the runs of ``experiment_id`` (with the given tag values) left RUNNING by a process of this
-    machine that is gone (:func:`fl_core.procs.gone` on the run's ``fl.host`` / ``fl.pid`` /
+    machine that is gone (:func:`fl_core.store.procs.gone` on the run's ``fl.host`` / ``fl.pid`` /
     ``fl.proc_start`` tags; without ``fl.proc_start`` the run's start bounds the process's). Each is set
     KILLED with ``fl.end_reason`` = :data:`ORPHAN_REASON`; runs of other machines, of live processes
     and without the tags are left alone.
@@ -296,7 +296,7 @@ def check_store(uri: Optional[str] = None) -> None:
     opened where this can be known without opening it: a ``sqlite:///`` store's folder exists.
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: ``tracking store sqlite:///.../mlflow.db is in a folder that does not
+        fl_core.store.envfail.EnvironmentFailure: ``tracking store sqlite:///.../mlflow.db is in a folder that does not
             exist (...); create the folder or set MLFLOW_TRACKING_URI to a store in an existing one, then run the
             same command again`` (nothing is created).
     """
@@ -316,7 +316,7 @@ def ensure_store(uri: str) -> None:
     Fault point ``store_init``.
 
     Raises:
-        fl_core.envfail.EnvironmentFailure: the store's folder does not exist (nothing is created: MLflow would
+        fl_core.store.envfail.EnvironmentFailure: the store's folder does not exist (nothing is created: MLflow would
             create every missing folder of a mistyped path).
     """
     path = storefail.sqlite_path(uri)  # None: not a SQLite file
@@ -344,11 +344,11 @@ def ensure_store(uri: str) -> None:
 
 
 def bounded_uri(uri: str) -> str:
-    """The tracking URI ``uri`` with bounded waits (:mod:`fl_core.storewait`): for a server, MLflow's HTTP retry
-    settings where unset (:func:`fl_core.storewait.http_defaults`), and MLflow's "View run" lines off when the URI holds
+    """The tracking URI ``uri`` with bounded waits (:mod:`fl_core.store.storewait`): for a server, MLflow's HTTP retry
+    settings where unset (:func:`fl_core.store.storewait.http_defaults`), and MLflow's "View run" lines off when the URI holds
     a password or token (they would print it); for PostgreSQL, libpq's connect timeout,
     keepalives and statement timeout in the URI where it does not set them; SQLite's busy timeout and the stall
-    watch for every database (:func:`fl_core.storewait.install`). Returns the URI to open."""
+    watch for every database (:func:`fl_core.store.storewait.install`). Returns the URI to open."""
     storewait.install()
     if uri.startswith(("http://", "https://")):
         storewait.http_defaults()
@@ -361,9 +361,9 @@ class Tracking:
     """A thin wrapper over :class:`mlflow.tracking.MlflowClient` for one MLflow experiment.
 
     Raises (on construction, as every method may while it works):
-        fl_core.envfail.EnvironmentFailure: a ``sqlite:///`` store in a folder that does not exist.
-        mlflow.exceptions.MlflowException: the store failed; :func:`fl_core.envfail.classify` names a locked or
-            unreachable store (:mod:`fl_core.storefail`).
+        fl_core.store.envfail.EnvironmentFailure: a ``sqlite:///`` store in a folder that does not exist.
+        mlflow.exceptions.MlflowException: the store failed; :func:`fl_core.store.envfail.classify` names a locked or
+            unreachable store (:mod:`fl_core.store.storefail`).
     """
 
     def __init__(self, experiment: str, root: Optional[Path] = None):

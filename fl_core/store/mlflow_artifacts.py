@@ -11,7 +11,7 @@ project's experiments therefore use MLflow's proxied-artifact location ``mlflow-
   (``make ui``) serves them from that folder, as MLflow's tracking server does;
 - in a Python process whose tracking URI is that SQLite file, :func:`artifact_repository` (registered for
   the scheme ``mlflow-artifacts`` through the ``mlflow.artifact_repository`` entry point in
-  ``pyproject.toml``, and by :mod:`fl_core.tracking` on import) reads and writes
+  ``pyproject.toml``, and by :mod:`fl_core.store.tracking` on import) reads and writes
   ``<folder of the .db file>/mlartifacts/<path>`` directly, so ``MlflowClient.log_artifact``,
   ``mlflow.pytorch.log_model`` and ``mlflow.pytorch.load_model("runs:/<run_id>/model")`` work without a
   server. MLflow's own repository for the scheme cannot serve that case (it needs an ``http(s)`` tracking

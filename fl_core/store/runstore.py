@@ -5,7 +5,7 @@ numbers (seeds excluded); a seed by (name, fingerprint, seed). On disk (``R`` = 
 ``C`` = ``engine.checkpoint_dir``)::
 
     C/<name>/<fingerprint>/           the attempt: exists from the first start until the outputs are in place
-        seed_<s>.pt (+ .prev)         round checkpoint of a seed in training (fl_core.durable)
+        seed_<s>.pt (+ .prev)         round checkpoint of a seed in training (fl_core.store.durable)
         seed_<s>.done.pt              completion record: the seed's history, summary, final model or failure
     R/<name>/                         the published outputs, always one attempt's complete set
     R/.<name>.staging/                outputs being assembled (rebuilt by every start)
@@ -36,7 +36,7 @@ RECORD_VERSION = 1
 METRICS_FILE = "metrics.json"        # numbers a researcher compares (git-tracked, small)
 EXPERIMENT_FILE = "experiment.json"  # what ran: names, fingerprint, seeds, failures, per-seed summaries
 
-#: every file the train stage writes into ``results/<name>/`` (:mod:`fl_core.owned` patterns); a results folder holding
+#: every file the train stage writes into ``results/<name>/`` (:mod:`fl_core.store.owned` patterns); a results folder holding
 #: anything else was not written by this project and is never replaced (tests/test_owned.py checks that a run's
 #: outputs all match)
 OUTPUT_PATTERNS = (METRICS_FILE, EXPERIMENT_FILE, "rounds.csv", "runs.csv", "config.yaml", "curves.png", "curves.pdf",
@@ -103,12 +103,12 @@ class ExperimentStore:
     # ------------------------------------------------------------------ ownership
     def check_owned(self) -> None:
         """Refuse (before anything is created, and again under the lock) when a folder this experiment would write,
-        replace or delete is not the project's (:mod:`fl_core.owned`): ``results/<name>/`` (it must hold
+        replace or delete is not the project's (:mod:`fl_core.store.owned`): ``results/<name>/`` (it must hold
         ``experiment.json`` and only the files a run writes), its ``.staging`` / ``.old`` siblings, the attempt
         folder.
 
         Raises:
-            fl_core.owned.ForeignFolder: one line naming the folder and a file in it.
+            fl_core.store.owned.ForeignFolder: one line naming the folder and a file in it.
         """
         hint = "move it away, or choose another name=... or results_dir=..."
         outputs = owned.with_temporaries(OUTPUT_PATTERNS)

@@ -1,5 +1,5 @@
 """Bounded waits on the tracking store and the databases: how long a command waits for an MLflow tracking server, a
-locked SQLite file or a PostgreSQL server before it gives up with one line (:mod:`fl_core.storefail` words it).
+locked SQLite file or a PostgreSQL server before it gives up with one line (:mod:`fl_core.store.storefail` words it).
 
 Every wait is a setting of the library that waits, given a project default only where the user has not set it:
 
@@ -42,7 +42,7 @@ the process's own exit, which the failing paths keep short (a sweep's worker end
 out), so 60 s hold on a loaded machine (a store that comes back within the deadline: the command goes on, and its own
 work is not part of the bound).
 
-This module imports nothing of the project but :mod:`fl_core.envfail`, and SQLAlchemy only inside functions.
+This module imports nothing of the project but :mod:`fl_core.store.envfail`, and SQLAlchemy only inside functions.
 """
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ def unwatched() -> Iterator[None]:
 
 
 def on_stall(hook: Callable[[BaseException], None]) -> Callable[[], None]:
-    """Run ``hook(failure)`` (an :class:`fl_core.envfail.EnvironmentFailure`) before the process ends on a stalled
+    """Run ``hook(failure)`` (an :class:`fl_core.store.envfail.EnvironmentFailure`) before the process ends on a stalled
     server, e.g. to end the MLflow runs it has open; returns a function that removes the hook."""
     _HOOKS.append(hook)
     return lambda: _HOOKS.remove(hook) if hook in _HOOKS else None
@@ -463,7 +463,7 @@ def _connect_timeout(url: str, args: Dict[str, object]) -> float:
 
 def stalled(url: str, waited_s: float, why: str) -> envfail.EnvironmentFailure:
     """The failure of a PostgreSQL server that stopped answering: a statement (or a commit) waited ``waited_s``
-    seconds and a new connection got no answer (``why``); :func:`fl_core.storewait.install`'s watcher ends the process
+    seconds and a new connection got no answer (``why``); :func:`fl_core.store.storewait.install`'s watcher ends the process
     with it."""
     label, action = _role(url)
     return envfail.EnvironmentFailure(

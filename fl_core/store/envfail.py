@@ -10,7 +10,7 @@ froze. This module is the one place that maps such errors to an end:
 - :func:`classify` turns an exception (or one in its ``__cause__`` / ``__context__`` chain) into an
   :class:`EnvironmentFailure`, or None when it is not one (a bug keeps its traceback). Built in: ``OSError`` by
   errno (:data:`OS_CAUSES`) and torch.distributed's own error types; :func:`register` adds classifiers
-  (:mod:`fl_core.storefail` registers those of the tracking store and the databases: a locked SQLite store, an
+  (:mod:`fl_core.store.storefail` registers those of the tracking store and the databases: a locked SQLite store, an
   MLflow server or PostgreSQL that does not answer).
 - :func:`check_folder` checks a folder a command will write to before anything is written (nothing is created,
   no lock or temporary file is left behind) and names it for the messages of later errors under it.
@@ -45,7 +45,7 @@ class EnvironmentFailure(Exception):
     ``quiet``: a worker rank of ``engine.executor=distributed`` whose collective failed because another rank is gone;
     rank 0 says what happened, so the worker exits with :data:`EXIT_STATUS` and prints nothing.
 
-    ``store``: the URL (password masked) of the tracking store or database that failed (:mod:`fl_core.storefail`),
+    ``store``: the URL (password masked) of the tracking store or database that failed (:mod:`fl_core.store.storefail`),
     None for other failures: a command does not try to write there again before it ends (that would only wait
     once more), so runs it holds there are ended by the next start instead.
     """
@@ -284,7 +284,7 @@ def run_cli(main: Callable[[List[str]], int], argv: Optional[Sequence[str]] = No
             raise
     if not failure.quiet:
         sys.stdout.flush()
-        from .progress import end_line
+        from ..progress import end_line
 
         end_line()  # the error on a line of its own, not glued to a progress bar's
         print(f"error: {failure}", file=sys.stderr, flush=True)

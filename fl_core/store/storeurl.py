@@ -4,7 +4,7 @@
 ``?password=`` / ``?token=`` values as ``***``; SQLAlchemy is imported only when it is called), :func:`redact` cleans
 a driver's or a library's message that may quote the URL or its password, :func:`identity` names a store across
 spellings of its URL, and :func:`name_store` gives a store its role in messages (``tracking store``, ``Optuna
-storage``). :mod:`fl_core.storefail` (the failures) and :mod:`fl_core.storewait` (the deadlines) build on this
+storage``). :mod:`fl_core.store.storefail` (the failures) and :mod:`fl_core.store.storewait` (the deadlines) build on this
 module, which imports neither.
 """
 

@@ -11,11 +11,11 @@ Reading (:func:`load`): the file, else its ``.prev``, with torch's weights-only 
 str, int, float, bool, None) and refuses any other pickled object before creating it, so a file planted in a
 checkpoint folder (a shared or copied project) cannot run code when a run resumes. Everything this project
 saves here (a round checkpoint of :mod:`fl_core.engine.simulator`, a completion record of
-:mod:`fl_core.runstore`) is made of those types only. A file that cannot be read (truncated, empty, garbage,
+:mod:`fl_core.store.runstore`) is made of those types only. A file that cannot be read (truncated, empty, garbage,
 refused by the weights-only loader, or not the expected kind) is renamed to ``<name>.corrupt`` with one
 warning line on stderr naming it, and the next candidate is tried; with none left the caller starts from
 scratch. Nothing is deleted here, so a user can inspect what was moved aside (an experiment's attempt
-folder, and the ``*.corrupt`` files in it, are removed once the experiment completes: :mod:`fl_core.runstore`).
+folder, and the ``*.corrupt`` files in it, are removed once the experiment completes: :mod:`fl_core.store.runstore`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import envfail, faults
-from .lazy import lazy_import
+from ..lazy import lazy_import
 
 torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg load no torch
 

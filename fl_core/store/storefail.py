@@ -1,10 +1,10 @@
 """The tracking store and the databases failing: one line naming the store (password masked), the cause and what to do.
 
-Importing this module registers its classifiers with :func:`fl_core.envfail.register` (:mod:`fl_core.tracking` and
+Importing this module registers its classifiers with :func:`fl_core.store.envfail.register` (:mod:`fl_core.store.tracking` and
 :mod:`sweeps.runner` import it), so an error of these kinds ends a command with ``error: <line>`` and exit status 3:
 
 - **SQLite** (through SQLAlchemy: MLflow's store, an Optuna ``sqlite:///`` storage): locked by another process for
-  the busy timeout (:func:`fl_core.storewait.sqlite_busy_timeout_s`), cannot be opened, full, read-only, an I/O
+  the busy timeout (:func:`fl_core.store.storewait.sqlite_busy_timeout_s`), cannot be opened, full, read-only, an I/O
   error. E.g. ``tracking store sqlite:///.../mlflow.db is locked by another process for 30 s; retry, or set
   MLFLOW_TRACKING_URI to a tracking server``.
 - **PostgreSQL** (psycopg 3 or psycopg2 through SQLAlchemy): refused, lost (server shut down or restarted), timed out
@@ -17,7 +17,7 @@ Which store: the URL comes from the failing SQLAlchemy connection (a frame of th
 ``database <url>``. Errors are recognised by type name and module, so neither MLflow, SQLAlchemy nor a driver is
 imported here. :func:`missing_folder` is the check of a ``sqlite:///`` URI whose folder does not exist.
 
-Secrets never leave memory (:mod:`fl_core.storeurl`, whose names this module passes on): :func:`mask` is how every
+Secrets never leave memory (:mod:`fl_core.store.storeurl`, whose names this module passes on): :func:`mask` is how every
 storage or tracking URI is shown (messages, MLflow tags,
 summaries: password and ``?password=`` / ``?token=`` values as ``***``; SQLAlchemy is imported only when it is
 called), and :func:`redact` cleans a driver's or a library's message that may quote the URL or its password.
@@ -180,7 +180,7 @@ def _http_reason(err: BaseException) -> str:
 @envfail.register
 def _classify_http(err: BaseException) -> Optional[envfail.EnvironmentFailure]:
     """``requests``' connection errors, timeouts and retries exhausted on server errors, raised under MLflow's HTTP
-    client after its own retries (:func:`fl_core.storewait.http_defaults`)."""
+    client after its own retries (:func:`fl_core.store.storewait.http_defaults`)."""
     module, name = _type(err)
     if not module.startswith("requests") or name not in ("ConnectionError", "ConnectTimeout", "ReadTimeout",
                                                          "Timeout", "RetryError"):
