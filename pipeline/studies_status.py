@@ -138,8 +138,30 @@ def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
             w.writerow(REFRESH_COLUMNS)
         w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", procs.machine(), time.strftime("%Y-%m-%d"),
                     commit])
+    stamp_report(folder, f"{procs.machine()}, commit {commit}, {time.strftime('%Y-%m-%d')}, `make study-refresh "
+                         f"STUDY={folder.name}` in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU)", env)
     print(f"{folder.name}: refreshed in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU); {path.relative_to(ROOT)}")
     return 0
+
+
+PRODUCED = "> Produced on "
+
+
+def stamp_report(folder: Path, produced: str, env: Optional[dict] = None) -> None:
+    """Name where ``folder``'s report was produced: a first line ``> Produced on <produced>.`` in
+    ``results/report.md`` (replacing an earlier one), then ``dvc commit`` of the report stage, so that DVC takes the
+    stamped file as the stage's output (the study stays up to date). Nothing when the study has no report."""
+    report = folder / "results" / "report.md"
+    if not report.exists():
+        return
+    lines = report.read_text().splitlines(keepends=True)
+    if lines and lines[0].startswith(PRODUCED):
+        lines = lines[1:]
+        if lines and not lines[0].strip():
+            lines = lines[1:]
+    report.write_text(f"{PRODUCED}{produced}.\n\n" + "".join(lines))
+    subprocess.run([*dvc_command(), "commit", "--force", "report"], cwd=folder, env=env, check=True,
+                   capture_output=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -3,8 +3,8 @@
 Store: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<project root>/mlflow.db`` with artifacts under
 ``<project root>/mlartifacts`` (the store's path is absolute, so DVC stages, queued ``dvc exp`` runs and sweeps
 share one store; the artifact locations inside it are not, see below). Per-round metrics are buffered and
-written in one ``log_batch`` every ``tracking.log_every`` rounds and at checkpoints (about a millisecond per
-round on SQLite).
+written in one ``log_batch`` every ``tracking.log_every`` rounds by a writer thread while training goes on
+(:meth:`Tracking.submit`); each checkpoint, failure and run end waits until they are in the store.
 
 Run identity: an experiment's parent run carries the tags ``fl.experiment`` (its name),
 ``fl.fingerprint`` (hash of the config that determines its numbers, seeds excluded) and
@@ -371,6 +371,7 @@ class Tracking:
 
         _quiet_mlflow()  # after MLflow's import, which sets its loggers' levels
 
+        self._writer = None  # the writer thread of the run loggers' round batches (submit)
         self.root = root or store_root()
         self.uri = bounded_uri(tracking_uri(self.root))
         server = self.uri.startswith(("http://", "https://"))
@@ -436,6 +437,17 @@ class Tracking:
         if reason:
             self.client.set_tag(run_id, TAG_END_REASON, reason[:5000])
         self.client.set_terminated(run_id, status=status)
+
+    def submit(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on this tracking's one writer thread (started on first use); its
+        ``concurrent.futures.Future``. The run loggers hand their round batches here and wait for them at each
+        checkpoint, failure and run's end (:meth:`MlflowRunLogger.flush`), so nothing is left queued when a run
+        ends; a kill loses at most the rounds since the last checkpoint, which the resumed run logs again."""
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-writer")
+        return self._writer.submit(fn, *args, **kwargs)
 
     def end_orphans(self, name: str) -> int:
         """End the RUNNING runs of experiment ``name`` whose process is gone (:func:`end_orphaned_runs`);
@@ -636,6 +648,7 @@ class MlflowRunLogger:
         self.detail = bool(detail)
         self.run_id: Optional[str] = None
         self._buffer: List[Any] = []
+        self._sent: List[Any] = []  # batches handed to the tracking's writer thread, not yet waited for
         self._logged: Dict[str, set] = {}  # MLflow name -> steps the (reopened) run already holds
         self._names: Dict[str, str] = {}  # per-round key -> its MLflow name in this run
         self._pending_steps = 0
@@ -690,15 +703,29 @@ class MlflowRunLogger:
                             if n is not None and step not in self._logged.get(n, ()))
         self._pending_steps += 1
         if self._pending_steps >= self.log_every:
-            self.flush()
+            self._send()
 
-    def flush(self) -> None:
+    def _send(self) -> None:
+        """Hand the buffered rounds to the tracking's writer thread (:meth:`Tracking.submit`): training goes on
+        while they are written. A batch that failed earlier raises here (its own exception)."""
+        for done in [f for f in self._sent if f.done()]:
+            self._sent.remove(done)
+            done.result()
         if not self._buffer or self.run_id is None:
             return
         for s in range(0, len(self._buffer), _MAX_METRICS_PER_BATCH):
-            self.tracking.client.log_batch(self.run_id, metrics=self._buffer[s:s + _MAX_METRICS_PER_BATCH])
-        self._buffer.clear()
+            self._sent.append(self.tracking.submit(self.tracking.client.log_batch, self.run_id,
+                                                   metrics=self._buffer[s:s + _MAX_METRICS_PER_BATCH]))
+        self._buffer = []
         self._pending_steps = 0
+
+    def flush(self) -> None:
+        """Every round logged so far is in the store when this returns (a checkpoint's, a failure's and the run's
+        end wait here); a batch that failed raises its own exception."""
+        self._send()
+        sent, self._sent = self._sent, []
+        for f in sent:
+            f.result()
 
     def close(self, status: str, reason: Optional[str] = None) -> None:
         if self.run_id is None:
