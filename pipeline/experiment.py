@@ -158,7 +158,7 @@ class ExperimentRunner:
                 for run in runs:
                     self._started(run, observers)
                 chunk = factory.population_chunk(cfgs[0], sims[0], len(sims))
-                population.run_replicas(sims, True, chunk, functools.partial(self._ended, runs, observers))
+                population.run_together(sims, chunk, functools.partial(self._ended, runs, observers))
                 return runs
             runs = runs[:1]  # replicas that cannot share a pass: one after another, built one at a time
         for i, cfg in enumerate(cfgs):

@@ -24,7 +24,7 @@ def _assert_as_apart(stack: tuple, variants) -> None:
     sims = [_sim(stack + v, "vectorized") for v in variants]
     if not population.can_share(sims):
         pytest.fail(f"{' '.join(stack)}: the replicas cannot share a pass")
-    got = population.run_replicas(sims)
+    got = population.run_together(sims)
     for v, res in zip(variants, got):
         assert not isinstance(res, RunFailed), f"{v}: {res}"
         ref, hist, _, _ = _run(stack + v)
@@ -78,7 +78,7 @@ def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
 def test_a_diverging_replica_fails_alone_and_the_others_are_as_apart():
     stack = _stack("fedavg", extra=UNEQUAL)
     variants = [("train.lr=0.05",), ("train.lr=1e300",), ("train.lr=0.05", "seed=2")]
-    got = population.run_replicas([_sim(stack + v, "vectorized") for v in variants])
+    got = population.run_together([_sim(stack + v, "vectorized") for v in variants])
     assert isinstance(got[1], RunFailed) and "non-finite" in str(got[1])
     for i in (0, 2):
         assert float((got[i].final_flat - _run(stack + variants[i])[0]).abs().max()) <= TOL
@@ -99,10 +99,10 @@ def test_a_population_killed_between_replicas_resumes_each_from_its_own_checkpoi
     sims = [_sim(stack + v, "vectorized", checkpoint_path=p, callbacks=[stop] if i == 0 else [])
             for i, (v, p) in enumerate(zip(_seeds(), paths))]
     with pytest.raises(Stop):
-        population.run_replicas(sims)
+        population.run_together(sims)
     again = [_sim(stack + v, "vectorized", checkpoint_path=p) for v, p in zip(_seeds(), paths)]
     assert [s.restore() for s in again] == [2, 1, 1]
-    got = population.run_replicas(again)
+    got = population.run_together(again)
     for v, res in zip(_seeds(), got):
         full = _sim(stack + v, "vectorized").run()
         assert float((res.final_flat - full.final_flat).abs().max()) <= TOL, v
@@ -112,7 +112,7 @@ def test_a_population_killed_between_replicas_resumes_each_from_its_own_checkpoi
 def test_a_population_in_chunks_equals_its_separate_runs():
     stack = _stack("scaffold", extra=UNEQUAL)
     sims = [_sim(stack + v, "vectorized") for v in _seeds()]
-    got = population.run_replicas(sims, chunk=2)  # 2 clients at once across the replicas' rounds
+    got = population.run_together(sims, chunk=2)  # 2 clients at once across the replicas' rounds
     for v, res in zip(_seeds(), got):
         assert float((res.final_flat - _run(stack + v)[0]).abs().max()) <= TOL
 

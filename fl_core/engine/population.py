@@ -11,15 +11,14 @@ its separate run up to float rounding, and a replica resumed from its checkpoint
 different rounds after a kill catch up first: a pass takes only the replicas at the lowest round).
 
 A replica whose loss becomes non-finite ends FAILED alone; the others go on. Replicas that cannot share a pass
-(another executor, a rule stack or model that differs) run one after another, as without a population
-(:func:`can_share`).
+(another executor, a rule stack or model that differs: :func:`can_share`) run one after another, each with
+:func:`run_one` (:class:`pipeline.experiment.ExperimentRunner` decides).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from ..store import faults
 from . import gcpause
 from .executors import NonFiniteLossError, PopulationJob, VectorizedExecutor
 from .simulator import RunFailed, RunResult, Simulator
@@ -46,24 +45,20 @@ def can_share(sims: Sequence[Simulator]) -> bool:
 Done = Optional[Callable[[int, Outcome], None]]
 
 
-def run_replicas(sims: Sequence[Simulator], together: bool = True, chunk: int = 0, on_done: Done = None) -> List[Outcome]:
-    """Run every simulator of ``sims`` to its end: as one population when ``together`` and :func:`can_share`
-    (``chunk`` clients at once, 0: all of a round's clients of every replica; :func:`.factory.population_chunk`),
-    else one after another (fault point ``between_seeds`` between two). ``on_done(i, outcome)`` hears of each
-    replica as soon as it ends (it may raise to stop the rest). Returns, in order, each one's
+def run_together(sims: Sequence[Simulator], chunk: int = 0, on_done: Done = None) -> List[Outcome]:
+    """Run the simulators ``sims`` (:func:`can_share`) to their end as one population, ``chunk`` clients at once (0:
+    all of a round's clients of every replica; :func:`.factory.population_chunk`). ``on_done(i, outcome)`` hears of
+    each replica as soon as it ends (it may raise to stop the rest). Returns, in order, each one's
     :class:`~.simulator.RunResult` or the :class:`~.simulator.RunFailed` it ended with (its logger's run closed
-    FAILED)."""
-    if together and can_share(sims):
-        with gcpause.frozen_heap():
-            return _lock_step(list(sims), chunk, on_done)
-    out: List[Outcome] = []
-    for i, sim in enumerate(sims):
-        if i:
-            faults.point("between_seeds")
-        out.append(run_one(sim))
-        if on_done is not None:
-            on_done(i, out[-1])
-    return out
+    FAILED).
+
+    Raises:
+        ValueError: the simulators cannot share a pass (run them one after another instead: :func:`run_one`).
+    """
+    if not can_share(sims):
+        raise ValueError("these simulators cannot train as one population (can_share): run them one by one")
+    with gcpause.frozen_heap():
+        return _lock_step(list(sims), chunk, on_done)
 
 
 def run_one(sim: Simulator) -> Outcome:
