@@ -71,6 +71,10 @@ def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
     assert not population.can_share([_sim(("algorithm=fedavg",), "vectorized"),
                                      _sim(("algorithm=fedprox",), "vectorized")])
     assert not population.can_share([_sim(("model.hidden=8",), "vectorized"), _sim((), "vectorized")])
+    # the lead executor's local-step settings would train the other replica's clients: refused
+    assert not population.can_share([_sim(("train.batch_size=32",), "vectorized"), _sim((), "vectorized")])
+    assert not population.can_share([_sim(("algorithm=fedprox", "algorithm.fedprox.mu=0.1"), "vectorized"),
+                                     _sim(("algorithm=fedprox",), "vectorized")])
     assert not population.can_share([_sim(("seed=1",)), _sim(("seed=2",))])  # the sequential executor
     assert not population.can_share([_sim((), "vectorized")])
 

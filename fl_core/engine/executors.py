@@ -464,7 +464,6 @@ class _Chunk:
     bufs: Dict[str, torch.Tensor]  # momentum buffers [C, *shape]
     moments: Dict[str, tuple]  # Adam's (m, v, step count [C]) per tensor
     masked: bool  # some client has a step mask
-    lr: Any = 0.0  # eta_l: one float, or [C] when the replicas of a population differ in it
     population: bool = False  # the clients come from the rounds of several replicas (:meth:`run_population`)
 
 
@@ -559,13 +558,13 @@ class VectorizedExecutor(Executor):
             loss became non-finite (the other replicas' updates are unaffected).
         """
         ctxs: List[ClientContext] = []
-        owner: List[int] = []
-        for j, job in enumerate(jobs):
+        spans: List[Tuple[int, int]] = []  # each job's clients: ctxs[start:end]
+        for job in jobs:
             ex = job.executor
             mine = ex.client_contexts(job.rctx, [int(c) for c in job.client_ids], job.store)
             ex._begin_clients(job.rctx, mine)
+            spans.append((len(ctxs), len(ctxs) + len(mine)))
             ctxs.extend(mine)
-            owner.extend([j] * len(mine))
         size = (self.max_parallel_clients if chunk is None else chunk) or len(ctxs)
         updates: List[ClientUpdate] = []
         bad: set = set()
@@ -577,24 +576,30 @@ class VectorizedExecutor(Executor):
             updates.extend(ups)
             bad.update(s + i for i in b)
         out: List[Union[List[ClientUpdate], NonFiniteLossError]] = []
-        for j, job in enumerate(jobs):
-            rows = [i for i, o in enumerate(owner) if o == j]
-            failed = [i for i in rows if i in bad]
+        for job, (start, end) in zip(jobs, spans):
+            failed = [i for i in range(start, end) if i in bad]
             if failed:
                 out.append(NonFiniteLossError(_non_finite(updates[failed[0]].train_loss, job.rctx.round,
                                                           ctxs[failed[0]].client_id)))
             else:
-                out.append(job.executor._finish_clients([ctxs[i] for i in rows], [updates[i] for i in rows],
-                                                        job.store))
+                out.append(job.executor._finish_clients(ctxs[start:end], updates[start:end], job.store))
         return out
 
+    def local_settings(self) -> Tuple[Any, ...]:
+        """What this executor imposes on every client it trains (batch size, local epochs or steps, weight decay,
+        momentum, local optimiser, clipping, augmentation): a population's lead executor
+        trains every replica's clients with its own, so replicas must agree on them
+        (:func:`~.population.can_share`)."""
+        return (self.batch_size, self.local_epochs, self.local_steps, self.weight_decay, self.momentum,
+                self.optimizer, self.grad_clip, self.augmentation, self.crop_padding)
+
     def _round_values(self, rctx: RoundContext, ctxs: List[ClientContext]):
-        """(the hooks' round context of the chunk, the per-client round values vmap slices or None, eta_l):
+        """(the hooks' round context of the chunk, the per-client round values vmap slices or None):
         ``rctx`` itself when every client received it; in a population, its copy with the received models
         [C, d] and the rule's broadcast [C, ...] of each client's replica, and eta_l [C] where the replicas differ."""
         rounds = [c.round for c in ctxs]
         if all(r is rctx for r in rounds):
-            return rctx, None, rctx.lr
+            return rctx, None
         dev = self.data.x.device
         uniq: Dict[int, RoundContext] = {}
         for r in rounds:
@@ -606,7 +611,7 @@ class VectorizedExecutor(Executor):
         lrs = [float(r.lr) for r in rounds]
         lr = lrs[0] if len(set(lrs)) == 1 else torch.tensor(lrs, dtype=self.data.x.dtype, device=dev)
         return dataclasses.replace(rctx, global_flat=glob, extra=extra, lr=lr), {"global_flat": glob,
-                                                                                 "extra": extra}, lr
+                                                                                 "extra": extra}
 
     def _schedule(self, rctx: RoundContext, ctxs: List[ClientContext]):
         """Positions [C, Kmax, B] into the training set and sample weights [C, Kmax, B] (0 = padding).
@@ -697,7 +702,7 @@ class VectorizedExecutor(Executor):
         values, batch schedule, anchor and optimiser state."""
         data, needs, dev = self.data, self.needs, self.data.x.device
         C = len(ctxs)
-        rctx, per_client, lr = self._round_values(rctx, ctxs)
+        rctx, per_client = self._round_values(rctx, ctxs)
         g = rctx.global_params()  # [*shape], or [C, *shape] in a population
         if per_client is None:
             params = {n: g[n].detach().unsqueeze(0).expand(C, *g[n].shape).clone() for n in self._names}
@@ -734,7 +739,7 @@ class VectorizedExecutor(Executor):
             if self.optimizer == "adam" else {}
         return _Chunk(rctx=rctx, ctxs=ctxs, params=params, lr_scale=lr_scale, steps=steps, client=client, pos=pos,
                       w=w, kmax=kmax, batched_ctx=batched_ctx, anchor=anchor, loss_sum=loss_sum, bufs=bufs,
-                      moments=moments, masked=any(c.step_mask is not None for c in ctxs), lr=lr,
+                      moments=moments, masked=any(c.step_mask is not None for c in ctxs),
                       population=per_client is not None)
 
     def _stacked_lr_scale(self, ctxs: List[ClientContext], g: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -772,7 +777,8 @@ class VectorizedExecutor(Executor):
         b = chunk.pos[:, k]
         x, y = self.data.x[b], self.data.y[b]  # [C, B, ...]
         if self.augmentation != "none":
-            aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1, ctx.round.seed)
+            aug = augment.stack([self.augment_params(chunk.rctx, ctx.client_id, k + 1,
+                                                     ctx.round.seed if chunk.population else None)
                                  for ctx in chunk.ctxs])
             x = augment.apply(x, aug, self.crop_padding)
         if self.needs.forward_of:  # [C, B, ...] per entry; vmap hands each client its slice
@@ -841,8 +847,10 @@ class VectorizedExecutor(Executor):
 
     @staticmethod
     def _lr(chunk: _Chunk, shape: Tuple[int, ...]):
-        """eta_l of the chunk's clients: one float, or [C] viewed as ``shape`` (a population over eta_l)."""
-        return chunk.lr.view(shape) if isinstance(chunk.lr, torch.Tensor) else chunk.lr
+        """eta_l of the chunk's clients (its round context's): one float, or [C] viewed as ``shape`` (a population
+        over eta_l)."""
+        lr = chunk.rctx.lr
+        return lr.view(shape) if isinstance(lr, torch.Tensor) else lr
 
     def _finish_chunk(self, chunk: _Chunk, store: ClientStateStore) -> List[ClientUpdate]:
         """The clients' updates (delta, mean loss over their steps; the rule's ``finish_client``), their states

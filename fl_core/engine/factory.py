@@ -254,7 +254,20 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      local_work=LocalWork(int(t.local_epochs), t.local_epochs_max, float(t.stragglers),
                                           bool(t.drop_stragglers)))
     sim.client_state_reason = store_reason
+    sim.replica_key = replica_key(cfg)
     return sim
+
+
+def replica_key(cfg) -> str:
+    """What replicas of a population must share beyond the simulator's own settings: the rule stack's, the model's,
+    the dataset's and the partition's config sections (a rule's hyperparameters, e.g. FedProx's mu, are not in its
+    description, and the batched hooks run on the first replica's instance; :func:`.population.can_share`)."""
+    import json
+
+    from ..config import to_container
+
+    c = to_container(cfg)
+    return json.dumps({k: c[k] for k in ("algorithm", "model", "dataset", "partition")}, sort_keys=True, default=str)
 
 
 def population_chunk(cfg, sim: Simulator, replicas: int) -> int:

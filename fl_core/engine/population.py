@@ -34,12 +34,17 @@ def vectorized(sim: Simulator) -> bool:
 
 def can_share(sims: Sequence[Simulator]) -> bool:
     """Whether ``sims`` can train as one population: at least two, each on the vectorised executor (not wrapped by
-    another, e.g. distributed), of one model architecture, rule stack and round count."""
-    if len(sims) < 2 or not all(vectorized(s) for s in sims):
-        return False
-    first = sims[0]
-    same = (first.spec.names, first.spec.shapes, first.rounds, first.algo.describe(), first.num_clients)
-    return all((s.spec.names, s.spec.shapes, s.rounds, s.algo.describe(), s.num_clients) == same for s in sims)
+    another, e.g. distributed), built by the factory from configs with the same rule stack, model, dataset and
+    partition sections (:func:`.factory.replica_key`: so one model architecture, federation and client data, and a
+    rule's hyperparameters, as the batched hooks run on the first replica's instance), of one round count and
+    local-step settings (:meth:`~.executors.VectorizedExecutor.local_settings`)."""
+    if len(sims) < 2 or not all(vectorized(s) and s.replica_key is not None for s in sims):
+        return False  # (a simulator not built by the factory: what it shares is unknown)
+
+    def key(s: Simulator) -> tuple:
+        return s.replica_key, s.rounds, s.executor.local_settings()
+
+    return all(key(s) == key(sims[0]) for s in sims[1:])
 
 
 Done = Optional[Callable[[int, Outcome], None]]
@@ -81,7 +86,7 @@ def _lock_step(sims: List[Simulator], chunk: int, on_done: Done) -> List[Outcome
 
     for i, (st, store, resumed) in list(states.items()):
         if st["round"] >= sims[i].rounds:  # a checkpoint of the last round: nothing left to train
-            done(i, sims[i].finish(st, store, resumed))
+            done(i, sims[i].finish_run(st, store, resumed))
     first_pass = True
     while states:
         r = min(st["round"] for st, _, _ in states.values()) + 1
@@ -99,7 +104,7 @@ def _lock_step(sims: List[Simulator], chunk: int, on_done: Done) -> List[Outcome
                 done(i, sims[i].fail(st, store, err))
                 continue
             if st["round"] >= sims[i].rounds:
-                done(i, sims[i].finish(st, store, resumed))
+                done(i, sims[i].finish_run(st, store, resumed))
         if first_pass:  # the first pass imported what it uses: freeze it too
             gcpause.refreeze()
             first_pass = False

@@ -234,6 +234,7 @@ class Simulator:
         self.local_work = local_work if local_work is not None and local_work.varies else None
         self.count_stragglers = local_work is not None and local_work.stragglers > 0
         self.client_state_reason = f"client_state={client_state}"  # the factory says why (engine.client_state)
+        self.replica_key: Optional[str] = None  # what a population's replicas share (factory.replica_key)
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
         self.client_loss_trace = int(client_loss_trace)
@@ -355,10 +356,6 @@ class Simulator:
         self._close_failed(store, str(err))
         return RunFailed(str(err), st["history"])
 
-    def finish(self, st: dict, store: ClientStateStore, resumed_from: int) -> RunResult:
-        """After the last round (:meth:`_finish`)."""
-        return self._finish(st, store, resumed_from)
-
     def _run(self) -> RunResult:
         """Resume (or start), run rounds ``st["round"] + 1 .. R``, then the post-training step and the result."""
         st, store, resumed_from = self.begin()
@@ -369,7 +366,7 @@ class Simulator:
                     gcpause.refreeze()
         except NonFiniteLossError as err:
             raise self.fail(st, store, err) from None
-        return self._finish(st, store, resumed_from)
+        return self.finish_run(st, store, resumed_from)
 
     def _round(self, r: int, st: dict, store: ClientStateStore) -> None:
         """Round r: sample, broadcast, train, aggregate, the round's row (metrics, evaluation), log, checkpoint."""
@@ -486,7 +483,7 @@ class Simulator:
         self.logger.close("FAILED", reason)
         self.discard_checkpoint()
 
-    def _finish(self, st: dict, store: ClientStateStore, resumed_from: int) -> RunResult:
+    def finish_run(self, st: dict, store: ClientStateStore, resumed_from: int) -> RunResult:
         """After the last round: the post-training step, the logger flushed, the result (the store closed)."""
         final = self._post_training(st)
         self.logger.flush()
