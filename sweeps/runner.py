@@ -629,13 +629,13 @@ class DataCache:
 
     def __init__(self, size: int = 4):
         self.size = size
-        self._items: "OrderedDict[str, tuple]" = OrderedDict()
+        self._items: "OrderedDict[str, Any]" = OrderedDict()
 
-    def get(self, cfg) -> tuple:
-        """(dataset, partition, client data, device) of ``cfg``; raises what the data loaders raise."""
+    def get(self, cfg):
+        """The :class:`pipeline.experiment.Inputs` of ``cfg`` (dataset, partition, client data, device); raises
+        what the data loaders raise."""
         from fl_core.config import to_container
-        from fl_core.data.access import dataset_for, partition_for
-        from fl_core.engine.factory import DTYPES, client_data, resolve_device
+        from pipeline.experiment import Inputs
 
         c = to_container(cfg)
         key = json.dumps([c["dataset"], c["partition"], c["data_dir"], c["engine"]["device"], c["engine"]["dtype"]],
@@ -643,10 +643,7 @@ class DataCache:
         if key in self._items:
             self._items.move_to_end(key)
             return self._items[key]
-        device = resolve_device(cfg.engine.device)
-        ds = dataset_for(cfg, write_cache=False)
-        part = partition_for(cfg, ds, write_cache=False)
-        item = (ds, part, client_data(ds, part, device, DTYPES[cfg.engine.dtype]), device)
+        item = Inputs.load(cfg)
         self._items[key] = item
         while len(self._items) > self.size:
             self._items.popitem(last=False)
@@ -698,7 +695,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
     from fl_core.config import compose, to_container
     from fl_core.experiment import resolve
     from fl_core.metrics import summarize_run
-    from pipeline.experiment import ExperimentRunner, Inputs, Observer
+    from pipeline.experiment import ExperimentRunner, Observer
 
     try:
         # every key a trial can set was held to "changes the run" by spaces.check_space (the base alone, then
@@ -730,7 +727,7 @@ def train_seeds(overrides: Sequence[str], seeds: Sequence[int], cache: DataCache
                 raise run.failure
 
     try:
-        runs = ExperimentRunner(exp, Inputs(*cache.get(exp.cfg0))).train(exp.configs, [_Seeds()])
+        runs = ExperimentRunner(exp, cache.get(exp.cfg0)).train(exp.configs, [_Seeds()])
     except InfeasibleSetting as err:  # a rule's setting the data cannot run (before the generic ValueError)
         raise InfeasibleConfig(envfail.first_line(err)) from None
     except (ConfigError, ValueError) as err:  # a combination the config validation / the builders reject
