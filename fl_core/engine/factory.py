@@ -260,7 +260,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
 
 def replica_key(cfg) -> str:
     """What replicas of a population must share beyond the simulator's own settings: the rule stack's, the model's,
-    the dataset's and the partition's config sections (a rule's hyperparameters, e.g. FedProx's mu, are not in its
+    the dataset's and the partition's config sections (a rule's hyperparameters, such as a proximal weight, are not in its
     description, and the batched hooks run on the first replica's instance; :func:`.population.can_share`)."""
     import json
 
