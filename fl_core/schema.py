@@ -139,7 +139,7 @@ def unless(key: str, *values: Any) -> When:
 
 def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None, gt: Optional[float] = None,
           le: Optional[float] = None, lt: Optional[float] = None, choices: Optional[Sequence[Any]] = None,
-          integer: bool = False, when: Any = ()):
+          integer: bool = False, when: Any = (), replica: bool = False):
     """A dataclass field that carries its own description and allowed values.
 
     ``help`` is the one-line description shown by ``fl-train --help`` and in the docs' parameter tables;
@@ -147,11 +147,15 @@ def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None,
     ``integer`` requires a whole number. :func:`check_fields` enforces them with one-line errors naming
     the key, e.g. ``algorithm.fedprox.mu must be >= 0, got -1``; a float must be finite. ``when`` (a
     :class:`When` or a tuple of them, all of which must hold) says when the parameter has an effect: a value the
-    user sets while it does not hold is refused (``fl_core.config.inactive_keys``).
+    user sets while it does not hold is refused (``fl_core.config.inactive_keys``). ``replica``: the value may differ
+    between the replicas of one population (runs trained in one vectorised pass, :mod:`fl_core.engine.population`):
+    the rule keeps it as the instance attribute of the same name, lists it in ``replica_params`` and reads it only in
+    ``local_objective``, as a float or as each client's 0-dim tensor (no Python branch on its value there).
     """
     conds = (when,) if isinstance(when, When) else tuple(when)
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
-            "choices": tuple(choices) if choices is not None else None, "integer": integer, "when": conds}
+            "choices": tuple(choices) if choices is not None else None, "integer": integer, "when": conds,
+            "replica": replica}
     return field(default=default, metadata=meta)
 
 

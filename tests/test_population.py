@@ -67,14 +67,47 @@ def test_a_population_over_eta_l_equals_the_separate_runs():
                                                          for lr, s in ((0.02, 1), (0.1, 2))])
 
 
+def test_a_population_over_a_rules_replica_parameter_equals_the_separate_runs():
+    """FedProx's mu is carried by each replica (``param(..., replica=True)``): runs that differ in it (mu = 0, the
+    FedAvg case, among them), alone or beside eta_l and the seed, and with a wrapper around the rule (the parameter
+    then sits one layer down the stack), train as one population with each run's own numbers."""
+    _assert_as_apart(_stack("fedprox", extra=UNEQUAL), [(f"algorithm.fedprox.mu={mu}",) for mu in (0.0, 0.1, 1.0)])
+    _assert_as_apart(_stack("fedprox", "fedbug", UNEQUAL), [("algorithm.fedprox.mu=0.01", "train.lr=0.05"),
+                                                            ("algorithm.fedprox.mu=0.5", "seed=2")])
+
+
+def test_every_replica_parameter_is_declared_by_its_rule_and_read_as_an_attribute():
+    """A parameter marked ``replica=True`` is listed in its rule's ``replica_params`` and held as the attribute of
+    that name (what the executor binds per client); a rule lists nothing else."""
+    import dataclasses
+
+    from fl_core.algorithms import registry
+    from fl_core.engine.factory import replica_keys
+
+    marked = {r.name: {f.name for f in dataclasses.fields(r.params) if f.metadata.get("replica")}
+              for r in registry.rules() if r.params is not None}
+    assert "algorithm.fedprox.mu" in replica_keys()
+    for name in (n for n, fields in marked.items() if fields):
+        assert name in registry.names("base"), f"{name}: replica parameters are tested for base rules only"
+        algo = _sim((f"algorithm={registry.get(name).preset_name}",)).algo.layer_stack()[0]
+        assert set(algo.replica_params) == marked[name], name
+        assert all(isinstance(getattr(algo, a), float) for a in algo.replica_params), name
+    for name in registry.names("base"):
+        algo = _sim((f"algorithm={registry.get(name).preset_name}",)).algo.layer_stack()[0]
+        assert set(algo.replica_params) <= marked.get(name, set()), name
+
+
 def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
     assert not population.can_share([_sim(("algorithm=fedavg",), "vectorized"),
                                      _sim(("algorithm=fedprox",), "vectorized")])
     assert not population.can_share([_sim(("model.hidden=8",), "vectorized"), _sim((), "vectorized")])
     # the lead executor's local-step settings would train the other replica's clients: refused
     assert not population.can_share([_sim(("train.batch_size=32",), "vectorized"), _sim((), "vectorized")])
-    assert not population.can_share([_sim(("algorithm=fedprox", "algorithm.fedprox.mu=0.1"), "vectorized"),
-                                     _sim(("algorithm=fedprox",), "vectorized")])
+    # a rule parameter the replicas do not carry (not replica=True) would be the first replica's for all: refused
+    assert not population.can_share([_sim(("algorithm=feddyn", "algorithm.feddyn.alpha=0.1"), "vectorized"),
+                                     _sim(("algorithm=feddyn",), "vectorized")])
+    assert population.can_share([_sim(("algorithm=fedprox", "algorithm.fedprox.mu=0.1"), "vectorized"),
+                                 _sim(("algorithm=fedprox",), "vectorized")])
     assert not population.can_share([_sim(("seed=1",)), _sim(("seed=2",))])  # the sequential executor
     assert not population.can_share([_sim((), "vectorized")])
 

@@ -270,11 +270,20 @@ class Algorithm:
     # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that a message
     # transform (QSGD) compresses too (FedBCGD+'s Delta c): a declaration of the message, no hook
     compressed_extras: Tuple[str, ...] = ()
+    # attributes of this instance that may differ between the replicas of one population (its parameters declared
+    # with ``param(..., replica=True)``): only ``local_objective`` reads them, as a float or, in a population whose
+    # replicas differ in them, as each client's 0-dim tensor under vmap (the executor binds them; no Python branch
+    # on their value there)
+    replica_params: Tuple[str, ...] = ()
 
     @property
     def vectorizable(self) -> bool:
         """``needs.vectorizable`` (kept as an attribute: the executor factory reads it)."""
         return self.needs.vectorizable
+
+    def layer_stack(self) -> List["Algorithm"]:
+        """This rule and the rules it wraps, outermost first (one instance per layer of the stack)."""
+        return [self]
 
     # ------------------------------------------------------------------ state
     def init_server_state(self, global_flat: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -392,6 +401,9 @@ class Wrapper(Algorithm):
 
     def describe(self) -> Description:
         return Description(self.name, self.shown(), self.base.describe())
+
+    def layer_stack(self) -> List[Algorithm]:
+        return [self] + self.base.layer_stack()
 
 
 for _hook in FORWARDED:

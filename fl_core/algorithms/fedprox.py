@@ -16,24 +16,27 @@ from .registry import Rule, register
 
 @dataclass
 class FedProxParams:
-    mu: float = param(0.01, "proximal coefficient: (mu/2)||theta_i - theta||^2 is added to the local loss", ge=0)
+    mu: float = param(0.01, "proximal coefficient: (mu/2)||theta_i - theta||^2 is added to the local loss", ge=0,
+                      replica=True)
 
 
-def proximal_term(ctx, params, mu: float):
-    """(mu/2) ||theta_i - theta||^2 with theta the received global model (a detached anchor)."""
+def proximal_term(ctx, params, mu):
+    """(mu/2) ||theta_i - theta||^2 with theta the received global model (a detached anchor); ``mu`` a float or, in a
+    population over mu, the client's 0-dim tensor."""
     anchor = ctx.round.global_params()
     return 0.5 * mu * sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
 
 
 class FedProx(FedAvg):
     name = "fedprox"
+    replica_params = ("mu",)  # a population may train several mu at once (local_objective reads it)
 
     def __init__(self, mu: float, aggregation: str = "weighted", eta_g: float = 1.0):
         super().__init__(aggregation, eta_g)
         self.mu = float(checked(FedProxParams, "algorithm.fedprox", mu=mu).mu)
 
     def local_objective(self, ctx, params, logits, features, y):
-        if self.mu == 0.0:
+        if isinstance(self.mu, float) and self.mu == 0.0:  # (a population's mu per client is a tensor)
             return Objective(logits)
         # Frozen parameters (FedBug) equal the anchor exactly, so summing over all of them adds 0
         # and keeps the hook free of per-tensor flags (it also runs under torch.func.vmap).

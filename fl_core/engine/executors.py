@@ -525,7 +525,25 @@ class VectorizedExecutor(Executor):
 
     def _loss(self, params, x, y, w, client, rctx):
         """Loss of one client (vmap removes the leading client dim): mean CE over real samples + hooks. In a
-        population the client's own replica's round values (received model, rule broadcast) come in ``client``."""
+        population the client's own replica's round values (received model, rule broadcast) come in ``client``, and
+        the rule parameters in which the replicas differ (``replica_params``) in ``client["hyper"]``, bound to the
+        rule stack's layers for the call."""
+        hyper = client.get("hyper")
+        if not hyper:
+            return self._client_loss(params, x, y, w, client, rctx)
+        layers = self.algo.layer_stack()
+        saved = []
+        try:
+            for key, value in hyper.items():
+                j, attr = key.split(".", 1)
+                saved.append((layers[int(j)], attr, getattr(layers[int(j)], attr)))
+                setattr(layers[int(j)], attr, value)
+            return self._client_loss(params, x, y, w, client, rctx)
+        finally:
+            for layer, attr, value in reversed(saved):
+                setattr(layer, attr, value)
+
+    def _client_loss(self, params, x, y, w, client, rctx):
         if "round" in client:
             rctx = dataclasses.replace(rctx, global_flat=client["round"]["global_flat"],
                                        extra=client["round"]["extra"])
@@ -547,7 +565,8 @@ class VectorizedExecutor(Executor):
     def run_population(self, jobs: Sequence[PopulationJob],
                        chunk: Optional[int] = None) -> List[Union[List[ClientUpdate], NonFiniteLossError]]:
         """Train the clients of several replicas' rounds (same model and rule stack, same round number; each
-        replica its own received model, rule broadcast, eta_l, seed and client states) in one pass: the vmap
+        replica its own received model, rule broadcast, eta_l, rule parameters listed in ``replica_params``, seed and
+        client states) in one pass: the vmap
         axis is (replica x client), in chunks of ``chunk`` clients (0: all; None: ``max_parallel_clients``). Each client's batches,
         augmentation and hooks are those of its replica (:func:`batch_schedule` with the replica's seed; its own
         rule instance's ``client_begin`` / ``finish_client``), so each replica's updates are those of its own
@@ -566,10 +585,11 @@ class VectorizedExecutor(Executor):
             spans.append((len(ctxs), len(ctxs) + len(mine)))
             ctxs.extend(mine)
         size = (self.max_parallel_clients if chunk is None else chunk) or len(ctxs)
+        hyper = self._replica_values(jobs, spans)
         updates: List[ClientUpdate] = []
         bad: set = set()
         for s in range(0, len(ctxs), size):
-            chunk = self._stack_chunk(jobs[0].rctx, ctxs[s:s + size])
+            chunk = self._stack_chunk(jobs[0].rctx, ctxs[s:s + size], {k: v[s:s + size] for k, v in hyper.items()})
             for k in range(chunk.kmax):
                 self._chunk_step(chunk, k)
             ups, b = self._chunk_updates(chunk)
@@ -583,6 +603,21 @@ class VectorizedExecutor(Executor):
                                                           ctxs[failed[0]].client_id)))
             else:
                 out.append(job.executor._finish_clients(ctxs[start:end], updates[start:end], job.store))
+        return out
+
+    def _replica_values(self, jobs: Sequence[PopulationJob], spans: List[Tuple[int, int]]) -> Dict[str, torch.Tensor]:
+        """The rule parameters in which the replicas of ``jobs`` differ (the ``replica_params`` of each layer of the
+        rule stack, :meth:`~fl_core.algorithms.base.Algorithm.layer_stack`), per client of the population: ``"<layer>.<attr>"``
+        -> [N] (each client its replica's value); {} when the replicas agree (this executor is ``jobs[0]``'s)."""
+        lead = self.algo.layer_stack()
+        stacks = [job.executor.algo.layer_stack() for job in jobs]
+        out: Dict[str, torch.Tensor] = {}
+        for j, layer in enumerate(lead):
+            for attr in layer.replica_params:
+                values = [float(getattr(layers[j], attr)) for layers in stacks]
+                if len(set(values)) > 1:
+                    out[f"{j}.{attr}"] = torch.tensor([v for v, (a, b) in zip(values, spans) for _ in range(b - a)],
+                                                      dtype=self.data.x.dtype, device=self.data.x.device)
         return out
 
     def local_settings(self) -> Tuple[Any, ...]:
@@ -697,9 +732,11 @@ class VectorizedExecutor(Executor):
                 ix = data.indices[ctx.client_id]
                 ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
 
-    def _stack_chunk(self, rctx: RoundContext, ctxs: List[ClientContext]) -> _Chunk:
+    def _stack_chunk(self, rctx: RoundContext, ctxs: List[ClientContext],
+                     hyper: Optional[Dict[str, torch.Tensor]] = None) -> _Chunk:
         """The chunk's starting point stacked [C, ...]: the received parameters, step-size multipliers, per-client
-        values, batch schedule, anchor and optimiser state."""
+        values (with ``hyper``: the rule parameters in which a population's replicas differ, each [C];
+        :meth:`_replica_values`), batch schedule, anchor and optimiser state."""
         data, needs, dev = self.data, self.needs, self.data.x.device
         C = len(ctxs)
         rctx, per_client = self._round_values(rctx, ctxs)
@@ -719,6 +756,8 @@ class VectorizedExecutor(Executor):
                             if ctxs[0].state is not None else {})}
         if per_client is not None:
             client["round"] = per_client
+        if hyper:
+            client["hyper"] = hyper
         pos, w, kmax = self._schedule(rctx, ctxs)
         batched_ctx = ClientContext(round=rctx, client_id=-1, num_samples=client["num_samples"],
                                     num_steps=client["num_steps"], label_counts=client["label_counts"],
