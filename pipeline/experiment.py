@@ -122,12 +122,8 @@ class ExperimentRunner:
     def train(self, cfgs: Optional[Sequence] = None, observers: Sequence[Observer] = (), *,
               checkpoint_path: Optional[Callable[[int], Optional[Path]]] = None,
               together: bool = True) -> List[SeedRun]:
-        """Train the seeds of ``cfgs`` (default: all of the experiment's), in order.
-
-        When the first seed's simulator runs on the vectorised executor and there are several seeds, every seed's
-        simulator is built and they train as one population, in chunks that fit in memory
-        (:func:`fl_core.engine.factory.population_chunk`); otherwise each seed is built, trained and reported
-        before the next is built (fault point ``between_seeds`` between two).
+        """Train the seeds of ``cfgs`` (default: all of the experiment's), in order: :func:`train_together` with this
+        experiment alone.
 
         Args:
             cfgs: the seeds' configs (a subset of the experiment's: the seeds not done yet).
@@ -142,34 +138,8 @@ class ExperimentRunner:
         Raises:
             whatever building a simulator raises (ConfigError, ValueError), and what an observer raises.
         """
-        from fl_core.engine import factory, population
-
         cfgs = list(self.exp.configs if cfgs is None else cfgs)
-        runs: List[SeedRun] = []
-        if not cfgs:
-            return runs
-        first = self._build(cfgs[0], observers, checkpoint_path)
-        runs.append(first)
-        together = together and bool(cfgs[0].engine.population)
-        if together and len(cfgs) > 1 and population.vectorized(first.sim):
-            runs += [self._build(cfg, observers, checkpoint_path) for cfg in cfgs[1:]]
-            sims = [r.sim for r in runs]
-            if population.can_share(sims):
-                for run in runs:
-                    self._started(run, observers)
-                chunk = factory.population_chunk(cfgs[0], sims[0], len(sims))
-                population.run_together(sims, chunk, functools.partial(self._ended, runs, observers))
-                return runs
-            runs = runs[:1]  # replicas that cannot share a pass: one after another, built one at a time
-        for i, cfg in enumerate(cfgs):
-            if i:
-                from fl_core.store import faults
-
-                faults.point("between_seeds")
-                runs.append(self._build(cfg, observers, checkpoint_path))
-            self._started(runs[i], observers)
-            self._ended(runs, observers, i, population.run_one(runs[i].sim))
-        return runs
+        return train_together([Part(self, cfgs, observers, checkpoint_path)], together)[0]
 
     def _build(self, cfg, observers: Sequence[Observer], checkpoint_path) -> SeedRun:
         seed = int(cfg.seed)
@@ -181,21 +151,89 @@ class ExperimentRunner:
             ob.built(run)
         return run
 
-    @staticmethod
-    def _started(run: SeedRun, observers: Sequence[Observer]) -> None:
-        resumed_from = run.sim.restore()
-        for ob in observers:
-            ob.started(run.seed, resumed_from)
 
-    @staticmethod
-    def _ended(runs: List[SeedRun], observers: Sequence[Observer], i: int, outcome: Any) -> None:
-        from fl_core.engine.simulator import RunFailed
+@dataclass
+class Part:
+    """One experiment's share of :func:`train_together`: its runner, the seeds' configs to train, its observers and
+    ``checkpoint_path(seed)`` (None: no checkpoints)."""
 
-        run = runs[i]
-        if isinstance(outcome, RunFailed):
-            run.failure = outcome
-        else:
-            run.result = outcome
-        for ob in observers:
-            ob.finished(run)
+    runner: ExperimentRunner
+    cfgs: Sequence[Any]
+    observers: Sequence[Observer] = ()
+    checkpoint_path: Optional[Callable[[int], Optional[Path]]] = None
 
+
+def train_together(parts: Sequence[Part], together: bool = True) -> List[List[SeedRun]]:
+    """Train the seeds of one or more experiments: as one population where they can, else one after another.
+
+    When the first seed's simulator runs on the vectorised executor with ``engine.population`` on and there are
+    several seeds in all, every seed's simulator is built, and if they can share a pass
+    (:func:`fl_core.engine.population.can_share`: the seeds of one experiment, or experiments that differ only in
+    eta_l and the rule parameters a replica carries) they train as one population, in chunks that fit in memory
+    (:func:`fl_core.engine.factory.population_chunk`). Otherwise each seed is built, trained and reported before the
+    next is built (fault point ``between_seeds`` between two). Each seed is reported to its own experiment's
+    observers (:class:`Observer`).
+
+    Args:
+        parts: the experiments and the seeds of each to train.
+        together: False: never as a population.
+
+    Returns:
+        per part, one :class:`SeedRun` per config, in order.
+
+    Raises:
+        whatever building a simulator raises (ConfigError, ValueError), and what an observer raises.
+    """
+    from fl_core.engine import factory, population
+
+    out: List[List[SeedRun]] = [[] for _ in parts]
+    todo = [(i, cfg) for i, part in enumerate(parts) for cfg in part.cfgs]
+    if not todo:
+        return out
+
+    def build(k: int) -> SeedRun:
+        i, cfg = todo[k]
+        return parts[i].runner._build(cfg, parts[i].observers, parts[i].checkpoint_path)
+
+    built = [build(0)]
+    cfg0 = todo[0][1]
+    if together and bool(cfg0.engine.population) and len(todo) > 1 and population.vectorized(built[0].sim):
+        built += [build(k) for k in range(1, len(todo))]
+        sims = [run.sim for run in built]
+        if population.can_share(sims):
+            for (i, _), run in zip(todo, built):
+                out[i].append(run)
+                _started(run, parts[i].observers)
+            chunk = factory.population_chunk(cfg0, sims[0], len(sims))
+            population.run_together(sims, chunk, lambda k, outcome: _ended(built[k], parts[todo[k][0]].observers,
+                                                                          outcome))
+            return out
+        built = built[:1]  # replicas that cannot share a pass: one after another, built one at a time
+    for k, (i, _) in enumerate(todo):
+        if k:
+            from fl_core.store import faults
+
+            faults.point("between_seeds")
+            built.append(build(k))
+        run = built[k]
+        out[i].append(run)
+        _started(run, parts[i].observers)
+        _ended(run, parts[i].observers, population.run_one(run.sim))
+    return out
+
+
+def _started(run: SeedRun, observers: Sequence[Observer]) -> None:
+    resumed_from = run.sim.restore()
+    for ob in observers:
+        ob.started(run.seed, resumed_from)
+
+
+def _ended(run: SeedRun, observers: Sequence[Observer], outcome: Any) -> None:
+    from fl_core.engine.simulator import RunFailed
+
+    if isinstance(outcome, RunFailed):
+        run.failure = outcome
+    else:
+        run.result = outcome
+    for ob in observers:
+        ob.finished(run)

@@ -309,11 +309,10 @@ def _sweep_hydra() -> Any:
     return hydra
 
 
-def _validated_job_count(parsed: List[Any], user_keys: set, seeds: Optional[List[int]]) -> str:
-    """How many jobs the sweep runs, as the announcement says it (``"4 job(s)"``, ``"the sweeper's jobs"``).
-
-    With Hydra's basic sweeper the jobs are the product of the swept lists, each composed and validated here
-    (:func:`_check_jobs`); another sweeper decides its jobs itself, and they validate when they run.
+def _validated_jobs(parsed: List[Any], user_keys: set, seeds: Optional[List[int]]) -> Optional[List[List[str]]]:
+    """The jobs of the sweep, each composed and validated here (:func:`_check_jobs`), with Hydra's basic sweeper (the
+    product of the swept lists); None with another sweeper, which decides its jobs itself (they validate when they
+    run).
 
     Raises:
         ConfigError: the first bad job's one-line message.
@@ -322,21 +321,70 @@ def _validated_job_count(parsed: List[Any], user_keys: set, seeds: Optional[List
 
     if "hydra/sweeper" not in user_keys:  # the basic sweeper: its jobs are the product of the lists
         task = [o for o in parsed if not o.is_hydra_override()]
-        jobs = [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+        jobs = [[str(o) for o in job] for batch in BasicSweeper.split_arguments(task, None) for job in batch]
         _check_jobs(jobs, seeds, swept_keys(parsed))
         _keep_task_name()
-        return f"{len(jobs)} job(s)"
+        return jobs
     from fl_core.config import compose
 
     compose([])  # registers the config schema that conf/config.yaml builds on
     _keep_task_name()
-    return "the sweeper's jobs"
+    return None
 
 
-def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[int]], int]) -> Any:
+# the keys in which the experiments of one population may differ besides the rule parameters a replica carries
+# (fl_core.algorithms.registry.replica_keys): each replica has its own name, seeds and eta_l
+POPULATION_FREE = ("name", "seed", "train.lr")
+
+
+def population_key(cfg) -> Optional[str]:
+    """What the jobs of one population share: the whole config but the keys a replica carries itself
+    (:data:`POPULATION_FREE`, the rules' replica parameters); None when ``cfg`` trains no population (another
+    executor than ``vectorized``, or ``engine.population=false``)."""
+    import json
+
+    from fl_core.algorithms.registry import replica_keys
+    from fl_core.config import to_container
+
+    if cfg.engine.executor != "vectorized" or not bool(cfg.engine.population):
+        return None
+    c = to_container(cfg)
+    for key in (*POPULATION_FREE, *replica_keys()):
+        *path, last = key.split(".")
+        node = c
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return json.dumps(c, sort_keys=True, default=str)
+
+
+def population_groups(jobs: Sequence[Sequence[str]], seeds: Optional[List[int]]) -> List[List[int]]:
+    """The job numbers of ``jobs`` (each its overrides, named) grouped into populations, in order of each group's
+    first job: jobs with the same :func:`population_key` form one group (trained in one pass), every other job a
+    group of its own."""
+    from fl_core.config import compose
+
+    groups: List[List[int]] = []
+    by_key: dict = {}
+    for num, job in enumerate(jobs):
+        key = population_key(compose(list(job) + seed_override(seeds[:1] if seeds else None)))
+        if key is None or key not in by_key:
+            groups.append([num])
+            if key is not None:
+                by_key[key] = groups[-1]
+        else:
+            by_key[key].append(num)
+    return groups
+
+
+def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[int]], int],
+            train_jobs: Optional[Callable[[List[List[str]], List[int]], List[int]]] = None) -> List[Tuple[int, List[str], int]]:
     """Check the sweep of ``args`` (its seed list, jobs and Hydra's own settings), say on stderr what runs,
-    and run it with ``hydra`` (Hydra's main object), each job trained by ``train_one``; returns what Hydra's sweeper
-    returns (:func:`_statuses`).
+    and run it: with Hydra's basic sweeper and launcher, jobs that can train as one population
+    (:func:`population_groups`) are trained together here by ``train_jobs``, the others by ``train_one``; else every
+    job by ``train_one`` through ``hydra`` (Hydra's main object). Returns (job number, overrides, exit status) per job
+    that ran.
 
     Raises:
         ConfigError, HydraException, OmegaConfBaseException, ValueError: bad input, before any job runs.
@@ -346,7 +394,14 @@ def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[in
     overrides, seeds = split_seeds(args, sweep_ok=True, config_loader=hydra.config_loader)
     parsed = _parse(overrides, hydra.config_loader)
     user_keys = {o.key_or_group for o in parsed}
-    count = _validated_job_count(parsed, user_keys, seeds)
+    jobs = _validated_jobs(parsed, user_keys, seeds)
+    count = f"{len(jobs)} job(s)" if jobs is not None else "the sweeper's jobs"
+    if jobs is not None and train_jobs is not None and "hydra/launcher" not in user_keys:
+        swept = swept_keys(parsed)
+        named = [_named(job, seeds, swept) for job in jobs]
+        groups = population_groups(named, seeds)
+        if any(len(g) > 1 for g in groups):
+            return _run_populations(jobs, named, groups, seeds, train_one, train_jobs)
     hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
     # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
     sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
@@ -355,16 +410,44 @@ def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[in
     launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
     print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
           f"{sweep_cfg.hydra.sweep.dir}/", file=sys.stderr, flush=True)
-    return hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds,
-                                                                              swept=swept_keys(parsed),
-                                                                              train_one=train_one),
-                          overrides=hydra_args)
+    return _statuses(hydra.multirun(config_name="config", task_function=functools.partial(_job, seeds=seeds,
+                                                                                         swept=swept_keys(parsed),
+                                                                                         train_one=train_one),
+                                    overrides=hydra_args))
 
 
-def _sweep_status(returns: Any) -> int:
+def _run_populations(jobs: List[List[str]], named: List[List[str]], groups: List[List[int]],
+                     seeds: Optional[List[int]], train_one: Callable[[List[str], List[int]], int],
+                     train_jobs: Callable[[List[List[str]], List[int]], List[int]]) -> List[Tuple[int, List[str], int]]:
+    """Run the sweep's ``groups`` of jobs in order: a group of several jobs as one population (``train_jobs``), a
+    group of one with ``train_one``; an interrupted group stops the sweep (KeyboardInterrupt)."""
+    seeds_text = f"seeds {','.join(map(str, seeds))}" if seeds else "the config's seed"
+    together = sum(len(g) for g in groups if len(g) > 1)
+    print(f"{PROG}: {len(jobs)} job(s), each one experiment over {seeds_text}; {together} of them train as "
+          f"{sum(1 for g in groups if len(g) > 1)} population(s) in one vectorised pass (they differ only in eta_l or "
+          "in rule parameters a replica carries), here rather than by Hydra's launcher (no Hydra files)",
+          file=sys.stderr, flush=True)
+    out: List[Tuple[int, List[str], int]] = []
+    for group in groups:
+        for num in group:
+            label = " ".join(jobs[num]).replace("$\\{", "${").replace("\\}", "}")  # Hydra's escapes undone
+            print(f"{PROG}: job #{num}: {label or '(defaults)'}" +
+                  (f" (seeds {','.join(map(str, seeds))})" if seeds else ""), file=sys.stderr, flush=True)
+        if len(group) == 1:
+            statuses = [train_one(named[group[0]], list(seeds or []))]
+        else:
+            statuses = train_jobs([named[n] for n in group], list(seeds or []))
+        out += [(num, jobs[num], status) for num, status in zip(group, statuses)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if 130 in statuses:
+            raise KeyboardInterrupt  # the same command again resumes
+    return out
+
+
+def _sweep_status(results: List[Tuple[int, List[str], int]]) -> int:
     """Say on stderr which jobs failed and how many succeeded; returns the worst job's exit status (0: none
     failed)."""
-    results = _statuses(returns)
     failed = [(n, o, s) for n, o, s in results if s != 0]
     for num, ovr, status in failed:
         print(f"{PROG}: job #{num} ({' '.join(ovr) or 'defaults'}) exited with status {status}", file=sys.stderr)
@@ -372,7 +455,8 @@ def _sweep_status(returns: Any) -> int:
     return max((s for _, _, s in failed), default=0)
 
 
-def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], int]) -> int:
+def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], int],
+             train_jobs: Optional[Callable[[List[List[str]], List[int]], List[int]]] = None) -> int:
     """``fl-train -m OVERRIDES``: one experiment per combination of the swept values, launched by Hydra.
 
     Args:
@@ -380,6 +464,8 @@ def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], in
             ``hydra/...`` alike; ``seed=...`` lists become every job's seed list.
         train_one: trains one job's experiment (its overrides, its seeds) and returns its exit status:
             :func:`pipeline.train.train_one` (a module-level function, so that a launcher can pickle the jobs).
+        train_jobs: trains several jobs' experiments as one population and returns each one's exit status
+            (:func:`pipeline.train.train_jobs`); None: every job by ``train_one``.
 
     Returns:
         The exit status: 0 when every job succeeded, else the worst job's (1 a seed failed, 2 bad input,
@@ -406,7 +492,7 @@ def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], in
     try:
         hydra = _sweep_hydra()
         try:
-            returns = _launch(hydra, args, train_one)
+            results = _launch(hydra, args, train_one, train_jobs)
         except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as err:
             fail(_missing_plugin(envfail.first_line(err)))
     except KeyboardInterrupt:
@@ -416,4 +502,4 @@ def multirun(args: Sequence[str], train_one: Callable[[List[str], List[int]], in
     finally:
         signal.signal(signal.SIGTERM, previous)
         GlobalHydra.instance().clear()
-    return _sweep_status(returns)
+    return _sweep_status(results)

@@ -30,6 +30,7 @@ the traceback); 130 when interrupted (Ctrl-C, SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import gc
@@ -236,7 +237,7 @@ class _Experiment(Observer):
     and each seed's completion record, files and child run as soon as it ends."""
 
     def __init__(self, cfgs: List, callbacks: Optional[list], replace: bool = True, adhoc: bool = False,
-                 on_round: Optional[Callable] = None):
+                 on_round: Optional[Callable] = None, inputs=None):
         from fl_core.engine.diagnostics import effective_update
 
         self.cfgs, self.cfg0 = cfgs, cfgs[0]
@@ -253,7 +254,7 @@ class _Experiment(Observer):
         self.store = ExperimentStore(self.name, exp.fingerprint, Path(cfg0.results_dir),
                                      Path(cfg0.engine.checkpoint_dir))
         self.store.check_owned()  # a folder the project did not write: one line, nothing created or read yet
-        self.runner = ExperimentRunner(exp, cache_dir=objective_cache(cfg0))
+        self.runner = ExperimentRunner(exp, inputs, cache_dir=objective_cache(cfg0))
         self.device, self.ds, self.part = self.runner.inputs.device, self.runner.inputs.ds, self.runner.inputs.part
         # the effective update amount u = eta E |D| / (B K) of the IID-to-non-IID study (section 3 of that paper)
         self.u = effective_update(cfg0.train.lr, cfg0.train.local_epochs, int(sum(self.part.sizes)),
@@ -275,6 +276,7 @@ class _Experiment(Observer):
         self._staging: Optional[Path] = None
         self._schedule_files: List[Path] = []
         self._inputs: Optional[List[Dict[str, str]]] = None
+        self.summary: Optional[Dict] = None  # what run() returns, set when the experiment's start ends
         commit = git_commit(project_root())
         self.tags = {"algorithm": self.algo_desc, "dataset": cfg0.dataset.name, "partition": self.pkey,
                      "model": self.model_name, "git_commit": commit, "mlflow.source.git.commit": commit,
@@ -325,6 +327,19 @@ class _Experiment(Observer):
                               "name=..., or add --overwrite to replace them")
 
     def run(self) -> Dict:
+        with self.session() as todo:
+            if todo is not None:
+                self.runner.train(todo, [self], checkpoint_path=self.checkpoint_path)
+        return self.summary
+
+    @contextlib.contextmanager
+    def session(self):
+        """One start of the experiment, around the training of its seeds: under its writer lock, recover what a
+        killed start left, find or open its MLflow parent and read back the finished seeds; yield the configs of the
+        seeds left to train (None: the experiment is done, nothing to train), which the caller trains with this
+        object as their observer; then write and publish the outputs and end the parent. ``self.summary`` holds
+        the result. On an exception the runs this start opened are ended (:meth:`_end_on_failure`); Ctrl-C /
+        SIGTERM becomes :class:`Interrupted`."""
         store, cfg0 = self.store, self.cfg0
         with store.lock():
             store.check_owned()  # again under the lock: what another process may have left meanwhile
@@ -340,15 +355,18 @@ class _Experiment(Observer):
             if done is not None:
                 print(f"{self.name}: {store.out}/ already holds this experiment (same config and seeds); "
                       "nothing to do (delete that folder to train again)", file=sys.stderr)
-                return done
+                self.summary = done
+                yield None
+                return
             continuing = store.begin()
             try:
                 if self.tracking is not None:
                     self.parent_id = self.tracking.parent_run(self.name, store.fingerprint, self.tags, continuing)
                     self.tracking.log_inputs(self.parent_id, self.inputs())
-                summary = self._run_locked()
+                yield self._prepare()
+                summary = self._complete()
                 # the MLflow parent of this experiment, for the caller (not part of the published files)
-                return {**summary, "mlflow_run_id": self.parent_id} if self.parent_id else summary
+                self.summary = {**summary, "mlflow_run_id": self.parent_id} if self.parent_id else summary
             except BaseException as err:
                 self._end_on_failure(err)
                 if isinstance(err, KeyboardInterrupt):
@@ -356,6 +374,10 @@ class _Experiment(Observer):
                 raise
             finally:
                 self.progress.close()
+
+    def checkpoint_path(self, seed: int) -> Optional[Path]:
+        """The seed's checkpoint file (None with ``engine.checkpoint_every=0``)."""
+        return self.store.checkpoint_path(seed) if self.cfg0.engine.checkpoint_every else None
 
     def _end_on_failure(self, err: BaseException) -> None:
         """The one place a start that stops on an exception ends what it opened, so that no MLflow run is left RUNNING
@@ -366,14 +388,13 @@ class _Experiment(Observer):
         start rebuilds it); checkpoints and completion records stay. When the failure is the tracking store itself
         (locked, unreachable) the runs are not touched, as that would only wait once more: the next start ends or
         continues them. Best effort: the failure may be the disk or the store these steps need."""
-        import contextlib
         import shutil
 
         from fl_core.store import storefail
         from fl_core.store.tracking import ENV_FAILURE, STOPPED_BY_ERROR
 
         failure = envfail.classify(err) if isinstance(err, Exception) else None
-        if isinstance(err, KeyboardInterrupt):
+        if isinstance(err, (KeyboardInterrupt, Interrupted)):  # (another experiment of the population took it first)
             status, reason = "KILLED", INTERRUPTED
         elif failure is not None:
             status, reason = "FAILED", f"{ENV_FAILURE}{failure}"
@@ -390,7 +411,9 @@ class _Experiment(Observer):
                     self.tracking.end_parent(self.parent_id, status, reason)
         shutil.rmtree(self.store.staging, ignore_errors=True)
 
-    def _run_locked(self) -> Dict:
+    def _prepare(self) -> List:
+        """The start's staging folder with the experiment's description, the finished seeds read back from their
+        completion records (files and MLflow children); returns the configs of the seeds left to train."""
         store = self.store
         staging = store.begin_staging()
         self._write_description(staging)
@@ -408,9 +431,12 @@ class _Experiment(Observer):
                 print(f"{self.name} seed {seed}: done earlier (read from its completion record)", file=sys.stderr)
                 self.progress.skip(len(self.records[seed]["history"]))
                 self._publish_seed(cfg, self.records[seed], None)
-        self.runner.train(todo, [self], checkpoint_path=lambda seed: (
-            store.checkpoint_path(seed) if self.cfg0.engine.checkpoint_every else None))
-        summary = self._write_outputs(staging)
+        return todo
+
+    def _complete(self) -> Dict:
+        """Every seed has its record: write, publish and finish the outputs, end the MLflow parent."""
+        store = self.store
+        summary = self._write_outputs(self._staging)
         store.publish()
         faults.point("after_outputs")
         self._end_parent(summary)
@@ -681,6 +707,43 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
     return _Experiment(cfgs, callbacks, replace, adhoc, on_round).run()
 
 
+def run_experiments(groups: List[List], *, replace: bool = True, adhoc: bool = False) -> List[Dict]:
+    """Train several experiments at once: :func:`run_experiment` for each, with the seeds of all of them trained as
+    one population where they can share a pass (experiments that differ only in eta_l or in rule parameters a
+    replica carries, on the vectorised executor: :func:`pipeline.experiment.train_together`), else one after
+    another. Each experiment keeps its own lock, files, completion records, checkpoints and MLflow runs, exactly as
+    if it ran alone; experiments on the same data and partition share the loaded inputs.
+
+    Args:
+        groups: per experiment, its composed configs (one per seed).
+        replace, adhoc: as for :func:`run_experiment`.
+
+    Returns:
+        Each experiment's summary, in order.
+
+    Raises:
+        As :func:`run_experiment`; a bad input of any experiment before anything is written.
+    """
+    import json
+
+    from .experiment import Part, train_together
+
+    shared: Dict[str, Any] = {}
+    exps = []
+    for cfgs in groups:
+        c = to_container(cfgs[0])
+        key = json.dumps([c["dataset"], c["partition"], c["engine"]["device"], c["engine"]["dtype"], c["seed"]],
+                         sort_keys=True, default=str)
+        exp = _Experiment(cfgs, None, replace, adhoc, inputs=shared.get(key))
+        shared.setdefault(key, exp.runner.inputs)
+        exps.append(exp)
+    with contextlib.ExitStack() as stack:
+        todos = [stack.enter_context(exp.session()) for exp in exps]
+        train_together([Part(exp.runner, todo, [exp], exp.checkpoint_path)
+                        for exp, todo in zip(exps, todos) if todo])
+    return [exp.summary for exp in exps]
+
+
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
     """What the algorithm does over local steps (FedBug: trainable units per step), as CSV, PNG and PDF.
 
@@ -755,6 +818,60 @@ def train_one(overrides: List[str], seeds: Optional[List[int]] = None) -> int:
         return main(list(overrides) + seed_override(seeds))
     except SystemExit as err:
         return err.code if isinstance(err.code, int) else 1
+
+
+def train_jobs(jobs: List[List[str]], seeds: Optional[List[int]] = None) -> List[int]:
+    """Train the experiments of several jobs of ``fl-train -m`` (each its Hydra overrides, no sweeps) for every seed
+    of ``seeds``, as one population where they can share a pass (:func:`run_experiments`); each experiment validates,
+    writes and tracks as ``train_one`` would.
+
+    Returns:
+        Each job's exit status (as :func:`train_one`): a job whose config is bad gets 2 (after its ``error:`` line)
+        and the others train; a failure of the whole start (bad data, a busy experiment, the environment, Ctrl-C)
+        gives every job the status it would give one.
+    """
+    from fl_core.data import DataSourceError, PartitionError
+
+    from .multirun import seed_override
+
+    statuses: List[Optional[int]] = [None] * len(jobs)
+    groups, nums = [], []
+    for num, job in enumerate(jobs):
+        try:
+            cfgs = _override_configs(list(job) + seed_override(seeds))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            statuses[num] = 2
+            continue
+        except SystemExit as err:  # fail(): its line is printed
+            statuses[num] = err.code if isinstance(err.code, int) else 2
+            continue
+        groups.append(cfgs)
+        nums.append(num)
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        summaries = run_experiments(groups, replace=False, adhoc=True)
+        for num, cfgs, summary in zip(nums, groups, summaries):
+            statuses[num] = _outcome(summary, cfgs[0], grid=False)
+    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy, ForeignFolder) as err:
+        print(f"error: {err}", file=sys.stderr)
+        for num in nums:
+            statuses[num] = 2
+    except (Interrupted, KeyboardInterrupt) as err:
+        where = f" at round {err.round}" if isinstance(err, Interrupted) else " before training started"
+        print(f"interrupted{where}; run the same command again to resume", file=sys.stderr)
+        for num in nums:
+            statuses[num] = 130
+    except Exception as err:  # noqa: BLE001  an environment failure: one line; else a bug (the traceback)
+        failure = envfail.classify(err)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr)
+        for num in nums:
+            statuses[num] = envfail.EXIT_STATUS
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return [int(s) for s in statuses]
 
 
 def _grid_configs(argv: List[str]) -> List:
@@ -941,7 +1058,7 @@ def _main(argv: List[str], from_command_line: bool) -> int:
     if "-m" in argv or "--multirun" in argv:
         from .multirun import multirun
 
-        return multirun([a for a in argv if a not in ("-m", "--multirun")], train_one)
+        return multirun([a for a in argv if a not in ("-m", "--multirun")], train_one, train_jobs)
     if "--hydra-help" in argv:
         print(hydra_help())
         return 0

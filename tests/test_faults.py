@@ -228,6 +228,57 @@ def test_a_kill_inside_a_population_leaves_one_clean_run(tmp_path, fault, popula
     _assert_clean(tmp, population_reference)
 
 
+# ``fl-train -m`` over eta_l on the vectorised executor: two experiments' seeds (4 runs) train as one population
+LR_GRID = ["-m", "train.lr=0.05,0.1", "name=g${train.lr}", "seed=1,2", "algorithm=scaffold", "partition=dirichlet",
+           "partition.num_clients=4", f"train.rounds={ROUNDS}", "train.participation=1.0", "train.local_epochs=1",
+           "train.batch_size=64", "engine.checkpoint_every=1", "engine.progress=false", "tracking.log_every=1",
+           "engine.executor=vectorized"]
+LR_NAMES = ("g0.05", "g0.1")
+
+
+def _grid_models(tmp: Path) -> dict:
+    return {(n, s): torch.load(tmp / "results" / n / "models" / f"seed_{s}.pt") for n in LR_NAMES for s in SEEDS}
+
+
+@pytest.fixture(scope="module")
+def grid_reference(tmp_path_factory, empty_store):
+    """Final models of an uninterrupted ``-m train.lr=...`` population."""
+    tmp = _project(tmp_path_factory.mktemp("lr_grid"), store=empty_store)
+    assert _forked(tmp, LR_GRID) == 0
+    return _grid_models(tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["checkpoint_write@6", "after_record", "after_record@3", "after_outputs"])
+def test_a_kill_inside_a_grid_population_leaves_one_clean_run_per_experiment(tmp_path, fault, grid_reference,
+                                                                             monkeypatch, empty_store):
+    """checkpoint_write@6: the replicas hold rounds 2 and 1; after_record (@3): one (three) of the four runs is
+    recorded, the rerun trains the others; after_outputs: one experiment is published, the other finishes on the
+    rerun. Every experiment ends with the models of an uninterrupted run, one MLflow parent with one FINISHED child
+    per seed, each round logged once, and nothing left behind."""
+    tmp = _project(tmp_path, store=empty_store)
+    assert _forked(tmp, LR_GRID, fault) == -signal.SIGKILL, fault
+    assert _in_process(tmp, LR_GRID, monkeypatch) == 0
+    got = _grid_models(tmp)
+    for key, ref in grid_reference.items():
+        assert got[key].keys() == ref.keys()
+        assert all(torch.equal(got[key][k], ref[k]) for k in ref), key
+    client, runs = _mlflow_state(tmp)
+    parents = {r.data.tags["fl.experiment"]: r for r in runs if r.data.tags.get("fl.role") == "parent"}
+    assert sorted(parents) == sorted(LR_NAMES) and len(runs) == len(LR_NAMES) * (1 + len(SEEDS))
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    for parent in parents.values():
+        kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(int(k.data.tags["fl.seed"]) for k in kids) == SEEDS
+        for k in kids:
+            steps = [m.step for m in client.get_metric_history(k.info.run_id, "test/acc")]
+            assert sorted(steps) == list(range(1, ROUNDS + 1))
+    for name in LR_NAMES:
+        assert json.loads((tmp / "results" / name / "metrics.json").read_text())["status"] == "ok"
+        assert not (tmp / "checkpoints" / name).exists()
+    assert [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".staging", ".old", ".removed"))] == []
+
+
 @pytest.mark.slow
 def test_two_kills_in_a_row_and_a_completed_rerun_does_nothing(tmp_path, reference, monkeypatch, capsys,
                                                                empty_store):

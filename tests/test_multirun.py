@@ -145,3 +145,61 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     children = [r.data.tags["mlflow.parentRunId"] for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert sorted(children) == sorted(list(parents) * 2)  # each parent: its 2 seeds
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+# --------------------------------------------------------------------------- a grid as one population
+
+GRID_POP = ["algorithm=fedprox", "engine.executor=vectorized", "train.rounds=2", "model=mlp", "partition.num_clients=6",
+            "train.participation=0.5", "engine.progress=false", "engine.checkpoint_every=0", "tracking.log_model=false"]
+
+
+def test_a_grid_over_eta_l_and_mu_trains_as_one_population_with_each_jobs_own_numbers(tmp_path, monkeypatch):
+    """``-m train.lr=A,B algorithm.fedprox.mu=C,D seed=1,2`` on the vectorised executor: the 4 jobs' 8 runs train in
+    one pass per round; each job's files equal, byte for byte, those of the job run alone with its seeds apart
+    (float32), and each job has its own MLflow parent with one FINISHED child per seed."""
+    from mlflow.tracking import MlflowClient
+
+    from fl_core.engine import population
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    passes = []
+    lock_step = population._lock_step
+    monkeypatch.setattr(population, "_lock_step", lambda sims, *a: passes.append(len(sims)) or lock_step(sims, *a))
+    name = "name=g-lr${train.lr}-mu${algorithm.fedprox.mu}"
+    assert main(["-m", "train.lr=0.02,0.1", "algorithm.fedprox.mu=0,0.1", "seed=1,2", name] + GRID_POP) == 0
+    assert passes == [8]
+    jobs = [(lr, mu) for lr in ("0.02", "0.1") for mu in ("0", "0.1")]
+    passes.clear()
+    for lr, mu in jobs:
+        alone = ["tracking.enabled=false", "engine.population=false", f"name=alone-{lr}-{mu}"]
+        assert main([f"train.lr={lr}", f"algorithm.fedprox.mu={mu}", "seed=1,2"] + GRID_POP[:-1] + alone) == 0
+        for f in ("runs.csv", "rounds.csv", "metrics.json"):
+            got = (tmp_path / "results" / f"g-lr{lr}-mu{float(mu)}" / f).read_text()
+            assert got == (tmp_path / "results" / f"alone-{lr}-{mu}" / f).read_text(), (lr, mu, f)
+    assert passes == []  # each alone: its seeds one after another
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fl-pipeline").experiment_id])
+    parents = {r.data.tags["fl.experiment"]: r for r in runs if r.data.tags.get("fl.role") == "parent"}
+    assert sorted(parents) == sorted(f"g-lr{lr}-mu{float(mu)}" for lr, mu in jobs)
+    for p in parents.values():
+        kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p.info.run_id]
+        assert sorted(int(k.data.tags["fl.seed"]) for k in kids) == [1, 2]
+        assert {k.info.status for k in kids} | {p.info.status} == {"FINISHED"}
+
+
+def test_jobs_that_differ_in_more_than_a_replica_carries_are_not_one_population():
+    """A population's jobs may differ in eta_l and in rule parameters marked replica=True only; another key (local
+    epochs, a parameter of another rule), another executor or engine.population=false keeps them apart."""
+    from pipeline.multirun import population_groups
+
+    vec = ["algorithm=fedprox", "engine.executor=vectorized"]
+    assert population_groups([vec + ["train.lr=0.1", "name=a"], vec + ["train.lr=0.2", "name=b"],
+                              vec + ["algorithm.fedprox.mu=1", "name=c"]], [1, 2]) == [[0, 1, 2]]
+    assert population_groups([vec + ["train.local_epochs=2"], vec + ["train.local_epochs=3"]], None) == [[0], [1]]
+    assert population_groups([["algorithm=feddyn", "engine.executor=vectorized", f"algorithm.feddyn.alpha={a}"]
+                              for a in (0.1, 0.2)], None) == [[0], [1]]
+    assert population_groups([["train.lr=0.1"], ["train.lr=0.2"]], None) == [[0], [1]]  # the sequential executor
+    assert population_groups([vec + ["engine.population=false", f"train.lr={lr}"] for lr in (0.1, 0.2)],
+                             None) == [[0], [1]]

@@ -82,7 +82,7 @@ def test_every_replica_parameter_is_declared_by_its_rule_and_read_as_an_attribut
     import dataclasses
 
     from fl_core.algorithms import registry
-    from fl_core.engine.factory import replica_keys
+    from fl_core.algorithms.registry import replica_keys
 
     marked = {r.name: {f.name for f in dataclasses.fields(r.params) if f.metadata.get("replica")}
               for r in registry.rules() if r.params is not None}

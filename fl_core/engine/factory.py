@@ -262,9 +262,10 @@ def replica_key(cfg) -> str:
     """What replicas of a population must share beyond the simulator's own settings: the rule stack's, the model's,
     the dataset's and the partition's config sections (a rule's hyperparameters are not in its description, and the
     batched hooks run on the first replica's instance; :func:`.population.can_share`), but the rule parameters a
-    replica carries itself (:func:`replica_keys`)."""
+    replica carries itself (:func:`fl_core.algorithms.registry.replica_keys`)."""
     import json
 
+    from ..algorithms.registry import replica_keys
     from ..config import to_container
 
     c = to_container(cfg)
@@ -273,18 +274,6 @@ def replica_key(cfg) -> str:
         if isinstance(c["algorithm"].get(section), dict):
             c["algorithm"][section].pop(name, None)
     return json.dumps({k: c[k] for k in ("algorithm", "model", "dataset", "partition")}, sort_keys=True, default=str)
-
-
-def replica_keys() -> List[str]:
-    """The config keys of rule parameters that may differ between the replicas of one population (declared with
-    ``param(..., replica=True)``; each replica's rule instance carries its value into the vectorised pass):
-    ``["algorithm.<section>.<name>", ...]``."""
-    import dataclasses
-
-    from ..algorithms import registry
-
-    return [f"algorithm.{section}.{f.name}" for section, schema in registry.sections().items()
-            for f in dataclasses.fields(schema) if f.metadata.get("replica")]
 
 
 def population_chunk(cfg, sim: Simulator, replicas: int) -> int:
