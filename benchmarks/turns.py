@@ -30,9 +30,13 @@ _names = itertools.count()
 
 
 def timed_train(overrides: List[str], tmp: Path, env: Optional[Dict[str, str]] = None) -> float:
-    """Wall seconds of one ``fl-train`` run of ``overrides`` with its outputs under ``tmp``."""
+    """Wall seconds of one ``fl-train`` run of ``overrides`` with its outputs under ``tmp``; with ``-m`` (a sweep over
+    ``train.lr``) each job is named by its eta_l and Hydra's files go under ``tmp`` too."""
+    n = next(_names)
+    sweep = ["name=bench_%d-lr${train.lr}" % n, f"hydra.sweep.dir={tmp / 'multirun' / str(n)}"] \
+        if "-m" in overrides else [f"name=bench_{n}"]
     cmd = [sys.executable, "-m", "pipeline.train", *overrides, "engine.progress=false", "engine.checkpoint_every=0",
-           f"results_dir={tmp / 'results'}", f"engine.checkpoint_dir={tmp / 'ck'}", f"name=bench_{next(_names)}"]
+           f"results_dir={tmp / 'results'}", f"engine.checkpoint_dir={tmp / 'ck'}", *sweep]
     t0 = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, check=True,
                    capture_output=True)

@@ -11,6 +11,11 @@ combination of the swept values, each job one experiment with the whole seed lis
 does not import it. The launcher is Hydra's (``hydra/launcher=basic``: one job after
 another; ``joblib``: parallel, ``pip install hydra-joblib-launcher``; ``submitit_slurm``: a Slurm array).
 
+With the basic launcher (the default) and ``engine.executor=vectorized``, jobs whose configs differ only in
+``train.lr`` and in rule parameters a replica carries (:func:`population_groups`) train as one population, here
+rather than through Hydra's launcher (``train_jobs``: :func:`pipeline.train.train_jobs`), each still its own
+experiment.
+
 Before any job starts, every job's config is composed and validated with :func:`fl_core.config.compose`
 (a bad value in a swept list gives the usual one-line ``error:``, exit 2), and jobs that would write the same
 ``results/<name>/`` are refused. Hydra's own files (``multirun.yaml``, each job's ``.hydra/``) go to

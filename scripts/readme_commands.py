@@ -79,6 +79,8 @@ PLAN: Dict[str, str] = {
     "fl-train -m 'algorithm=glob(fed*,exclude=fedbcgd*)' seed=range(1,4)": "skip: every rule, 3 seeds each: hours",
     "fl-train -m train.lr=0.01,0.05,0.1 'name=fedavg-lr${train.lr}' seed=1,2,3": "long",
     "fl-train -m model=mlp,small_cnn 'name=fedavg-${model.name}'": "run",
+    "fl-train -m algorithm=fedprox engine.executor=vectorized train.lr=0.01,0.1 algorithm.fedprox.mu=0,0.1 "
+    "'name=fedprox-lr${train.lr}-mu${algorithm.fedprox.mu}' seed=1,2,3": "long",
     "pip install hydra-joblib-launcher": "skip: installs from a package index (a network)",
     "fl-train -m hydra/launcher=joblib hydra.launcher.n_jobs=2 algorithm=fedavg,fedprox seed=1,2,3":
         "skip: needs hydra-joblib-launcher (pip install -e '.[parallel]')",
