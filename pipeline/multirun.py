@@ -392,7 +392,8 @@ def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[in
     that ran.
 
     Raises:
-        ConfigError, HydraException, OmegaConfBaseException, ValueError: bad input, before any job runs.
+        ConfigError, HydraException, OmegaConfBaseException, ValueError: bad input, before any job runs (what a job
+        raises while it trains is that job's: its traceback, status 1).
     """
     from hydra.types import RunMode
 
@@ -401,16 +402,16 @@ def _launch(hydra: Any, args: List[str], train_one: Callable[[List[str], List[in
     user_keys = {o.key_or_group for o in parsed}
     jobs = _validated_jobs(parsed, user_keys, seeds)
     count = f"{len(jobs)} job(s)" if jobs is not None else "the sweeper's jobs"
+    hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
+    # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
+    sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
+    _keep_task_name()
     if jobs is not None and train_jobs is not None and "hydra/launcher" not in user_keys:
         swept = swept_keys(parsed)
         named = [_named(job, seeds, swept) for job in jobs]
         groups = population_groups(named, seeds)
         if any(len(g) > 1 for g in groups):
             return _run_populations(jobs, named, groups, seeds, train_one, train_jobs)
-    hydra_args = _hydra_defaults(user_keys, f"{SWEEP_ROOT}/{datetime.now():%Y-%m-%d/%H-%M-%S}") + overrides
-    # Hydra's own settings (the launcher and its plugin, hydra.*) are checked here too, before any job
-    sweep_cfg = hydra.compose_config(config_name="config", overrides=hydra_args, run_mode=RunMode.MULTIRUN)
-    _keep_task_name()
     seeds_text = f"seeds {','.join(map(str, seeds))}" if seeds else "the config's seed"
     launcher = str(sweep_cfg.hydra.launcher.get("_target_", "?")).rsplit(".", 1)[-1]
     print(f"{PROG}: {count} on {launcher}, each one experiment over {seeds_text}; Hydra's files in "
@@ -438,10 +439,16 @@ def _run_populations(jobs: List[List[str]], named: List[List[str]], groups: List
             label = " ".join(jobs[num]).replace("$\\{", "${").replace("\\}", "}")  # Hydra's escapes undone
             print(f"{PROG}: job #{num}: {label or '(defaults)'}" +
                   (f" (seeds {','.join(map(str, seeds))})" if seeds else ""), file=sys.stderr, flush=True)
-        if len(group) == 1:
-            statuses = [train_one(named[group[0]], list(seeds or []))]
-        else:
-            statuses = train_jobs([named[n] for n in group], list(seeds or []))
+        try:
+            if len(group) == 1:
+                statuses = [train_one(named[group[0]], list(seeds or []))]
+            else:
+                statuses = train_jobs([named[n] for n in group], list(seeds or []))
+        except Exception:  # noqa: BLE001  a bug: report it, let the other jobs run, fail the sweep (as _job)
+            traceback.print_exc()
+            statuses = [1] * len(group)
+        finally:
+            _keep_task_name()
         out += [(num, jobs[num], status) for num, status in zip(group, statuses)]
         sys.stdout.flush()
         sys.stderr.flush()

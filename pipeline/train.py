@@ -709,41 +709,78 @@ def run_experiment(cfgs: List, *, callbacks: Optional[list] = None, replace: boo
     return _Experiment(cfgs, callbacks, replace, adhoc, on_round).run()
 
 
-def run_experiments(groups: List[List], *, replace: bool = True, adhoc: bool = False) -> List[Dict]:
+def run_experiments(groups: List[List], *, replace: bool = True, adhoc: bool = False) -> List[Any]:
     """Train several experiments at once: :func:`run_experiment` for each, with the seeds of all of them trained as
     one population where they can share a pass (experiments that differ only in eta_l or in rule parameters a
     replica carries, on the vectorised executor: :func:`pipeline.experiment.train_together`), else one after
-    another. Each experiment keeps its own lock, files, completion records, checkpoints and MLflow runs, exactly as
-    if it ran alone; experiments on the same data and partition share the loaded inputs.
+    another. Each experiment keeps its own lock, files, completion records, checkpoints and MLflow runs, as if it
+    ran alone; experiments on the same data and partition share the loaded inputs. An experiment that cannot start
+    (bad input, another process holds it) or cannot finish (its outputs or MLflow parent fail) ends alone; the
+    others train and finish.
 
     Args:
         groups: per experiment, its composed configs (one per seed).
         replace, adhoc: as for :func:`run_experiment`.
 
     Returns:
-        Each experiment's summary, in order.
+        Per experiment, in order: its summary, or the exception it ended with (ConfigError, DataSourceError,
+        PartitionError, ExperimentBusy, ForeignFolder, an environment failure, ...).
 
     Raises:
-        As :func:`run_experiment`; a bad input of any experiment before anything is written.
+        Interrupted: Ctrl-C / SIGTERM (every experiment's runs are ended KILLED; the same command resumes), and
+        whatever stops the training itself (every started experiment ends it as :func:`run_experiment` would).
     """
     import json
 
     from .experiment import Part, train_together
 
+    results: List[Any] = [None] * len(groups)
     shared: Dict[str, Any] = {}
-    exps = []
-    for cfgs in groups:
+    exps: Dict[int, _Experiment] = {}
+    for i, cfgs in enumerate(groups):
         c = to_container(cfgs[0])
-        key = json.dumps([c["dataset"], c["partition"], c["engine"]["device"], c["engine"]["dtype"], c["seed"]],
-                         sort_keys=True, default=str)
-        exp = _Experiment(cfgs, None, replace, adhoc, inputs=shared.get(key))
-        shared.setdefault(key, exp.runner.inputs)
-        exps.append(exp)
-    with contextlib.ExitStack() as stack:
-        todos = [stack.enter_context(exp.session()) for exp in exps]
-        train_together([Part(exp.runner, todo, [exp], exp.checkpoint_path)
-                        for exp, todo in zip(exps, todos) if todo])
-    return [exp.summary for exp in exps]
+        key = json.dumps([c["dataset"], c["partition"], c["data_dir"], c["engine"]["device"], c["engine"]["dtype"],
+                          c["seed"]], sort_keys=True, default=str)
+        try:
+            exps[i] = _Experiment(cfgs, None, replace, adhoc, inputs=shared.get(key))
+        except Exception as err:  # noqa: BLE001  this experiment's input: it ends alone (train_jobs says how)
+            results[i] = err
+            continue
+        shared.setdefault(key, exps[i].runner.inputs)
+    started = []  # (i, its session, the configs of its seeds left to train)
+    for i, exp in exps.items():
+        session = exp.session()
+        try:
+            todo = session.__enter__()
+        except (ConfigError, ExperimentBusy, ForeignFolder) as err:  # its lock, folder or results: it ends alone
+            results[i] = err
+            continue
+        except BaseException as err:
+            _leave(started, err)
+        started.append((i, session, todo))
+    try:
+        train_together([Part(exps[i].runner, todo, [exps[i]], exps[i].checkpoint_path)
+                        for i, _, todo in started if todo])
+    except BaseException as err:
+        _leave(started, err)
+    for i, session, _ in started:
+        try:
+            session.__exit__(None, None, None)
+            results[i] = exps[i].summary
+        except Exception as err:  # noqa: BLE001  its outputs or parent failed: the others still finish
+            results[i] = err
+    return results
+
+
+def _leave(started: List, err: BaseException) -> None:
+    """End the ``started`` sessions of :func:`run_experiments` on ``err`` (the last started first), then raise what
+    they raise (Ctrl-C comes out as :class:`Interrupted`)."""
+    for _, session, _ in reversed(started):
+        try:
+            session.__exit__(type(err), err, err.__traceback__)
+        except BaseException as raised:  # noqa: BLE001  (the session's form of err, e.g. Interrupted)
+            err = raised
+    raise err
 
 
 def write_schedule(sim, part, cfg, out_dir: Path) -> List[Path]:
@@ -825,25 +862,22 @@ def train_one(overrides: List[str], seeds: Optional[List[int]] = None) -> int:
 def train_jobs(jobs: List[List[str]], seeds: Optional[List[int]] = None) -> List[int]:
     """Train the experiments of several jobs of ``fl-train -m`` (each its Hydra overrides, no sweeps) for every seed
     of ``seeds``, as one population where they can share a pass (:func:`run_experiments`); each experiment validates,
-    writes and tracks as ``train_one`` would.
+    writes and tracks as ``train_one`` would, and a job that fails ends alone.
 
     Returns:
-        Each job's exit status (as :func:`train_one`): a job whose config is bad gets 2 (after its ``error:`` line)
-        and the others train; a failure of the whole start (bad data, a busy experiment, the environment, Ctrl-C)
-        gives every job the status it would give one.
+        Each job's exit status, as :func:`train_one` gives it: 0 ok, 1 a seed failed (or a bug: its traceback), 2 bad
+        input or a busy experiment (after its ``error:`` line), 3 the environment failed (its one line; ``--debug``
+        / ``FL_DEBUG=1``: the traceback), 130 interrupted (every job).
     """
-    from fl_core.data import DataSourceError, PartitionError
-
     from .multirun import seed_override
 
-    statuses: List[Optional[int]] = [None] * len(jobs)
+    statuses: List[int] = [0] * len(jobs)
     groups, nums = [], []
     for num, job in enumerate(jobs):
         try:
             cfgs = _override_configs(list(job) + seed_override(seeds))
         except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            statuses[num] = 2
+            statuses[num] = _job_error(err)
             continue
         except SystemExit as err:  # fail(): its line is printed
             statuses[num] = err.code if isinstance(err.code, int) else 2
@@ -852,28 +886,47 @@ def train_jobs(jobs: List[List[str]], seeds: Optional[List[int]] = None) -> List
         nums.append(num)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        summaries = run_experiments(groups, replace=False, adhoc=True)
-        for num, cfgs, summary in zip(nums, groups, summaries):
-            statuses[num] = _outcome(summary, cfgs[0], grid=False)
-    except (ConfigError, DataSourceError, PartitionError, ExperimentBusy, ForeignFolder) as err:
-        print(f"error: {err}", file=sys.stderr)
-        for num in nums:
-            statuses[num] = 2
+        results = run_experiments(groups, replace=False, adhoc=True)
     except (Interrupted, KeyboardInterrupt) as err:
         where = f" at round {err.round}" if isinstance(err, Interrupted) else " before training started"
         print(f"interrupted{where}; run the same command again to resume", file=sys.stderr)
         for num in nums:
             statuses[num] = 130
-    except Exception as err:  # noqa: BLE001  an environment failure: one line; else a bug (the traceback)
-        failure = envfail.classify(err)
-        if failure is None:
-            raise
-        print(f"error: {failure}", file=sys.stderr)
+        return statuses
+    except Exception as err:  # noqa: BLE001  the training itself failed: every job of the population
+        status = _job_error(err)
         for num in nums:
-            statuses[num] = envfail.EXIT_STATUS
+            statuses[num] = status
+        return statuses
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return [int(s) for s in statuses]
+    for num, cfgs, res in zip(nums, groups, results):
+        statuses[num] = _job_error(res) if isinstance(res, BaseException) else _outcome(res, cfgs[0], grid=False)
+    return statuses
+
+
+def _job_error(err: BaseException) -> int:
+    """Say why a job of :func:`train_jobs` ended as ``train_one`` would, and return its exit status: 2 bad input or a
+    busy experiment, 3 an environment failure (raised with ``--debug`` / ``FL_DEBUG=1``), else 1 with the
+    traceback."""
+    import traceback
+
+    from fl_core.data import DataSourceError, PartitionError
+    from fl_core.progress import end_line
+
+    end_line()
+    if isinstance(err, (ConfigError, DataSourceError, PartitionError, ExperimentBusy, ForeignFolder)):
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    failure = envfail.classify(err) if isinstance(err, Exception) else None
+    if failure is not None:
+        if envfail.debug():
+            raise err
+        if not failure.quiet:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+        return envfail.EXIT_STATUS
+    traceback.print_exception(type(err), err, err.__traceback__)
+    return 1
 
 
 def _grid_configs(argv: List[str]) -> List:

@@ -203,3 +203,27 @@ def test_jobs_that_differ_in_more_than_a_replica_carries_are_not_one_population(
     assert population_groups([["train.lr=0.1"], ["train.lr=0.2"]], None) == [[0], [1]]  # the sequential executor
     assert population_groups([vec + ["engine.population=false", f"train.lr={lr}"] for lr in (0.1, 0.2)],
                              None) == [[0], [1]]
+
+
+def test_a_job_of_a_grid_population_that_cannot_start_ends_alone(tmp_path, monkeypatch, capsys):
+    """One job's results folder holds a file the project did not write: that job ends with its one-line error
+    (status 2) and its folder untouched; the other two still train as one population."""
+    from fl_core.engine import population
+    from pipeline.train import main
+
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "results" / "g-lr0.05" / "my-notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("not the project's")
+    passes = []
+    lock_step = population._lock_step
+    monkeypatch.setattr(population, "_lock_step", lambda sims, *a: passes.append(len(sims)) or lock_step(sims, *a))
+    over = [a for a in GRID_POP if a != "tracking.log_model=false"] + ["tracking.enabled=false"]
+    assert main(["-m", "train.lr=0.02,0.05,0.1", "seed=1,2", "name=g-lr${train.lr}"] + over) == 2
+    assert passes == [4]
+    err = capsys.readouterr().err
+    assert "error: " in err and "my-notes.txt" in err and "job #1 (train.lr=0.05 " in err
+    assert sorted(p.name for p in (tmp_path / "results").iterdir() if not p.name.startswith(".")) == \
+        ["g-lr0.02", "g-lr0.05", "g-lr0.1"]
+    assert [p.name for p in mine.parent.iterdir()] == ["my-notes.txt"]
+    assert all((tmp_path / "results" / n / "metrics.json").is_file() for n in ("g-lr0.02", "g-lr0.1"))

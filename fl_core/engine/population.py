@@ -36,8 +36,9 @@ def can_share(sims: Sequence[Simulator]) -> bool:
     """Whether ``sims`` can train as one population: at least two, each on the vectorised executor (not wrapped by
     another, e.g. distributed), built by the factory from configs with the same rule stack, model, dataset and
     partition sections (:func:`.factory.replica_key`: so one model architecture, federation and client data, and a
-    rule's hyperparameters, as the batched hooks run on the first replica's instance), of one round count and
-    local-step settings (:meth:`~.executors.VectorizedExecutor.local_settings`)."""
+    rule's hyperparameters, as the batched hooks run on the first replica's instance, but those a replica carries
+    itself, ``replica_params``), of one round count and local-step settings
+    (:meth:`~.executors.VectorizedExecutor.local_settings`); eta_l and the seed may differ."""
     if len(sims) < 2 or not all(vectorized(s) and s.replica_key is not None for s in sims):
         return False  # (a simulator not built by the factory: what it shares is unknown)
 
