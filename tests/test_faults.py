@@ -75,6 +75,8 @@ def _fork(tmp: Path, args, env: dict, stderr: Path | None = None) -> int:
             if faults.ENV not in env:
                 os.environ.pop(faults.ENV, None)
             torch.set_num_threads(1)  # as every run here: float sums depend on the thread count
+            # Ctrl-C as at a terminal, even when pytest was started with SIGINT ignored (a shell's background job)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if stderr else devnull, 2)
