@@ -294,6 +294,7 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(tmp_path, args, messag
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a CLI run with MLflow (~17 s on 2 cores)
 def test_the_cli_writes_the_objective_columns_params_and_the_cached_optimum(tmp_path):
     proc = _cli([*LOGREG, "algorithm=fedbcgd", "train.rounds=2", "partition.num_clients=10", "seed=1", "name=convex",
                  "engine.progress=false"], tmp_path)

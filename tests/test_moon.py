@@ -298,6 +298,7 @@ def _cli(args, cwd):
                           text=True, timeout=300, check=False)  # the callers read the return code
 
 
+@pytest.mark.slow  # two CLI runs with MLflow (~15 s each on 2 cores)
 @pytest.mark.parametrize("args,name,algorithm", [
     (["algorithm=fedbug", "algorithm.name=moon"], "fedbug-p0.2-moon_shards-s2_digits",
      "fedbug[P=0.2](moon[mu=1,tau=0.5])"),
