@@ -33,9 +33,10 @@ def test_the_presets_cover_the_paper_tables():
             "moon_cifar100"} <= set(PRESETS)
 
 
-# the presets whose one round takes over 15 s on 2 cores (FedBCGD's convex problem, MOON's CIFAR-100 head): they
+# the presets whose one round takes over 12 s on 2 cores (FedBCGD's convex problem, MOON's CIFAR-100 head, FedBug's
+# ResNet and 100-client ablation): they
 # run with the slow tests
-SLOW_PRESETS = ("fedbcgd_rho01", "moon_cifar100")
+SLOW_PRESETS = ("fedbcgd_rho01", "moon_cifar100", "fedbug_resnet_cifar100", "fedbug_clients_ablation")
 
 
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PRESETS else p
