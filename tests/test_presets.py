@@ -34,8 +34,7 @@ def test_the_presets_cover_the_paper_tables():
 
 
 # the presets whose one round takes over 12 s on 2 cores (FedBCGD's convex problem, MOON's CIFAR-100 head, FedBug's
-# ResNet and 100-client ablation): they
-# run with the slow tests
+# ResNet and 100-client ablation): they run with the slow tests
 SLOW_PRESETS = ("fedbcgd_rho01", "moon_cifar100", "fedbug_resnet_cifar100", "fedbug_clients_ablation")
 
 
