@@ -47,12 +47,15 @@ def result_sections(cfg: Any) -> Dict[str, Any]:
     """The config sections that determine a run's numbers: ``algorithm`` with only the sections of the rules in its
     stack (``registry.trim_sections``), so adding a rule changes no other fingerprint; ``engine.kernels`` when it is
     ``portable`` (other numbers than native kernels': a run switched to portable kernels trains again instead of
-    continuing the native one; native runs keep their fingerprints); the seed."""
+    continuing the native one; native runs keep their fingerprints); ``engine.float32_precision`` when it allows
+    TF32 or bfloat16 (likewise); the seed."""
     c = to_container(cfg)
     c["algorithm"] = registry.trim_sections(c["algorithm"])
     out = {k: c[k] for k in RESULT_SECTIONS}
     if c["engine"]["kernels"] != "native":
         out["kernels"] = c["engine"]["kernels"]
+    if c["engine"].get("float32_precision", "highest") != "highest":
+        out["float32_precision"] = c["engine"]["float32_precision"]
     return out
 
 

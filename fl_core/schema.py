@@ -35,6 +35,7 @@ EXECUTORS = ("sequential", "vectorized", "auto", "distributed")
 RANK_EXECUTORS = ("sequential", "vectorized", "auto")  # what each rank of engine.executor=distributed runs
 AUGMENTATIONS = ("none", "crop_flip", "fedbug", "flip")
 KERNELS = ("native", "portable")  # engine.kernels (fl_core/engine/kernels.py)
+FLOAT32_PRECISIONS = ("highest", "high", "medium")  # engine.float32_precision (fl_core/engine/kernels.py)
 LOCAL_OPTIMIZERS = ("sgd", "adam")
 
 
@@ -369,6 +370,15 @@ class EngineConfig:
     threads: int = param(1, "torch's CPU threads for the run (0 = PyTorch's default, one per core); 1 keeps a run "
                          "near its idle speed beside other jobs, and portable kernels need it (docs/benchmarks.md, "
                          "Threads)", ge=0)
+    float32_precision: str = param("highest", "CUDA float32 arithmetic: highest (true float32 in matrix products and "
+                                   "cuDNN convolutions: the default, for reproducible numbers) | high (TF32 allowed in "
+                                   "both) | medium (bfloat16 allowed in matrix products, TF32 in convolutions); the "
+                                   "levels of torch.set_float32_matmul_precision (docs/scaling.md, On a GPU)",
+                                   choices=FLOAT32_PRECISIONS)
+    deterministic: bool = param(True, "CUDA: deterministic kernels (cuDNN's deterministic convolutions, "
+                                "torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8), so a seed "
+                                "repeats its numbers on the same GPU | false: PyTorch's choice, which may differ from "
+                                "run to run (docs/scaling.md, On a GPU)")
     checkpoint_every: int = param(10, "rounds; 0 = never", ge=0)
     checkpoint_dir: str = param("checkpoints", "where attempts keep their checkpoints")
     eval_batch_size: int = param(1024, "samples per evaluation batch", ge=1)

@@ -107,6 +107,7 @@ Config groups (conf/): dataset, partition, model, algorithm, train, engine, trac
   engine.dist_timeout_s (distributed: seconds a rank waits for another before the run ends; docs/reliability.md)
   engine.rank_executor  engine.client_state=memory|disk|auto  engine.device  seed  name
   engine.kernels=native|portable (portable: the same numbers on every x86-64 CPU with AVX2; docs/reliability.md)
+  engine.float32_precision=highest|high|medium  engine.deterministic=true|false (CUDA kernels; docs/scaling.md)
 Seeds: seed=1,2,3 or seed=range(1,4) trains one experiment for each seed (one MLflow parent, mean +- std).
 Multirun (-m, --multirun): every other swept key (algorithm={two}) gives one job, each job one
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:

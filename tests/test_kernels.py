@@ -1,5 +1,6 @@
 """engine.kernels (fl_core/engine/kernels.py): portable kernels refuse what they cannot pin, pin what they can, and
-give one model under every machine stand-in (docs/reliability.md, Numbers on another CPU)."""
+give one model under every machine stand-in (docs/reliability.md, Numbers on another CPU); engine.float32_precision
+and engine.deterministic, the CUDA kernel keys, are refused on the CPU (docs/scaling.md, On a GPU)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_core.config import ConfigError
+from fl_core.config import ConfigError, compose
 from fl_core.engine import kernels
+from fl_core.experiment import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -97,3 +99,37 @@ def test_portable_kernels_are_another_run_identity_and_native_keeps_its_fingerpr
     assert "kernels" not in result_sections(native) and result_sections(portable)["kernels"] == "portable"
     assert experiment_fingerprint(native) == experiment_fingerprint(compose([]))
     assert experiment_fingerprint(portable) != experiment_fingerprint(native)
+
+
+def test_float32_precision_sets_tf32_and_is_refused_on_the_cpu():
+    """engine.float32_precision: highest turns TF32 off in convolutions too (PyTorch allows it there by default);
+    another level changes CUDA kernels only, so a CPU run refuses it; it changes the fingerprint."""
+    torch.backends.cudnn.allow_tf32 = True
+    kernels.apply("native", CPU, 1, "highest")
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    with pytest.raises(ConfigError, match=r"^engine.float32_precision=high allows TF32/bfloat16 in CUDA kernels; "
+                                          r"engine.device=cpu .*use engine.float32_precision=highest\)$"):
+        kernels.apply("native", CPU, 1, "high")
+    with pytest.raises(ConfigError, match=r"^engine.float32_precision=medium allows TF32/bfloat16 .*engine.device="
+                                          r"cpu trains on the CPU"):
+        compose(["engine.float32_precision=medium"])
+    with pytest.raises(ConfigError, match="engine.float32_precision"):
+        compose(["engine.float32_precision=tf32", "engine.device=cuda"])
+    on_gpu = compose(["engine.device=cuda"])
+    assert fingerprint(compose(["engine.device=cuda", "engine.float32_precision=high"])) != fingerprint(on_gpu)
+    assert fingerprint(on_gpu) == fingerprint(compose([]))  # the default keeps every existing fingerprint
+
+
+def test_deterministic_is_a_cuda_key_refused_on_the_cpu():
+    """engine.deterministic=false asks for CUDA's default kernels; a CPU run refuses it (its kernels repeat anyway) and
+    a CPU run leaves PyTorch's deterministic-algorithms switch alone. It does not change the fingerprint: both kernel
+    choices compute the same numbers up to summation order, as the two executors do."""
+    kernels.apply("native", CPU, 1)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ConfigError, match=r"^engine.deterministic=false lets CUDA pick kernels that differ from run to "
+                                          r"run; engine.device=cpu .*\(use engine.deterministic=true\)$"):
+        kernels.apply("native", CPU, 1, "highest", False)
+    with pytest.raises(ConfigError, match=r"^engine.deterministic=false .*engine.device=cpu trains on the CPU"):
+        compose(["engine.deterministic=false"])
+    assert fingerprint(compose(["engine.device=cuda", "engine.deterministic=false"])) == \
+        fingerprint(compose(["engine.device=cuda"]))

@@ -205,7 +205,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     histogram over the tensors the clients train on), so every evaluation also reports the per-client
     accuracy summary ``client_acc_mean`` / ``_std`` / ``_worst10``.
     """
-    kernels.apply(cfg.engine.kernels, device, cfg.engine.threads)
+    kernels.apply(cfg.engine.kernels, device, cfg.engine.threads, cfg.engine.float32_precision,
+                  bool(cfg.engine.deterministic))
     dtype = DTYPES[cfg.engine.dtype]
     data = data or client_data(ds, partition, device, dtype)
     model = build_model(cfg.model, cfg.dataset.name, ds.input_shape, ds.num_classes,

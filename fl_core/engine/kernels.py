@@ -28,10 +28,11 @@ from typing import Dict
 
 import torch
 
-from ..schema import ConfigError
+from ..schema import FLOAT32_PRECISIONS, ConfigError
 
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports under ATEN_CPU_CAPABILITY=avx2
+CUBLAS_DETERMINISTIC = ":4096:8"  # cuBLAS's fixed workspace: deterministic matrix products (CUDA >= 10.2)
 PORTABLE_THREADS = 1  # one thread: no split reductions, and no threads spinning against other jobs on a small machine
 DEFAULT_THREADS = torch.get_num_threads()  # PyTorch's choice when this module loads (engine.threads=0)
 
@@ -46,8 +47,22 @@ def env_prefix() -> str:
     return " ".join(f"{k}={v}" for k, v in PORTABLE_ENV.items())
 
 
-def apply(kernels: str, device: torch.device, threads: int = 1) -> None:
-    """Set this process up for ``engine.kernels`` and ``engine.threads`` before a run.
+def apply(kernels: str, device: torch.device, threads: int = 1, float32_precision: str = "highest",
+          deterministic: bool = True) -> None:
+    """Set this process up for ``engine.kernels``, ``engine.threads``, ``engine.float32_precision`` and
+    ``engine.deterministic`` before a run.
+
+    ``deterministic`` (CUDA): cuDNN's deterministic convolution algorithms (``torch.backends.cudnn.deterministic``,
+    no benchmark mode) and ``torch.use_deterministic_algorithms(True, warn_only=True)`` (an operator without a
+    deterministic CUDA kernel warns instead of failing), with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` put in the
+    environment unless it is set (cuBLAS reads it when it first runs in the process). Without it, PyTorch's default
+    kernels sum some gradients with atomic additions in whatever order the threads finish: the same seed then ends
+    a few rounds later at another model (measured on an H200: docs/benchmarks.md, GPU). False restores PyTorch's
+    defaults. Refused on the CPU, whose kernels repeat anyway.
+
+    ``float32_precision``: ``torch.set_float32_matmul_precision``'s level for matrix products, and cuDNN's TF32
+    convolutions (``torch.backends.cudnn.allow_tf32``) allowed unless it is ``highest``. ``highest``, the default,
+    turns TF32 off in convolutions too, where PyTorch allows it by default: CUDA runs then compute in true float32.
 
     ``threads``: torch's intra-op threads for the rest of the process (``torch.set_num_threads``); 0 restores
     PyTorch's own choice (:data:`DEFAULT_THREADS`: one per core, or ``OMP_NUM_THREADS``). One thread is the
@@ -55,10 +70,29 @@ def apply(kernels: str, device: torch.device, threads: int = 1) -> None:
     Threads). ``portable``: oneDNN off and :data:`PORTABLE_THREADS` torch threads. ``native``: nothing else changes.
 
     Raises:
-        ConfigError: one line naming ``engine.kernels``: ``portable`` with a CUDA device (it fixes CPU kernels
-            only), with ``engine.threads`` other than :data:`PORTABLE_THREADS`, without the variables of
-            :data:`PORTABLE_ENV` in the environment, with them set after torch loaded, or on a CPU without AVX2.
+        ConfigError: one line naming ``engine.float32_precision`` when it is not ``highest``, or
+            ``engine.deterministic`` when it is false, on a CPU device (they change CUDA kernels only), or
+            ``engine.kernels``: ``portable`` with a CUDA device (it fixes CPU kernels only), with ``engine.threads``
+            other than :data:`PORTABLE_THREADS`, without the variables of :data:`PORTABLE_ENV` in the environment,
+            with them set after torch loaded, or on a CPU without AVX2.
     """
+    if float32_precision not in FLOAT32_PRECISIONS:
+        raise ConfigError(f"engine.float32_precision must be one of {', '.join(FLOAT32_PRECISIONS)}, got "
+                          f"{float32_precision!r}")
+    if float32_precision != "highest" and device.type != "cuda":
+        raise ConfigError(f"engine.float32_precision={float32_precision} allows TF32/bfloat16 in CUDA kernels; "
+                          f"engine.device={device} trains elsewhere (use engine.float32_precision=highest)")
+    if not deterministic and device.type != "cuda":
+        raise ConfigError(f"engine.deterministic=false lets CUDA pick kernels that differ from run to run; "
+                          f"engine.device={device} trains elsewhere (use engine.deterministic=true)")
+    torch.set_float32_matmul_precision(float32_precision)
+    torch.backends.cudnn.allow_tf32 = float32_precision != "highest"
+    if device.type == "cuda":
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+        torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
     if kernels != "portable":
         torch.set_num_threads(int(threads) or DEFAULT_THREADS)
         return
