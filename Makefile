@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro check-repro exp-show ui test test-slow dashboard studies-status study-refresh clean-venv
+.PHONY: setup repro check-repro exp-show ui test test-slow dashboard studies-status study-refresh gpu-kit clean-venv
 
 setup: $(STAMP)
 
@@ -70,6 +70,11 @@ studies-status: $(STAMP)
 study-refresh: $(STAMP)
 	@test -n "$(STUDY)" || { echo "error: name the study: make study-refresh STUDY=fedbug" >&2; exit 2; }
 	$(PY) -m pipeline.studies_status --refresh $(STUDY)
+
+# the wheels benchmarks/gpu_check.py installs on a GPU machine that has torch but no package index (hydra-core,
+# omegaconf, antlr4 runtime; pure Python, for Python 3.12): gpu-kit/, git-ignored (docs/benchmarks.md, GPU)
+gpu-kit: $(STAMP)
+	$(PY) benchmarks/gpu_kit.py --out gpu-kit
 
 clean-venv:
 	rm -rf $(VENV)

@@ -528,7 +528,10 @@ class _Tracking:
 
 
 def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: ClientData, device: torch.device,
-                 warmup: int, timed: int, seed: int, tracking: _Tracking, extra: Sequence[str]) -> Row:
+                 warmup: int, timed: int, seed: int, tracking: Optional[_Tracking], extra: Sequence[str]) -> Row:
+    """One executor row: ``warmup`` + ``timed`` + 1 rounds, the timed ones' ``round_time_s``. ``tracking``: the
+    rounds are logged to its MLflow store as a user's run logs them; None: no logging (``extra`` should then hold
+    ``tracking.enabled=false``; benchmarks/gpu_check.py, which runs where MLflow is not installed)."""
     rounds = warmup + timed + 1  # the last round always evaluates: run it, do not time it
     try:
         cfg = compose(overrides(w, name, device, rounds, seed, extra))
@@ -550,18 +553,22 @@ def run_executor(name: str, w: Workload, ds: FLDataset, part: Partition, data: C
         return Row(w.name, name, device.type, note=f"skipped: no executor registered as {err}")
     except ValueError as err:  # the executor refuses this model/algorithm
         return Row(w.name, name, device.type, note=f"skipped: {err}")
-    logger = tracking.get().child_logger(None, f"{w.name}/{name}", {"benchmark": "round_speed"},
-                                         {"workload": w.name, "executor": name, "device": device.type},
-                                         log_every=1)
-    sim.logger = logger
+    logger = None
+    if tracking is not None:
+        logger = tracking.get().child_logger(None, f"{w.name}/{name}", {"benchmark": "round_speed"},
+                                             {"workload": w.name, "executor": name, "device": device.type},
+                                             log_every=1)
+        sim.logger = logger
     FULL_GC.take()
     FULL_GC.active = warmup == 0
     try:
         result = sim.run()
     except BaseException:
-        logger.close("KILLED", "benchmark interrupted")
+        if logger is not None:
+            logger.close("KILLED", "benchmark interrupted")
         raise
-    logger.close("FINISHED")
+    if logger is not None:
+        logger.close("FINISHED")
     timed_rows = [h for h in result.history if warmup < h["round"] <= warmup + timed]
     assert all("test_acc" not in h for h in timed_rows), "a timed round evaluated"
     times = [h["round_time_s"] for h in timed_rows]
