@@ -123,9 +123,20 @@ def test_float32_precision_sets_tf32_and_is_refused_on_the_cpu():
 def test_deterministic_is_a_cuda_key_refused_on_the_cpu():
     """engine.deterministic=false asks for CUDA's default kernels; a CPU run refuses it (its kernels repeat anyway) and
     a CPU run leaves PyTorch's deterministic-algorithms switch alone. It does not change the fingerprint: both kernel
-    choices compute the same numbers up to summation order, as the two executors do."""
-    kernels.apply("native", CPU, 1)
-    assert not torch.are_deterministic_algorithms_enabled()
+    choices compute the same numbers up to summation order, as the two executors do. Every check runs before the
+    process changes: a refused call leaves the switch as it was."""
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for state in (False, True):
+            torch.use_deterministic_algorithms(state)
+            kernels.apply("native", CPU, 1)
+            assert torch.are_deterministic_algorithms_enabled() is state
+        torch.use_deterministic_algorithms(False)
+        with pytest.raises(ConfigError, match=r"^engine.kernels=portable fixes the CPU kernels"):
+            kernels.apply("portable", torch.device("cuda"))
+        assert not torch.are_deterministic_algorithms_enabled()  # a refused call changes nothing in the process
+    finally:
+        torch.use_deterministic_algorithms(before)
     with pytest.raises(ConfigError, match=r"^engine.deterministic=false lets CUDA pick kernels that differ from run to "
                                           r"run; engine.device=cpu .*\(use engine.deterministic=true\)$"):
         kernels.apply("native", CPU, 1, "highest", False)

@@ -85,6 +85,9 @@ def apply(kernels: str, device: torch.device, threads: int = 1, float32_precisio
     if not deterministic and device.type != "cuda":
         raise ConfigError(f"engine.deterministic=false lets CUDA pick kernels that differ from run to run; "
                           f"engine.device={device} trains elsewhere (use engine.deterministic=true)")
+    if kernels == "portable":
+        _check_portable(device, threads)
+    # nothing changes in the process before every check has passed
     torch.set_float32_matmul_precision(float32_precision)
     torch.backends.cudnn.allow_tf32 = float32_precision != "highest"
     if device.type == "cuda":
@@ -96,6 +99,12 @@ def apply(kernels: str, device: torch.device, threads: int = 1, float32_precisio
     if kernels != "portable":
         torch.set_num_threads(int(threads) or DEFAULT_THREADS)
         return
+    torch.backends.mkldnn.enabled = False
+    torch.set_num_threads(PORTABLE_THREADS)
+
+
+def _check_portable(device: torch.device, threads: int) -> None:
+    """Raise the :func:`apply` error for ``engine.kernels=portable`` that cannot pin this run's kernels, if any."""
     if int(threads) != PORTABLE_THREADS:
         raise ConfigError(f"engine.kernels=portable runs on {PORTABLE_THREADS} thread (its sums are split the same "
                           f"way on every machine); engine.threads={threads} would change them "
@@ -112,5 +121,3 @@ def apply(kernels: str, device: torch.device, threads: int = 1, float32_precisio
     if capability != PORTABLE_CAPABILITY:
         raise ConfigError(f"engine.kernels=portable: torch runs {capability} kernels here, not AVX2 (this CPU has no "
                           "AVX2, or ATEN_CPU_CAPABILITY was set after torch loaded)")
-    torch.backends.mkldnn.enabled = False
-    torch.set_num_threads(PORTABLE_THREADS)
