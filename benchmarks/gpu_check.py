@@ -160,9 +160,11 @@ class Check:
     # ------------------------------------------------------------------ machine and output
 
     def machine(self) -> Dict:
+        from benchmarks.round_speed import device_name
+
         torch = self.torch
         m = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "cpu": _cpu_name(), "cores": os.cpu_count(), "device": str(self.device)}
+             "cpu": device_name(torch.device("cpu")), "cores": os.cpu_count(), "device": str(self.device)}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2 ** 30, 1),
@@ -480,16 +482,6 @@ def engine_defaults(device) -> None:
     from fl_core.engine import kernels
 
     kernels.apply("native", device, 1)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _driver_version() -> str:
