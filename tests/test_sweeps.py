@@ -269,6 +269,7 @@ def test_every_shipped_space_runs_a_tiny_study(sandbox, name):
 # --------------------------------------------------------------------------- studies
 
 
+@pytest.mark.slow  # ~25 s: a whole sweep with pruning, a divergence, a resume and the best config rerun
 def test_study_prunes_survives_divergence_resumes_and_its_best_yaml_reproduces(sandbox, capsys, request):
     from pipeline import train
 
