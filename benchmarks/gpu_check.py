@@ -215,12 +215,14 @@ class Check:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def inputs(self, w, seed: int = 0):
+    def inputs(self, w, seed: int = 0, client_data: bool = True):
+        """The workload's random data set, its partition and (``client_data``) the clients' float32 tensors on the
+        device, which the rows of one workload share (None: each run builds its own, in its own dtype)."""
         from benchmarks import round_speed as rs
 
         ds = rs.make_dataset(w, seed)
         part = rs.make_partition(w, ds, seed)
-        return ds, part, rs.make_client_data(ds, part, self.device)
+        return ds, part, rs.make_client_data(ds, part, self.device) if client_data else None
 
     def config(self, w, executor: str, rounds: int, seed: int, extra: Sequence[str] = ()):
         """The composed config of a row: round_speed's overrides for ``w``, the keys of ``extra`` replacing theirs,
@@ -258,7 +260,7 @@ class Check:
             if self.left() <= 0:
                 self.data["agreement"].append({"stack": name, "note": "skipped: time budget"})
                 continue
-            ds, part, _ = self.inputs(w, self.args.seed)
+            ds, part, _ = self.inputs(w, self.args.seed, client_data=False)  # float64 rows build their own
 
             def run(executor: str, extra: Sequence[str], stack=stack, ds=ds, part=part):
                 cfg = self.config(w, executor, AGREE_ROUNDS, self.args.seed, [*stack, *extra])
@@ -294,40 +296,23 @@ class Check:
 
         quick = self.args.quick
         plan = [("W1", 1 if quick else 2, 2 if quick else 10)] + ([] if quick else [("W2", 1, 3), ("W0", 1, 3)])
-        rows = [(e, e, []) for e in ("naive", "sequential", "vectorized", "auto")]
+        off = ["tracking.enabled=false"]
+        specs = [(e, e, off) for e in ("naive", "sequential", "vectorized", "auto")]
         if self.device.type == "cuda":  # what TF32 buys, what deterministic kernels cost
-            rows += [(f"{e}, TF32", e, ["engine.float32_precision=high"]) for e in ("sequential", "vectorized")]
-            rows += [(f"{e}, deterministic=false", e, ["engine.deterministic=false"])
-                     for e in ("sequential", "vectorized")]
-        executors = tuple(label for label, _, _ in rows)
-        how = {label: (e, extra) for label, e, extra in rows}
+            specs += [(f"{e}, {label}", e, [*off, key]) for label, key in (
+                ("TF32", "engine.float32_precision=high"), ("deterministic=false", "engine.deterministic=false"))
+                for e in ("sequential", "vectorized")]
+        executors = [label for label, _, _ in specs]
         peak = self.fp32_peak()
+        notes = self.data["speed_notes"] = {"fp32_peak_tflops": peak, "forward_mflop": {}, "rounds": {}}
         for wname, warmup, timed in plan:
             w = rs.WORKLOADS[wname]
             fwd = rs.forward_flops(rs.build_model(w), w.shape.input_shape)
             ds, part, data = self.inputs(w, self.args.seed)
-            reps: Dict[str, List] = {e: [] for e in executors}
-            for rep in range(self.args.repeats):
-                for e in (executors if rep % 2 == 0 else executors[::-1]):
-                    if self.left() <= 0:
-                        break
-                    mem = rs.PeakMemory(self.device)
-                    mem.start()
-                    name, extra = how[e]
-                    if name == "naive":
-                        engine_defaults(self.device)  # as for the engine's rows (an earlier row changed them)
-                        row = rs.run_naive(w, data, self.device, warmup, timed, self.args.seed)
-                    else:
-                        row = rs.run_executor(name, w, ds, part, data, self.device, warmup, timed, self.args.seed,
-                                              None, ["tracking.enabled=false", *extra])
-                    if not row.note:
-                        row.peak_mib = mem.peak_mib()
-                        row.repeat_ms = [row.ms]
-                    reps[e].append(row)
-                    log(f"  {wname} {e}: {row.note or f'{row.ms:.1f} ms/round'}")
-                    gc.collect()
-                    if self.device.type == "cuda":
-                        self.torch.cuda.empty_cache()
+            reps = rs.time_rows(w, ds, part, data, self.device, specs, self.args.repeats, warmup, timed,
+                                self.args.seed, None, rs.PeakMemory(self.device),
+                                before_naive=lambda: engine_defaults(self.device),  # as an earlier row left them
+                                stop=lambda: self.left() <= 0)
             seq_ms = None
             for e in executors:
                 if not reps[e]:
@@ -350,11 +335,8 @@ class Check:
             for row in self.data["speed"]:
                 if row.get("workload") == wname and row.get("ms") and seq_ms:
                     row["vs_sequential"] = row["ms"] / seq_ms
-            self.data["speed_notes"] = {
-                "fp32_peak_tflops": peak, "forward_mflop": {**self.data.get("speed_notes", {}).get("forward_mflop", {}),
-                                                            wname: fwd / 1e6},
-                "rounds": {**self.data.get("speed_notes", {}).get("rounds", {}),
-                           wname: f"{warmup} warm-up + {timed} timed, x{self.args.repeats} repeats"}}
+            notes["forward_mflop"][wname] = fwd / 1e6
+            notes["rounds"][wname] = f"{warmup} warm-up + {timed} timed, x{self.args.repeats} repeats"
             del ds, part, data
             self.write()
 
@@ -436,17 +418,7 @@ class Check:
             if self.left() <= 0:
                 self.data["vit"].append({"workload": w.name, "executor": executor, "note": "skipped: time budget"})
                 continue
-            extra: List[str] = []
-            if executor == "vectorized":
-                cfg0 = self.config(w, "sequential", rounds, self.args.seed)
-                probe = self.build(cfg0, ds, part, data)
-                state = diskstate.client_state_bytes(probe.algo, probe.spec.d, DTYPES[cfg0.engine.dtype])
-                fit = vectorized_fit(self.config(w, "vectorized", rounds, self.args.seed), probe.model, probe.algo,
-                                     probe.executor.data, state)
-                del probe
-                gc.collect()
-                if not fit.fits:
-                    extra = [f"engine.max_parallel_clients={max(1, fit.chunk)}"]
+            extra = [] if fit is None or fit.fits else [f"engine.max_parallel_clients={max(1, fit.chunk)}"]
             cfg = self.config(w, executor, rounds, self.args.seed, extra)
             sim = self.build(cfg, ds, part, data)
             self.sync()
@@ -459,7 +431,11 @@ class Check:
             row = {"workload": w.name, "model": w.model, "executor": executor, "ms": 1e3 * statistics.median(times),
                    "round_ms": [1e3 * t for t in times], "steps_per_s": w.steps_per_round / statistics.median(times),
                    "peak_mib": peak_mib, "d": sim.spec.d, "note": note}
-            if executor == "vectorized" and fit is not None:
+            if executor == "sequential":  # the vectorised row's estimate, from this run's model, rule and data
+                state = diskstate.client_state_bytes(sim.algo, sim.spec.d, DTYPES[cfg.engine.dtype])
+                fit = vectorized_fit(self.config(w, "vectorized", rounds, self.args.seed), sim.model, sim.algo,
+                                     sim.executor.data, state)
+            elif fit is not None:
                 c = int(cfg.engine.max_parallel_clients) or fit.need.round_clients
                 est = fit.need.total(c) / 2 ** 20
                 row.update(clients_at_once=c, estimate_mib=est, available_mib=fit.available / 2 ** 20,

@@ -69,7 +69,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:  # run as a script from anywhere, without an install
@@ -658,6 +658,49 @@ def rank_row(args: argparse.Namespace) -> int:
     return 0
 
 
+RowSpec = Tuple[str, str, Sequence[str]]  # (the row's label, the executor or "naive", overrides of its config)
+
+
+def time_rows(w: Workload, ds: FLDataset, part: Partition, data: ClientData, device: torch.device,
+              specs: Sequence[RowSpec], repeats: int, warmup: int, timed: int, seed: int,
+              tracking: Optional[_Tracking], peak: PeakMemory, *, threads: Optional[int] = None,
+              before_naive: Optional[Callable[[], None]] = None,
+              stop: Optional[Callable[[], bool]] = None) -> Dict[str, List[Row]]:
+    """Every row of ``specs`` once per repeat, interleaved (every other repeat in the reverse order, so a drift in
+    the machine's load reaches all rows alike), each with its peak memory (``peak``, reset at the row's start):
+    label -> that row's :class:`Row` of each repeat. ``before_naive`` runs before each naive row (the naive loop
+    takes the process's kernel settings as the rows before left them); ``stop`` returning True starts no further
+    row (a time budget; the labels not reached keep fewer repeats, or none)."""
+    reps: Dict[str, List[Row]] = {label: [] for label, _, _ in specs}
+    for rep in range(repeats):
+        for label, name, extra in (specs if rep % 2 == 0 else specs[::-1]):
+            if stop is not None and stop():
+                return reps
+            peak.start()
+            if name == "naive":
+                if before_naive is not None:
+                    before_naive()
+                row = run_naive(w, data, device, warmup, timed, seed)
+            elif name == "distributed":
+                row = run_distributed(w, device, warmup, timed, seed, threads)
+            else:
+                row = run_executor(name, w, ds, part, data, device, warmup, timed, seed, tracking, extra)
+            if name != "distributed" and not row.note:
+                row.peak_mib = peak.peak_mib()
+            row.repeat_ms = [row.ms] if row.ms is not None else []
+            if row.note:
+                log(f"  {w.name} {label}: {row.note}")
+            else:
+                log(f"  {w.name} {label} (repeat {rep + 1}/{repeats}): median {row.ms:.1f} ms/round "
+                    f"({row.spread}){' -> ' + row.chosen if row.chosen else ''}"
+                    + (f", peak {row.peak_mib:,.0f} MiB" if row.peak_mib is not None else ""))
+            reps[label].append(row)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return reps
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -883,33 +926,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ds = make_dataset(w, args.seed)
             part = make_partition(w, ds, args.seed)
             data = make_client_data(ds, part, device)  # shared by every row of the workload
-            reps: Dict[str, List[Row]] = {name: [] for name in args.executor_list}
-            for rep in range(args.repeats):  # interleaved: every row once per repeat, every other repeat reversed
-                for name in (args.executor_list if rep % 2 == 0 else args.executor_list[::-1]):
-                    peak.start()
-                    if name == "naive":
-                        row = run_naive(w, data, device, args.warmup, args.rounds, args.seed)
-                    elif name == "distributed":
-                        row = run_distributed(w, device, args.warmup, args.rounds, args.seed, args.threads)
-                    else:
-                        extra = []
-                        if name in ("vectorized", "auto") and args.max_parallel_clients is not None:
-                            extra.append(f"engine.max_parallel_clients={args.max_parallel_clients}")
-                        row = run_executor(name, w, ds, part, data, device, args.warmup, args.rounds, args.seed,
-                                           tracking, extra)
-                    if name != "distributed" and not row.note:
-                        row.peak_mib = peak.peak_mib()
-                    row.repeat_ms = [row.ms] if row.ms is not None else []
-                    if row.note:
-                        log(f"  {w.name} {name}: {row.note}")
-                    else:
-                        log(f"  {w.name} {name} (repeat {rep + 1}/{args.repeats}): median {row.ms:.1f} ms/round "
-                            f"({row.spread}){' -> ' + row.chosen if row.chosen else ''}"
-                            + (f", peak {row.peak_mib:,.0f} MiB" if row.peak_mib is not None else ""))
-                    reps[name].append(row)
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+            chunk = ([f"engine.max_parallel_clients={args.max_parallel_clients}"]
+                     if args.max_parallel_clients is not None else [])
+            specs = [(name, name, chunk if name in ("vectorized", "auto") else []) for name in args.executor_list]
+            reps = time_rows(w, ds, part, data, device, specs, args.repeats, args.warmup, args.rounds, args.seed,
+                             tracking, peak, threads=args.threads)
             merged = [merge(reps[name]) for name in args.executor_list]
             pair_auto(merged, reps)
             auto = next((r for r in merged if r.executor == "auto" and not r.note), None)
