@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
 from .schema import (DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, ConfigError, DatasetConfig, EngineConfig,
-                     ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_fields, fmt, format_value,
-                     select)
+                     ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_cuda_kernels, check_fields, fmt,
+                     format_value, select)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -98,12 +98,7 @@ def validate(cfg: Any) -> None:
     device = str(cfg.engine.device)
     if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
         raise ConfigError(f"engine.device must be cpu, cuda, cuda:N or auto, got {cfg.engine.device!r}")
-    if cfg.engine.float32_precision != "highest" and device == "cpu":
-        raise ConfigError(f"engine.float32_precision={cfg.engine.float32_precision} allows TF32/bfloat16 in CUDA "
-                          "kernels; engine.device=cpu trains on the CPU (use engine.float32_precision=highest)")
-    if not cfg.engine.deterministic and device == "cpu":
-        raise ConfigError("engine.deterministic=false lets CUDA pick kernels that differ from run to run; "
-                          "engine.device=cpu trains on the CPU, whose kernels repeat (use engine.deterministic=true)")
+    check_cuda_kernels(cfg.engine.float32_precision, bool(cfg.engine.deterministic), device)
     _check_name(cfg.name)
     if not 0 <= int(cfg.seed) < 2**63:  # the seeds derived from it (fl_core.seeding) take 63-bit non-negative keys
         raise ConfigError(f"seed must be an integer in [0, 2**63), got {cfg.seed}")

@@ -47,6 +47,26 @@ def check_choice(key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
 
 
+def check_cuda_kernels(float32_precision: str, deterministic: bool, device: str) -> None:
+    """``engine.float32_precision`` and ``engine.deterministic`` change CUDA kernels only: a value other than the
+    default (``highest``, true) on a ``device`` that is not CUDA (``engine.device``, or a resolved device's type;
+    ``auto`` passes) is refused, as is an unknown precision.
+
+    Raises:
+        ConfigError: one line naming the key and the value to use.
+    """
+    check_choice("engine.float32_precision", float32_precision, FLOAT32_PRECISIONS)
+    if device.startswith("cuda") or device == "auto":
+        return
+    where = "on the CPU" if device == "cpu" else "elsewhere"
+    if float32_precision != "highest":
+        raise ConfigError(f"engine.float32_precision={float32_precision} allows TF32/bfloat16 in CUDA kernels; "
+                          f"engine.device={device} trains {where} (use engine.float32_precision=highest)")
+    if not deterministic:
+        raise ConfigError(f"engine.deterministic=false lets CUDA pick kernels that differ from run to run; "
+                          f"engine.device={device} trains {where}, whose kernels repeat (use engine.deterministic=true)")
+
+
 def fmt(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 

@@ -28,7 +28,7 @@ from typing import Dict
 
 import torch
 
-from ..schema import FLOAT32_PRECISIONS, ConfigError
+from ..schema import ConfigError, check_cuda_kernels
 
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports under ATEN_CPU_CAPABILITY=avx2
@@ -76,15 +76,7 @@ def apply(kernels: str, device: torch.device, threads: int = 1, float32_precisio
             other than :data:`PORTABLE_THREADS`, without the variables of :data:`PORTABLE_ENV` in the environment,
             with them set after torch loaded, or on a CPU without AVX2.
     """
-    if float32_precision not in FLOAT32_PRECISIONS:
-        raise ConfigError(f"engine.float32_precision must be one of {', '.join(FLOAT32_PRECISIONS)}, got "
-                          f"{float32_precision!r}")
-    if float32_precision != "highest" and device.type != "cuda":
-        raise ConfigError(f"engine.float32_precision={float32_precision} allows TF32/bfloat16 in CUDA kernels; "
-                          f"engine.device={device} trains elsewhere (use engine.float32_precision=highest)")
-    if not deterministic and device.type != "cuda":
-        raise ConfigError(f"engine.deterministic=false lets CUDA pick kernels that differ from run to run; "
-                          f"engine.device={device} trains elsewhere (use engine.deterministic=true)")
+    check_cuda_kernels(float32_precision, deterministic, device.type)
     if kernels == "portable":
         _check_portable(device, threads)
     # nothing changes in the process before every check has passed
