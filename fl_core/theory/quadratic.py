@@ -98,6 +98,17 @@ def _weighted_solve(G: np.ndarray, b: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.linalg.solve(lhs, rhs)
 
 
+def _local_gd_gains(A: np.ndarray, eta_l: float, k: np.ndarray, mu: float) -> np.ndarray:
+    """G_i = (I - N_i^{K_i}) (A_i + mu I)^{-1} A_i with N_i = I - eta_l (A_i + mu I), [N, d, d]: K_i local steps
+    from x move client i by -G_i (x - b_i) (mu = 0: G_i = I - M_i)."""
+    eye = np.eye(A.shape[1])
+    G = np.empty_like(A)
+    for i in range(len(A)):
+        reg = A[i] + mu * eye
+        G[i] = (eye - np.linalg.matrix_power(eye - eta_l * reg, int(k[i]))) @ np.linalg.solve(reg, A[i])
+    return G
+
+
 def minimizer(A, b, p) -> np.ndarray:
     """x* = (sum_i p_i A_i)^{-1} sum_i p_i A_i b_i, the minimiser of f."""
     A, b, p = _check(A, b, p)
@@ -111,14 +122,7 @@ def local_gd_fixed_point(A, b, p, eta_l: float, K: Steps, mu: float = 0.0) -> np
     A, b, p = _check(A, b, p)
     if eta_l <= 0 or mu < 0:
         raise ValueError(f"need eta_l > 0 and mu >= 0, got eta_l={eta_l}, mu={mu}")
-    k = _steps(K, len(p))
-    eye = np.eye(A.shape[1])
-    G = np.empty_like(A)
-    for i in range(len(p)):
-        reg = A[i] + mu * eye
-        N = np.linalg.matrix_power(eye - eta_l * reg, int(k[i]))
-        G[i] = (eye - N) @ np.linalg.solve(reg, A[i])
-    return _weighted_solve(G, b, p)
+    return _weighted_solve(_local_gd_gains(A, eta_l, _steps(K, len(p)), mu), b, p)
 
 
 def proximal_fixed_point(A, b, p, mu: float) -> np.ndarray:
@@ -134,10 +138,10 @@ def proximal_fixed_point(A, b, p, mu: float) -> np.ndarray:
 def fednova_fixed_point(A, b, p, eta_l: float, K: Steps) -> np.ndarray:
     """FedNova's fixed point: sum_i p_i (I - M_i)(x - b_i) / K_i = 0 with M_i = (I - eta_l A_i)^{K_i}."""
     A, b, p = _check(A, b, p)
+    if eta_l <= 0:
+        raise ValueError(f"need eta_l > 0, got eta_l={eta_l}")
     k = _steps(K, len(p))
-    eye = np.eye(A.shape[1])
-    G = np.stack([(eye - np.linalg.matrix_power(eye - eta_l * A[i], int(k[i]))) / k[i] for i in range(len(p))])
-    return _weighted_solve(G, b, p)
+    return _weighted_solve(_local_gd_gains(A, eta_l, k, 0.0) / k[:, None, None], b, p)
 
 
 def random_problem(num_clients: int, dim: int, *, L: float = 1.0, mu: float = 0.1, a_spread: float = 1.0,
