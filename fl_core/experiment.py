@@ -18,6 +18,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 from .algorithms import registry
 from .config import ConfigError, to_container
+from .schema import QUADRATIC_KEYS
 
 RESULT_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "seed")  # what determines the numbers
 
@@ -48,9 +49,13 @@ def result_sections(cfg: Any) -> Dict[str, Any]:
     stack (``registry.trim_sections``), so adding a rule changes no other fingerprint; ``engine.kernels`` when it is
     ``portable`` (other numbers than native kernels': a run switched to portable kernels trains again instead of
     continuing the native one; native runs keep their fingerprints); ``engine.float32_precision`` when it allows
-    TF32 or bfloat16 (likewise); the seed."""
+    TF32 or bfloat16 (likewise); the seed. The keys of ``dataset=quadratic`` (:data:`~fl_core.schema.QUADRATIC_KEYS`)
+    count only for that dataset."""
     c = to_container(cfg)
     c["algorithm"] = registry.trim_sections(c["algorithm"])
+    if c["dataset"]["name"] != "quadratic":  # its keys came later: the other datasets keep their fingerprints
+        for key in QUADRATIC_KEYS:
+            c["dataset"].pop(key, None)
     out = {k: c[k] for k in RESULT_SECTIONS}
     if c["engine"]["kernels"] != "native":
         out["kernels"] = c["engine"]["kernels"]

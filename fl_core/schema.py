@@ -18,13 +18,13 @@ class ConfigError(ValueError):
 
 
 DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
-            "emnist")
+            "emnist", "quadratic")
 EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")  # dataset.split (Cohen et al. 2017)
-GENERATED_DATASETS = ("synthetic", "mnist1d")  # generated from dataset.seed; float vectors [1, 1, L], not images
-DEVICE_DATASETS = ("synthetic",)  # datasets made of devices: partition=natural makes each device a client
+GENERATED_DATASETS = ("synthetic", "mnist1d", "quadratic")  # generated from dataset.seed; float vectors [1, 1, L], not images
+DEVICE_DATASETS = ("synthetic", "quadratic")  # datasets made of devices: partition=natural makes each device a client
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
           "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny",
-          "logreg_binary", "pfl_cnn")
+          "logreg_binary", "pfl_cnn", "quadratic")
 # logreg_binary: dataset classes -> labels 1 (b = +1) / 0 (b = -1); docs/algorithms.md, FedBCGD's convex problem
 BINARY_MAPS = ("first_class", "parity", "lt_half", "digits_letters")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
@@ -236,6 +236,11 @@ def check_fields(schema: type, node: Any, prefix: str) -> None:
 
 # --------------------------------------------------------------------------- the sections that are not rules
 
+# dataset=quadratic's keys: they came after experiments' fingerprints were pinned, so the other datasets' fingerprints
+# leave them out (fl_core.experiment.result_sections)
+QUADRATIC_KEYS = ("dim", "smoothness", "strong_convexity", "a_spread", "b_spread")
+
+
 @dataclass
 class DatasetConfig:
     """Where the data comes from. ``name`` picks a source of :mod:`fl_core.data.sources`."""
@@ -250,7 +255,7 @@ class DatasetConfig:
                                  "every device (FedProx: 0.2)", gt=0, lt=1,
                                  when=when("dataset.name", "digits", "synthetic"))
     split_seed: int = param(0, "digits: seed of the train/test split; any dataset: of the validation split")
-    seed: int = param(0, "synthetic, mnist1d: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
+    seed: int = param(0, "synthetic, mnist1d, quadratic: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
                       when=when("dataset.name", *GENERATED_DATASETS))
     alpha: float = param(1.0, "synthetic: std of u_k, the common mean of device k's W_k and b_k entries (FedProx "
                          "Sec. 5.1; it shifts all logits alike, so no label changes)", ge=0,
@@ -259,8 +264,19 @@ class DatasetConfig:
                         "inputs differ)", ge=0, when=(when("dataset.name", "synthetic"), when("dataset.iid", False)))
     iid: bool = param(False, "synthetic: the IID control (one W, b for every device, v_k = 0; alpha, beta unused)",
                       when=when("dataset.name", "synthetic"))
-    num_devices: int = param(30, "synthetic: K devices (lognormal sample counts); partition=natural makes each "
-                             "one a client", ge=1, integer=True, when=when("dataset.name", "synthetic"))
+    num_devices: int = param(30, "synthetic, quadratic: K devices (synthetic: lognormal sample counts); "
+                             "partition=natural makes each one a client", ge=1, integer=True,
+                             when=when("dataset.name", "synthetic", "quadratic"))
+    dim: int = param(10, "quadratic: m, the dimension of x (each device holds m samples)", ge=1, integer=True,
+                     when=when("dataset.name", "quadratic"))
+    smoothness: float = param(1.0, "quadratic: L, the largest eigenvalue any A_i may have", gt=0,
+                              when=when("dataset.name", "quadratic"))
+    strong_convexity: float = param(0.1, "quadratic: mu, the smallest eigenvalue any A_i may have (0 < mu <= L)",
+                                    gt=0, when=when("dataset.name", "quadratic"))
+    a_spread: float = param(1.0, "quadratic: how much the curvatures differ, A_i = (1 - s) A_0 + s R_i (0: equal "
+                            "A_i)", ge=0, le=1, when=when("dataset.name", "quadratic"))
+    b_spread: float = param(1.0, "quadratic: std of the devices' minimisers b_i (0: one common minimiser)", ge=0,
+                            when=when("dataset.name", "quadratic"))
     shuffle_positions: bool = param(False, "mnist1d: the authors' spatially shuffled control (one fixed "
                                     "permutation of the 40 positions for every sequence)",
                                     when=when("dataset.name", "mnist1d"))
@@ -275,7 +291,8 @@ class DatasetConfig:
 class PartitionConfig:
     """How the training set is split across clients (docs/algorithms.md, Data)."""
 
-    name: str = param("iid", "client split; natural: each device of the dataset is a client (synthetic)",
+    name: str = param("iid", "client split; natural: each device of the dataset is a client (synthetic, "
+                      "quadratic)",
                       choices=PARTITIONS)
     num_clients: int = param(10, "N, the number of clients (natural: dataset.num_devices)", ge=1)
     alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)",
@@ -301,8 +318,8 @@ class PartitionConfig:
 @dataclass
 class ModelConfig:
     name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f/e)mnist), std_cnn (CIFAR), tiny_cnn "
-                      "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d); m1d_*: the MNIST-1D "
-                      "authors' models; pfl_cnn: pfl-research's CIFAR-10 CNN", choices=MODELS)
+                      "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d), quadratic (quadratic); m1d_*: the "
+                      "MNIST-1D authors' models; pfl_cnn: pfl-research's CIFAR-10 CNN", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
     norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,
@@ -417,6 +434,9 @@ class TrackingConfig:
                             "parent's tag fl.best_model_uri names the best seed's)", when=when("tracking.enabled", True))
     neuron_drift_samples: int = param(0, "> 0: per-round neuron-drift probe on this many test samples (FedNLR "
                                       "sec. 4)", ge=0)
+    drift: int = param(5, "drift measures every this many rounds and at the last (0: never): client drift, update "
+                       "dissimilarity, cosine to the mean update (whole model and per layer), local progress; MLflow "
+                       "drift/, rounds.csv drift_*", ge=0, integer=True)
     layer_cosine: bool = param(False, "per-round cosine similarity of client updates per layer, mean over client "
                                "pairs")
     client_loss_trace: int = param(0, "> 0: log the local training loss of clients 0..n-1 every round they train",

@@ -67,8 +67,11 @@ OPTIONAL = ("b", "value", "tolerance", "needs")
 # Per-seed metrics of the train stage's summaries (experiment.json ``per_seed``; fl_core.metrics.summarize_run).
 SEED_METRICS = tuple(SUMMARY_KEYS) + ("final_client_acc_std", "comm_up_floats", "comm_down_floats")
 # Per-seed metrics computed here from the seed's rows of runs.csv (see _run_metric).
-RUN_METRICS = ("early_acc", "oscillation", "min_test_loss", "client_loss_spread", "cos_mean")
-LAYER_COSINE = re.compile(r"cos_[A-Za-z0-9_.]+")  # cos_<layer>: tracking.layer_cosine's per-layer columns
+RUN_METRICS = ("early_acc", "oscillation", "min_test_loss", "client_loss_spread", "cos_mean", "drift_client_mean",
+               "drift_client_max", "drift_dissimilarity", "drift_cosine", "drift_progress", "final_opt_distance",
+               "final_objective_gap")
+# cos_<layer>: tracking.layer_cosine's per-layer columns; drift_cos_<layer>: tracking.drift's
+LAYER_COSINE = re.compile(r"(drift_)?cos_[A-Za-z0-9_.]+")
 METRICS = SEED_METRICS + RUN_METRICS
 _ID = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -116,7 +119,8 @@ def _is_number(v) -> bool:
 
 
 def known_metric(name: str) -> bool:
-    """Whether ``name`` is a per-seed metric a claim may compare (:data:`METRICS` or ``cos_<layer>``)."""
+    """Whether ``name`` is a per-seed metric a claim may compare (:data:`METRICS`, ``cos_<layer>`` or
+    ``drift_cos_<layer>``)."""
     return name in METRICS or bool(LAYER_COSINE.fullmatch(name))
 
 
@@ -148,7 +152,7 @@ def _check_compared(raw: dict, where: str, experiments: Sequence[str]) -> None:
         raise _bad(where, "expect", f"{expect!r} is not one of {', '.join(EXPECTS)}")
     if not known_metric(raw["metric"]):
         raise _bad(where, "metric", f"{raw['metric']!r} is not a per-seed metric (one of {', '.join(METRICS)}, or "
-                                    "cos_<layer>)")
+                                    "cos_<layer>, drift_cos_<layer>)")
     known = set(experiments)
     if raw["a"] not in known:
         raise _bad(where, "a", f"{raw['a']!r} is not an experiment of the study's params.yaml")
@@ -256,6 +260,10 @@ def _run_metric(cols: Dict[str, np.ndarray], metric: str) -> Optional[float]:
     * ``oscillation``: mean |acc_r - acc_{r-1}| over the second half of the evaluated rounds (needs > 3);
     * ``min_test_loss``: the smallest test loss over the evaluated rounds;
     * ``cos_mean`` / ``cos_<layer>``: the mean over rounds of that column (tracking.layer_cosine);
+    * ``drift_*`` (``drift_cosine``, ``drift_cos_<layer>``, ...): the mean over the rounds that have that column
+      (tracking.drift; docs/algorithms.md, Drift measures);
+    * ``final_opt_distance`` / ``final_objective_gap``: the last round's ||x - x*|| / F(x) - F(x*) of a model that
+      logs them (``opt_distance``, ``objective_gap``: the convex and quadratic problems);
     * ``client_loss_spread``: the standard deviation (ddof 0) across the traced clients (``client_loss/<i>``,
       tracking.client_loss_trace, at least 2) of each client's mean local loss over the second half of the
       rounds it trained in.
@@ -271,6 +279,9 @@ def _run_metric(cols: Dict[str, np.ndarray], metric: str) -> Optional[float]:
     if metric == "client_loss_spread":
         late = [float(v[len(v) // 2:].mean()) for k, v in cols.items() if k.startswith("client_loss") and len(v)]
         return float(np.std(late)) if len(late) >= 2 else None
+    if metric in ("final_opt_distance", "final_objective_gap"):
+        v = cols.get(metric[len("final_"):])
+        return float(v[-1]) if v is not None and len(v) else None
     v = cols.get(metric)
     return float(v.mean()) if v is not None and len(v) else None
 

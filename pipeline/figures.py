@@ -14,6 +14,8 @@ tests) and a writer that builds, saves both formats and returns the written path
   the accuracy panels share one y-axis, the loss panels another; one legend below the panels.
 * :func:`uplink_figure` (``results/uplink.png``): the same panels, test accuracy (%) against each client's
   cumulative uplink in units of d, one line per method.
+* :func:`drift_figure` (``results/drift.png``): the same columns, the update dissimilarity (log scale) on top and
+  the clients' cosine to their mean update below, per round, one line per method (``tracking.drift``).
 * :func:`experiment_figure`: a drop-in for the train stage's per-experiment ``plot_curves(histories,
   title, path)``: test accuracy (%), test loss and training loss per round, one thin line per seed
   and their mean in bold.
@@ -322,6 +324,20 @@ def _finish(fig: Figure, methods: List[str], drawn: Dict[str, Line2D], width: fl
     return fig
 
 
+def _panel_figure(curves: Sequence[CurveSpec], max_cols: int, row_height: float, title: Optional[str],
+                  legend_entries: Optional[int] = None, pad: float = 0.5):
+    """The layout the grid's figures share: (methods, panels, styles, many, ncol, rows, width, fig) with one column
+    per partition panel (at most ``max_cols``, further ones wrapping onto ``rows`` rows of ``row_height`` inches),
+    ``pad`` inches, room for the title and for a legend of ``legend_entries`` methods (default: every method) below."""
+    methods, panels = _methods_and_panels(curves)
+    ncol = max(1, min(len(panels), max_cols))
+    rows = max(1, math.ceil(len(panels) / ncol))
+    width = max(6.4, 3.6 * ncol + 0.8)
+    n_legend = (len(methods) or 1) if legend_entries is None else legend_entries
+    height = row_height * rows + pad + 0.22 * _legend_rows(n_legend, methods or [""], width) + (0.3 if title else 0)
+    return methods, panels, method_styles(methods), len(methods) > 6, ncol, rows, width, _new_figure(width, height)
+
+
 def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
     """The comparison figure of a grid, before saving.
 
@@ -342,16 +358,8 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
     all panels share the round axis (integer ticks); one legend below the panels.
     """
     curves = list(curves)
-    methods, panels = _methods_and_panels(curves)
-    styles = method_styles(methods)
-    many = len(methods) > 6
-
-    ncol = max(1, min(len(panels), max_cols))
-    nblock = max(1, math.ceil(len(panels) / ncol))
-    width = max(6.4, 3.6 * ncol + 0.8)
-    n_legend = len({m for m, _, d in curves if d is not None})
-    height = 5.2 * nblock + 0.3 + 0.22 * _legend_rows(n_legend, methods or [""], width) + (0.3 if title else 0)
-    fig = _new_figure(width, height)
+    methods, panels, styles, many, ncol, nblock, width, fig = _panel_figure(
+        curves, max_cols, 5.2, title, legend_entries=len({m for m, _, d in curves if d is not None}), pad=0.3)
     acc_axes, loss_axes = _comparison_axes(fig, len(panels), ncol, nblock)
     drawn, lo, hi = _draw_curves(curves, panels, styles, many, acc_axes, loss_axes)
     _accuracy_limits(acc_axes[0], lo, hi)
@@ -386,14 +394,7 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
     its line is its per-round curve; FedBCGD about d/N per round, compressed uploads less), one legend below.
     """
     curves = list(curves)
-    methods, panels = _methods_and_panels(curves)
-    styles = method_styles(methods)
-    many = len(methods) > 6
-    ncol = max(1, min(len(panels), max_cols))
-    nrow = max(1, math.ceil(len(panels) / ncol))
-    width = max(6.4, 3.6 * ncol + 0.8)
-    height = 3.2 * nrow + 0.5 + 0.22 * _legend_rows(len(methods) or 1, methods or [""], width) + (0.3 if title else 0)
-    fig = _new_figure(width, height)
+    methods, panels, styles, many, ncol, nrow, width, fig = _panel_figure(curves, max_cols, 3.2, title)
     grid = fig.subplots(nrow, ncol, squeeze=False)
     axes = [grid[j // ncol][j % ncol] for j in range(max(1, len(panels)))]
     for j in range(max(1, len(panels)), nrow * ncol):
@@ -430,6 +431,67 @@ def uplink_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] 
     """Build :func:`build_uplink_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``; returns the two
     paths."""
     return save_figure(build_uplink_figure(curves, title=title, max_cols=max_cols), path)
+
+
+# --------------------------------------------------------------------------- drift
+
+DRIFT_PANELS = (("drift_dissimilarity", "update dissimilarity B\u00b2"), ("drift_cosine", "cosine to mean update"))
+
+
+def build_drift_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
+    """The drift measures per round, before saving: the drift view of :func:`build_comparison_figure`.
+
+    Args:
+        curves: ``(method, panel, data)`` triples as for :func:`build_comparison_figure`; ``data`` needs
+            ``<k>_round`` and ``<k>_mean`` for ``k`` = ``drift_dissimilarity`` and ``drift_cosine`` (mean over seeds,
+            :func:`pipeline.results.read_curves`; docs/algorithms.md, Drift measures). An experiment without them
+            (run with ``tracking.drift=0``) draws nothing.
+        title: an optional title above the panels.
+        max_cols: panels per row.
+
+    Layout: per partition, the update dissimilarity sum_i p_i ||Delta_i - Delta_bar||^2 / ||Delta_bar||^2 on a
+    log axis on top (shared by the row), the mean cosine of the clients' updates to their mean below (shared, up to
+    1), round on x, one legend below.
+    """
+    curves = list(curves)
+    methods, panels, styles, many, ncol, nblock, width, fig = _panel_figure(curves, max_cols, 5.2, title)
+    top, bottom = _comparison_axes(fig, len(panels), ncol, nblock)
+    drawn: Dict[str, Line2D] = {}
+    for method, panel, data in curves:
+        j = panels.index(panel)
+        kw = styles[method].line_kwargs(lw=1.5 if many else 1.8)
+        for ax, (key, _) in zip((top[j], bottom[j]), DRIFT_PANELS):
+            x, y = _arr(data, f"{key}_round"), _arr(data, f"{key}_mean")
+            keep = np.isfinite(x) & np.isfinite(y) if len(x) == len(y) else np.zeros(0, dtype=bool)
+            if key == "drift_dissimilarity" and keep.any():
+                keep &= y > 0  # a log axis: a round without dissimilarity is left out
+            if keep.any():
+                ax.plot(x[keep], y[keep], label=method, **kw)
+                drawn.setdefault(method, Line2D([], [], **{**kw, "markevery": None}))
+    if any(ax.lines for ax in top):
+        top[0].set_yscale("log")
+    for j, (t_ax, b_ax) in enumerate(zip(top, bottom)):
+        t_ax.set_title(panels[j] if panels else "", fontsize=10)
+        for ax in (t_ax, b_ax):
+            if not ax.lines:
+                _no_data(ax, "no drift measures" if panels else "no results")
+            _integer_ticks(ax.xaxis)
+            _tidy(ax)
+        t_ax.tick_params(labelbottom=False)
+        b_ax.set_xlabel("round", fontsize=9)
+        if j % ncol == 0:
+            t_ax.set_ylabel(DRIFT_PANELS[0][1], fontsize=9)
+            b_ax.set_ylabel(DRIFT_PANELS[1][1], fontsize=9)
+        else:
+            t_ax.tick_params(labelleft=False)
+            b_ax.tick_params(labelleft=False)
+    return _finish(fig, methods, drawn, width, title)
+
+
+def drift_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,
+                 max_cols: int = 4) -> List[Path]:
+    """Build :func:`build_drift_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``; returns the two paths."""
+    return save_figure(build_drift_figure(curves, title=title, max_cols=max_cols), path)
 
 
 # --------------------------------------------------------------------------- one experiment

@@ -13,6 +13,8 @@ metrics.json``, ``experiment.json`` and ``runs.csv`` written by the train stage.
 * ``curves.png`` and ``curves.pdf`` (the same figure, for a draft): one column per partition; test
   accuracy in % (mean over seeds with a min-max band, one y-axis for every partition) and training
   loss (mean over seeds) per round, one line style per algorithm, one legend below the panels.
+* ``drift.png`` and ``drift.pdf``: the same columns, the update dissimilarity and the clients' cosine to their mean
+  update per round (docs/algorithms.md, Drift measures);
 * ``uplink.png`` and ``uplink.pdf``: the same columns, test accuracy in % (mean over seeds) against the floats
   each participating client has uploaded so far, in units of the model size d (FedAvg: 1 d per round).
 * ``summary.csv``: one row per experiment with results, the numbers of the first table as plain
@@ -53,8 +55,10 @@ from .labels import DASH, _cell, _num, algorithm_label, markdown_table
 from .results import Experiment, confidence_interval, load_experiments, paired_difference
 
 UPLINK_FIGURE = "uplink.png"  # beside the curves figure
+DRIFT_FIGURE = "drift.png"  # beside the curves figure
 #: what the report writes beside its markdown file (a folder holding other files is not the report's to write into)
-REPORT_FILES = ("summary.csv", "test_acc.csv", "metrics.json", "curves.png", "curves.pdf", UPLINK_FIGURE, "uplink.pdf")
+REPORT_FILES = ("summary.csv", "test_acc.csv", "metrics.json", "curves.png", "curves.pdf", UPLINK_FIGURE, "uplink.pdf",
+                DRIFT_FIGURE, "drift.pdf")
 PM = "\u00b1"
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
@@ -387,16 +391,23 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
 
 
 def _curves_section(curves_name: str) -> List[str]:
-    """The "Curves" section: the two figures (PNG, relative to the report: per round, and against the uplink in
-    ``uplink.png`` beside it) and links to their PDFs."""
+    """The "Curves" section: the three figures (PNG, relative to the report: per round, against the uplink in
+    ``uplink.png`` beside it, the drift measures in ``drift.png``) and links to their PDFs."""
     pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
     up_name = str(Path(curves_name).with_name(UPLINK_FIGURE).as_posix())
     up_pdf = str(Path(up_name).with_suffix(".pdf").as_posix())
+    drift_name = str(Path(curves_name).with_name(DRIFT_FIGURE).as_posix())
+    drift_pdf = str(Path(drift_name).with_suffix(".pdf").as_posix())
     return ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
             "Test accuracy against the floats each participating client has uploaded (cumulative, in units of "
             "the model size d): methods that send less per round move left.", "",
             f"![Test accuracy against uplink per client]({up_name})", "",
-            f"The same figures as PDF, for a draft: [{pdf_name}]({pdf_name}), [{up_pdf}]({up_pdf}).", ""]
+            "Client drift per round (docs/algorithms.md, Drift measures): how much the clients' updates disagree "
+            "(update dissimilarity, log scale; 0 when all send the same update) and their mean cosine to the update "
+            "the server applies.", "",
+            f"![Update dissimilarity and cosine to the mean update per round]({drift_name})", "",
+            f"The same figures as PDF, for a draft: [{pdf_name}]({pdf_name}), [{up_pdf}]({up_pdf}), "
+            f"[{drift_pdf}]({drift_pdf}).", ""]
 
 
 def _final_window_text(ms: List[Dict]) -> str:
@@ -529,10 +540,21 @@ def plot_uplink(exps: List[Experiment], path: Path) -> List[Path]:
     return uplink_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
 
 
+def plot_drift(exps: List[Experiment], path: Path) -> List[Path]:
+    """The drift figure (:func:`pipeline.figures.drift_figure`) as ``path`` (PNG) and a PDF beside it: per partition
+    column, the update dissimilarity (log scale) and the clients' cosine to their mean update per round (means over
+    seeds; docs/algorithms.md, Drift measures), one line per algorithm. Returns the written paths."""
+    from .figures import drift_figure
+
+    exps = [e for e in exps if e.metrics is not None]
+    return drift_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.report",
         description="Summarize the experiments of the grid: writes report.md, curves.png/.pdf, uplink.png/.pdf, "
+                    "drift.png/.pdf, "
                     "summary.csv, "
                     "test_acc.csv (accuracy per round, one column per experiment) and metrics.json (final "
                     "accuracy per experiment, for dvc metrics show) in the folder of --out, from "
@@ -549,7 +571,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the study's paper claims, whose verdicts end the report (default: claims.yaml beside "
                         "--params, when it exists; docs/claims.md)")
     p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="the markdown report; curves.png/.pdf, uplink.png/.pdf, summary.csv, test_acc.csv and "
+                   help="the markdown report; curves.png/.pdf, uplink.png/.pdf, drift.png/.pdf, summary.csv, test_acc.csv and "
                         "metrics.json "
                         "go beside it "
                         "(default: <results>/report.md)")
@@ -600,6 +622,7 @@ def _main(argv: List[str]) -> int:
     curves = out.parent / "curves.png"
     plot_curves(done, curves)
     plot_uplink(done, out.parent / UPLINK_FIGURE)
+    plot_drift(done, out.parent / DRIFT_FIGURE)
     write_text(out.parent / "summary.csv", summary_csv(done))
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
     write_text(out.parent / "metrics.json", json.dumps(root_metrics(done), indent=2) + "\n")

@@ -89,13 +89,18 @@ def numeric_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[int, Dict[int,
     return out
 
 
+DRIFT_CURVES = ("drift_dissimilarity", "drift_cosine")  # the drift measures the report draws per round
+
+
 def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     """Per-round test accuracy (mean, min, max over seeds) and training-loss mean from ``runs.csv``.
 
     Rounds without an evaluation (empty ``test_acc``) are left out of the accuracy arrays. ``acc_up`` is, at
     each round of ``acc_round``, the floats each participating client has uploaded up to and including that
-    round (``comm_up_floats``, cumulative in ``runs.csv``; mean over seeds; NaN without that column). Returns
-    None when the file is missing, empty or lacks the ``round`` column.
+    round (``comm_up_floats``, cumulative in ``runs.csv``; mean over seeds; NaN without that column). For each
+    drift measure k of :data:`DRIFT_CURVES` (``tracking.drift``), ``<k>_round`` and ``<k>_mean`` (mean over the
+    seeds that measured it; empty arrays without the column). Returns None when the file is missing, empty or lacks
+    the ``round`` column.
     """
     rows = read_runs_rows(path)
     if rows is None:
@@ -103,10 +108,15 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     acc: Dict[int, List[float]] = {}
     loss: Dict[int, List[float]] = {}
     up: Dict[int, Dict[int, float]] = {}  # seed -> round -> floats uploaded per client so far (cumulative)
+    drift: Dict[str, Dict[int, List[float]]] = {k: {} for k in DRIFT_CURVES}  # measure -> round -> seeds' values
     for r in rows:
         rnd = _float(r.get("round"))
         if math.isnan(rnd):
             continue
+        for k in DRIFT_CURVES:
+            v = _float(r.get(k))
+            if math.isfinite(v):
+                drift[k].setdefault(int(rnd), []).append(v)
         a, lo, u = _float(r.get("test_acc")), _float(r.get("train_loss")), _float(r.get("comm_up_floats"))
         if math.isfinite(a):
             acc.setdefault(int(rnd), []).append(a)
@@ -129,6 +139,9 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
         "acc_up": np.array([np.mean(cumulative[r]) if r in cumulative else math.nan for r in ar], dtype=float),
         "loss_round": np.array(lr, dtype=float),
         "loss_mean": np.array([np.mean(loss[r]) for r in lr], dtype=float),
+        **{out: arr for k, series in drift.items() for out, arr in (
+            (f"{k}_round", np.array(sorted(series), dtype=float)),
+            (f"{k}_mean", np.array([np.mean(series[r]) for r in sorted(series)], dtype=float)))},
     }
 
 

@@ -134,7 +134,7 @@ def test_natural_partition_is_the_devices():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["partition=natural"], "partition.name=natural needs a dataset made of devices (synthetic), got "
+    (["partition=natural"], "partition.name=natural needs a dataset made of devices (synthetic, quadratic), got "
                             "dataset.name=digits"),
     (["dataset=synthetic", "partition=natural", "partition.num_clients=10"],
      "partition.num_clients=10 must equal dataset.num_devices=30 with partition=natural (one client per device; "
@@ -150,7 +150,7 @@ def test_natural_partition_is_the_devices():
     (["dataset.shuffle_positions=true"], "dataset.shuffle_positions has no effect with dataset.name=digits: it is "
                                          "used only with dataset.name=mnist1d; remove it"),
     (["dataset=mnist1d", "dataset.num_devices=3"], "dataset.num_devices has no effect with dataset.name=mnist1d: it "
-                                                   "is used only with dataset.name=synthetic; remove it"),
+                                                   "is used only with dataset.name=synthetic|quadratic; remove it"),
     (["dataset=mnist1d", "train.augmentation=flip"], "train.augmentation=flip flips and crops images; "
                                                      "dataset=mnist1d holds feature vectors (use "
                                                      "train.augmentation=none)"),

@@ -11,7 +11,8 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.figures import (build_comparison_figure, build_experiment_figure, build_schedule_figure,
                               comparison_figure, experiment_figure, figure_paths, method_styles,
-                              partition_title, readable_title, schedule_figure, uplink_figure)
+                              partition_title, readable_title, schedule_figure, uplink_figure,
+                              drift_figure)
 
 ROUNDS = np.arange(1, 9, dtype=float)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -228,3 +229,26 @@ def test_readable_titles():
     assert readable_title("x", "fedavg", "digits-iid-n20-sgm0-s0", failed=True) == \
         "FedAvg on digits, IID, 20 clients\nexperiment x, every seed FAILED"
     assert readable_title("x", seed=0, failed=True) == "experiment x, seed 0 (FAILED)"
+
+
+def test_drift_figure_draws_dissimilarity_on_a_log_axis_and_the_cosine(tmp_path):
+    """Per partition: the update dissimilarity (log y, rounds with 0 left out) on top, the cosine below; a method
+    run without the drift measures draws nothing in either."""
+    dis = np.array([4.0, 2.0, 0.0, 1.0])
+    drifting = {**_data(0.9), "drift_dissimilarity_round": np.arange(1.0, 5.0), "drift_dissimilarity_mean": dis,
+                "drift_cosine_round": np.arange(1.0, 5.0), "drift_cosine_mean": np.array([0.2, 0.4, 0.6, 0.8])}
+    none = _data(0.8)
+    curves = [("FedAvg", "IID", drifting), ("FedDyn", "IID", none), ("FedAvg", "Dir(0.1)", drifting)]
+    _written(_no_warnings(drift_figure, curves, tmp_path / "drift.png"))
+    from pipeline.figures import build_drift_figure
+
+    fig = build_drift_figure(curves)
+    top, bottom = fig.axes[0], fig.axes[2]  # panel IID: dissimilarity above, cosine below
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["IID", "Dir(0.1)"]
+    assert top.get_yscale() == "log" and fig.axes[1].get_yscale() == "log"
+    (line,) = top.lines
+    assert list(line.get_xdata()) == [1.0, 2.0, 4.0] and list(line.get_ydata()) == [4.0, 2.0, 1.0]
+    assert [ln.get_label() for ln in bottom.lines] == ["FedAvg"]
+    assert list(bottom.lines[0].get_ydata()) == [0.2, 0.4, 0.6, 0.8]
+    assert "dissimilarity" in top.get_ylabel() and "cosine" in bottom.get_ylabel()
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["FedAvg"]

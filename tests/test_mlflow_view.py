@@ -134,6 +134,9 @@ def test_run_params_without_an_algorithm_is_flatten():
     ("fednlr_mu_l3", "detail/fednlr_mu_l3"),
     ("fednlr_T_l12", "detail/fednlr_T_l12"),
     ("client_loss/3", "detail/client_loss_3"),
+    ("drift_cosine", "drift/cosine"),
+    ("drift_dissimilarity", "drift/dissimilarity"),
+    ("drift_cos_layer1.0.conv1", "detail/drift_cos_layer1.0.conv1"),
     ("system/cpu_utilization_percentage", "system/cpu_utilization_percentage"),  # MLflow's own
 ])
 def test_mlflow_metric_name(key, name):
@@ -151,11 +154,14 @@ def test_detail_keys_are_the_per_client_and_per_layer_ones():
 
 
 def test_the_named_keys_are_those_the_round_loop_and_the_evaluation_write(digits):
-    """Every key of a round's row of a plain run has its stable name (no diag/ fallback for the standard ones)."""
+    """Every key of a round's row of a plain run has its stable name (no diag/ fallback for the standard ones); the
+    drift measures (on by default) are in their own section, their per-layer values in detail."""
     _, res = run_sim(digits)
     keys = {k for row in res.history for k in row if k != "round"}
-    assert keys <= set(METRIC_NAMES)
-    assert {mlflow_metric_name(k).split("/")[0] for k in keys} == {"test", "train", "comm", "round"}
+    drift = {k for k in keys if k.startswith("drift_")}
+    assert keys - drift <= set(METRIC_NAMES)
+    assert {mlflow_metric_name(k).split("/")[0] for k in keys - drift} == {"test", "train", "comm", "round"}
+    assert {mlflow_metric_name(k).split("/")[0] for k in drift} == {"drift", "detail"}
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -190,7 +196,7 @@ def test_tiny_run_has_grouped_metrics_stack_params_and_the_experiment_kind(digit
     names, run = _history_names(tracking, lg.run_id)
     row_keys = {k for row in res.history for k in row if k != "round"}
     assert {"test_acc", "train_loss", "comm_up_floats", "lr", "fedbug_trainable_share", "cos_mean"} <= row_keys
-    per_client = {k for k in row_keys if k.startswith(("client_loss/", "cos_")) and k != "cos_mean"}
+    per_client = {k for k in row_keys if k.startswith(("client_loss/", "cos_", "drift_cos_")) and k != "cos_mean"}
     assert per_client and all(is_detail(k) for k in per_client)
     logged = row_keys if detail else row_keys - per_client
     assert names == {mlflow_metric_name(k) for k in logged} | {"summary_final_acc"}

@@ -211,7 +211,7 @@ MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
                  ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default"),
                  ("vit_tiny", "default"), ("vit_b_16", "default"),
-                 ("logreg_binary", "default"), ("pfl_cnn", "default")]
+                 ("logreg_binary", "default"), ("pfl_cnn", "default"), ("quadratic", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)
@@ -225,6 +225,8 @@ def test_feature_dim_is_the_width_of_the_features_and_a_head_is_a_unit_before_th
     dataset = "cifar10"
     if name.startswith("m1d_"):  # the MNIST-1D models read sequences [1, 1, 40]
         shape, dataset = (1, 1, 40), "mnist1d"
+    if name == "quadratic":  # samples [a, -y] of dataset=quadratic, two logits
+        shape, classes, dataset = (1, 1, 5), 2, "quadratic"
     m = build_model(ModelConfig(name=name, units=units), dataset, shape, classes)
     with torch.no_grad():
         _, f = m.eval().forward_features(torch.randn(2, *shape))

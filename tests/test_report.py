@@ -126,7 +126,8 @@ def test_report(tree, capsys):
     assert main(["--params", str(params), "--results", str(results)]) == 0
     after = sorted(p.relative_to(root) for p in root.rglob("*"))
     added = {Path("results/report.md"), Path("results/curves.png"), Path("results/curves.pdf"),
-             Path("results/uplink.png"), Path("results/uplink.pdf"), Path("results/summary.csv"), Path("results/test_acc.csv"), Path("results/metrics.json")}
+             Path("results/uplink.png"), Path("results/uplink.pdf"), Path("results/drift.png"), Path("results/drift.pdf"),
+             Path("results/summary.csv"), Path("results/test_acc.csv"), Path("results/metrics.json")}
     assert set(after) - set(before) == added  # nothing else written, no temp files left
     md = (results / "report.md").read_text()
 
@@ -187,6 +188,7 @@ def test_report(tree, capsys):
     assert "![" in md and "](curves.png)" in md
     assert "[curves.pdf](curves.pdf)" in md  # the same figure for a draft
     assert "](uplink.png)" in md and "[uplink.pdf](uplink.pdf)" in md
+    assert "](drift.png)" in md and "[drift.pdf](drift.pdf)" in md
     from pipeline.grid import load_grid
     from pipeline.results import load_experiments
 

@@ -497,7 +497,7 @@ def _natural(devices: np.ndarray | None, n: int) -> list[np.ndarray]:
         PartitionError: no device ids (a dataset without devices), or ``n`` != the number of devices.
     """
     if devices is None:
-        raise PartitionError("partition.name=natural needs a dataset made of devices (dataset=synthetic)")
+        raise PartitionError("partition.name=natural needs a dataset made of devices (dataset=synthetic or quadratic)")
     devices = np.asarray(devices, dtype=np.int64).reshape(-1)
     count = int(devices.max()) + 1 if devices.size else 0
     if n != count:

@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 SOURCES = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
-           "emnist")
+           "emnist", "quadratic")
 _PREPARED_FORMAT = 1  # bump when the layout of the prepared file changes
 # bump when _digits_from_sklearn changes what it returns: older cache files (and prepared digits files, whose
 # signature holds it) are then not read. 2: mean/std from exact sums (channel_stats), the same on every CPU.
@@ -1047,6 +1047,10 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         from .mnist1d import mnist1d_dataset
 
         return mnist1d_dataset(cfg)
+    if name == "quadratic":
+        from .quadratic import quadratic_dataset
+
+        return quadratic_dataset(cfg)
     if name in _ROOT_HOLDS:
         _check_root(root, _ROOT_HOLDS[name])
     if name in ("cifar10", "cifar100"):
@@ -1085,6 +1089,9 @@ def dataset_tag(cfg: Any) -> str:
         name = f"mnist1d{'-shuffled' if bool(cfg.shuffle_positions) else ''}-s{int(cfg.seed)}"
     elif name == "emnist":
         name = f"emnist-{cfg.split}"
+    elif name == "quadratic":
+        name = (f"quadratic-n{int(cfg.num_devices)}-m{int(cfg.dim)}-L{_g(cfg.smoothness)}-mu{_g(cfg.strong_convexity)}"
+                f"-sa{_g(cfg.a_spread)}-sb{_g(cfg.b_spread)}-s{int(cfg.seed)}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", name)
 
 
@@ -1110,6 +1117,10 @@ def _signature(cfg: Any) -> dict:
         sig.update(generator=mnist1d_provenance(cfg))
     if cfg.name == "emnist":
         sig.update(split=str(cfg.split))
+    if cfg.name == "quadratic":
+        from .quadratic import quadratic_provenance
+
+        sig.update(generator=quadratic_provenance(cfg))
     return sig
 
 
@@ -1124,6 +1135,10 @@ def describe_source(cfg: Any) -> str:
         from .mnist1d import mnist1d_provenance
 
         return _provenance_text(mnist1d_provenance(cfg))
+    if cfg.name == "quadratic":
+        from .quadratic import quadratic_provenance
+
+        return _provenance_text(quadratic_provenance(cfg))
     if cfg.name == "emnist":
         return f"dataset=emnist split={cfg.split} root={cfg.root}"
     return f"dataset={cfg.name} root={cfg.root}"

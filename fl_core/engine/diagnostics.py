@@ -7,6 +7,9 @@ Pure functions of a round's client updates; the simulator calls them only when t
 - :func:`layer_cosine` (``tracking.layer_cosine``): layer-wise cosine similarity of the client updates,
   mean over client pairs [S2 Fig. 13];
 - :func:`client_loss_trace` (``tracking.client_loss_trace``): local training losses of chosen clients [S2 Fig. 12];
+- :func:`update_drift` (``tracking.drift``, on by default, every 5 rounds): client drift, update dissimilarity, the clients' cosine to
+  their mean update (whole model and per layer) and the effective local progress (docs/algorithms.md, Drift
+  measures);
 - :func:`effective_update`: the effective update amount u of a configuration [S2 Eq. 3] (docs/algorithms.md,
   Effective update amount).
 """
@@ -135,3 +138,88 @@ def effective_update(lr: float, local_epochs: int, num_samples: int, batch_size:
     if local_steps > 0:
         return float(lr) * local_steps
     return float(lr) * local_epochs * num_samples / (batch_size * num_clients)
+
+
+STACK_LIMIT = 1 << 24  # update_drift stacks the S updates [S, d] once up to this many entries, else per tensor
+
+
+@torch.no_grad()
+def update_drift(deltas: Sequence[torch.Tensor], global_flat: torch.Tensor, num_samples: Sequence[int],
+                 num_steps: Sequence[int], lr: float, spec: ParamSpec) -> Dict[str, float]:
+    """The round's drift measures (docs/algorithms.md, Drift measures, which gives each one's source), from the S
+    uploaded updates and the model the clients received.
+
+    With Delta_i the update of client i (theta_i - theta, as uploaded), theta the received global model,
+    p_i = n_i / sum_j n_j over the round's clients and Delta_bar = sum_i p_i Delta_i (the sample-weighted mean):
+
+    - ``drift_client_mean`` / ``drift_client_max``: mean / max over i of ||Delta_i|| / ||theta|| (client drift, the
+      local model's relative distance from the one it started from);
+    - ``drift_dissimilarity``: sum_i p_i ||Delta_i - Delta_bar||^2 / ||Delta_bar||^2 (the bounded-dissimilarity
+      constant B^2 of the local-SGD analyses, here of whole updates);
+    - ``drift_cosine``: mean over i of cos(Delta_i, Delta_bar), whole model; ``drift_cos_<layer>`` the same per
+      layer (:func:`layer_groups`), the per-layer update similarity of the IID -> non-IID study [S2 Fig. 13] as the
+      clients' agreement with the update the server applies;
+    - ``drift_progress``: mean over i of ||Delta_i|| / (K_i eta_l), the update per local step and unit of step size
+      (equal for clients that walk equally fast, whatever K_i).
+
+    The sums are taken per parameter tensor in the updates' dtype (float32 by default: the measures carry
+    float32 rounding, about 1e-7 of ||Delta_i||^2, which matters only for a dissimilarity below about 1e-6) and
+    summed in float64. A quantity whose denominator is 0 is left out: clients with a zero update (a frozen or
+    unsent model) have no cosine, a zero mean update gives no dissimilarity or cosine, theta = 0 no client drift,
+    K_i = 0 or eta_l = 0 no progress; a key with no client left is absent from the round's row.
+
+    Args:
+        deltas: S tensors [d], the round's uploaded updates (S >= 1).
+        global_flat: [d] the model the clients received.
+        num_samples: n_i per client (all 0: equal weights); num_steps: K_i per client; lr: eta_l of the round.
+        spec: the model's :class:`~fl_core.params.ParamSpec`.
+
+    Returns:
+        The keys above, floats (one device synchronisation).
+    """
+    S = len(deltas)
+    if S == 0:
+        return {}
+    dim = spec.d
+    if any(t.shape != (dim,) for t in deltas) or global_flat.shape != (dim,):
+        raise ValueError(f"update_drift needs S updates [{dim}] and the global model [{dim}]")
+    dev = global_flat.device
+    n = torch.tensor([float(x) for x in num_samples], dtype=torch.float64)
+    p = (n / n.sum() if float(n.sum()) > 0 else torch.full((S,), 1.0 / S, dtype=torch.float64)).to(dev)
+    layers = list(layer_groups(spec).items())
+    # per parameter tensor t in the updates' dtype (no float64 copy of them): ||Delta_i^t||^2, <Delta_i^t,
+    # Delta_bar^t> and ||Delta_bar^t||^2, each O(S numel_t); then summed per layer in float64
+    whole = torch.stack(list(deltas)) if S * dim <= STACK_LIMIT else None  # [S, d] once, or per tensor
+    pw = p.to(deltas[0].dtype)
+    t_sq, t_dot, t_msq = [], [], []
+    for a, n_t in zip(spec.offsets, spec.numels):
+        x = whole[:, a:a + n_t] if whole is not None else torch.stack([dl[a:a + n_t] for dl in deltas])  # [S, n_t]
+        m = pw @ x  # [n_t] the weighted mean update
+        t_sq.append(x.pow(2).sum(1))
+        t_dot.append(x @ m)
+        t_msq.append(m @ m)
+    member = torch.zeros(1 + len(layers), len(spec.numels), dtype=torch.float64, device=dev)  # [1 + L, T]
+    member[0] = 1.0  # row 0: the whole model, rows 1..L: the layers
+    for li, (_, members) in enumerate(layers):
+        member[1 + li, members] = 1.0
+    sq = member @ torch.stack(t_sq).double()  # [1 + L, S]
+    dot = member @ torch.stack(t_dot).double()  # [1 + L, S]
+    msq = member @ torch.stack(t_msq).double()  # [1 + L]
+    theta_sq = global_flat.double().pow(2).sum()
+    tiny = torch.finfo(torch.float64).tiny
+    ok = (sq > 0) & (msq[:, None] > 0)  # the cosine of client i to the mean is defined
+    cos = (dot / (sq.clamp_min(tiny).sqrt() * msq[:, None].clamp_min(tiny).sqrt())).clamp(-1.0, 1.0)
+    cos = torch.where(ok, cos, torch.zeros_like(cos)).sum(1) / ok.sum(1)  # [1 + L]; NaN (0 / 0) without a client
+    norms = sq[0].sqrt()  # [S] ||Delta_i||
+    theta = theta_sq.sqrt()  # 0: the relative drifts are inf / NaN and left out
+    dissim = (p * (sq[0] - 2 * dot[0] + msq[0]).clamp_min(0)).sum() / msq[0]  # NaN / inf for a zero mean update
+    nums = torch.cat([torch.stack([norms.mean() / theta, norms.max() / theta, dissim, msq[0]]), cos, norms])
+    nums = nums.tolist()  # the one synchronisation
+    values = dict(zip(("drift_client_mean", "drift_client_max", "drift_dissimilarity"), nums[:3]))
+    if not nums[3] > 0:
+        values["drift_dissimilarity"] = math.nan
+    values["drift_cosine"] = nums[4]
+    moved = [nrm / (k * lr) for nrm, k in zip(nums[5 + len(layers):], num_steps) if k > 0 and lr > 0]
+    values["drift_progress"] = sum(moved) / len(moved) if moved else math.nan
+    values.update({f"drift_cos_{layer}": v for (layer, _), v in zip(layers, nums[5:5 + len(layers)])})
+    return {k: v for k, v in values.items() if math.isfinite(v)}

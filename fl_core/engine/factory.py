@@ -250,7 +250,8 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                      checkpoint_path=checkpoint_path, checkpoint_every=cfg.engine.checkpoint_every,
                      logger=logger, callbacks=callbacks,
                      neuron_drift_samples=cfg.tracking.neuron_drift_samples,
-                     layer_cosine=cfg.tracking.layer_cosine, client_loss_trace=cfg.tracking.client_loss_trace,
+                     layer_cosine=cfg.tracking.layer_cosine, drift_every=int(cfg.tracking.drift),
+                     client_loss_trace=cfg.tracking.client_loss_trace,
                      client_label_counts=torch.stack(data.label_counts).cpu(), client_state=store,
                      local_work=LocalWork(int(t.local_epochs), t.local_epochs_max, float(t.stragglers),
                                           bool(t.drop_stragglers)))

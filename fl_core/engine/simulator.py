@@ -25,7 +25,7 @@ from ..algorithms.base import Algorithm, PostTraining, RoundContext
 from ..data.sampling import sample_clients
 from ..seeding import derive_seed
 from . import diskstate, gcpause
-from .diagnostics import client_loss_trace, layer_cosine
+from .diagnostics import client_loss_trace, layer_cosine, update_drift
 from .executors import NonFiniteLossError
 from .localwork import LocalWork, RoundWork, plan_round
 from .probes import neuron_drift
@@ -186,6 +186,8 @@ class Simulator:
         neuron_drift_samples: ``tracking.neuron_drift_samples`` (> 0: the neuron-drift probe).
         layer_cosine: ``tracking.layer_cosine``: log ``cos_<layer>`` and ``cos_mean`` every round
             (:func:`~fl_core.engine.diagnostics.layer_cosine`).
+        drift_every: ``tracking.drift`` = k > 0: the drift measures every k rounds (and the last), 0 never
+            (:func:`~fl_core.engine.diagnostics.update_drift`).
         client_loss_trace: ``tracking.client_loss_trace`` = n > 0: log ``client_loss/<i>`` of the clients
             i < n that trained, and ``train_loss_clients_min`` / ``_max``
             (:func:`~fl_core.engine.diagnostics.client_loss_trace`).
@@ -215,7 +217,8 @@ class Simulator:
                  logger: Optional[RunLogger] = None,
                  callbacks: Optional[List[Callable[[int, Dict[str, float]], None]]] = None,
                  neuron_drift_samples: int = 0, layer_cosine: bool = False, client_loss_trace: int = 0,
-                 client_label_counts=None, client_state: str = "memory", local_work: Optional[LocalWork] = None):
+                 client_label_counts=None, client_state: str = "memory", local_work: Optional[LocalWork] = None,
+                 drift_every: int = 0):
         self.model = model
         self.algo = algorithm
         self.executor = executor
@@ -237,6 +240,9 @@ class Simulator:
         self.replica_key: Optional[str] = None  # what a population's replicas share (factory.replica_key)
         self.neuron_drift_samples = neuron_drift_samples
         self.layer_cosine = bool(layer_cosine)
+        if int(drift_every) < 0:
+            raise ValueError(f"tracking.drift must be >= 0, got {drift_every}")
+        self.drift_every = int(drift_every)
         self.client_loss_trace = int(client_loss_trace)
         self.client_label_counts: Optional[torch.Tensor] = None  # float64 [N, C] on the CPU
         if client_label_counts is not None:
@@ -320,10 +326,15 @@ class Simulator:
         return int(self._restored["round"])
 
     # ------------------------------------------------------------------ loop
-    def _diagnostics(self, updates) -> Dict[str, float]:
-        """The study's per-round diagnostics that are switched on (docs/algorithms.md, Layer cosine similarity
-        and Client loss trace); {} (no work) when none is."""
+    def _diagnostics(self, start: "RoundStart", updates) -> Dict[str, float]:
+        """The per-round diagnostics that are switched on (docs/algorithms.md, Drift measures, Layer cosine
+        similarity and Client loss trace); {} (no work) when none is."""
         out: Dict[str, float] = {}
+        r = start.round
+        if self.drift_every and updates and (r % self.drift_every == 0 or r == self.rounds):
+            out.update(update_drift([u.delta for u in updates], start.rctx.global_flat,
+                                    [u.num_samples for u in updates], [u.num_steps for u in updates], start.lr,
+                                    self.spec))
         if self.layer_cosine:
             out.update(layer_cosine(torch.stack([u.delta for u in updates]), self.spec))
         if self.client_loss_trace:
@@ -390,7 +401,7 @@ class Simulator:
             NonFiniteLossError: the evaluated model's test loss is not finite.
         """
         r, rctx = start.round, start.rctx
-        diag = self._diagnostics(updates)  # before aggregate: the uploaded updates as they are
+        diag = self._diagnostics(start, updates)  # before aggregate: the uploaded updates as they are
         step = self._aggregate(rctx, st, updates, len(start.sampled))
         row = self._round_row(r, start.lr, st, updates, start.work, step, diag)
         self._probe_row(row, st, rctx, updates)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .base import FLModel
+from .quadratic import QuadraticModel
 from .cnn import McMahanCNN, PflCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
 from .logreg_binary import BinaryLogisticRegression
@@ -33,6 +34,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "vit_b_16": ViTB16,
     "vit_tiny": ViTTiny,
     "logreg_binary": BinaryLogisticRegression,  # docs/algorithms.md, FedBCGD's convex problem
+    "quadratic": QuadraticModel,  # x itself, for dataset=quadratic (fl_core/models/quadratic.py)
     "pfl_cnn": PflCNN,  # pfl-research's CIFAR-10 CNN (docs/benchmarks.md, pfl-research's CIFAR-10 cross-device set-up)
 }
 
@@ -40,7 +42,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
 # which only FedNLR uses; FedProx's multinomial logistic regression for synthetic; the MNIST-1D authors' CNN)
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
               "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9",
-              "synthetic": "logreg", "mnist1d": "m1d_cnn",
+              "synthetic": "logreg", "mnist1d": "m1d_cnn", "quadratic": "quadratic",
               "emnist": "mcmahan_cnn"}  # as MNIST (every dataset.split; 28x28 grey characters)
 
 
@@ -100,6 +102,6 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
+__all__ = ["FLModel", "QuadraticModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
            "PflCNN", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model", "resolve_model_name", "unit_layouts", "ViTB16",
            "ViTTiny"]

@@ -92,7 +92,7 @@ TAG_MODEL_FORMAT = "fl.model_format"
 #: chart view: before the last one; every name here has one ``/``, so both agree) and titles the chart
 #: ``<name>``. Sections: ``test`` (the global model on the evaluation split), ``val`` (a sweep's validation
 #: split), ``post`` (after a post-training step such as CCVR), ``train``, ``comm``, ``round`` (per-round
-#: bookkeeping), ``diag`` (rule and study diagnostics), ``detail`` (per-layer and per-client values, only with
+#: bookkeeping), ``diag`` (rule and study diagnostics), ``drift`` (the drift measures, ``tracking.drift``), ``detail`` (per-layer and per-client values, only with
 #: ``tracking.detail_metrics``).
 METRIC_NAMES: Dict[str, str] = {
     "test_acc": "test/acc", "test_acc_std": "test/acc_std", "test_loss": "test/loss",
@@ -106,7 +106,7 @@ METRIC_NAMES: Dict[str, str] = {
     "local_steps_min": "round/local_steps_min", "local_steps_max": "round/local_steps_max",
     "stragglers": "round/stragglers", "round_time_s": "round/time_s",
 }
-METRIC_SECTIONS = ("comm", "detail", "diag", "post", "round", "test", "train", "val")
+METRIC_SECTIONS = ("comm", "detail", "diag", "drift", "post", "round", "test", "train", "val")
 #: the sections of the names before these (a run begun with them keeps them when it resumes)
 LEGACY_SECTIONS = ("1_accuracy", "2_loss", "3_communication", "4_round", "5_diagnostics")
 _PER_LAYER = re.compile(r"_l\d+$")
@@ -167,10 +167,12 @@ def flatten(d: Any, prefix: str = "") -> Dict[str, Any]:
 def is_detail(key: str) -> bool:
     """Whether the per-round key ``key`` is a per-client or per-layer value: ``client_loss/<i>``
     (``tracking.client_loss_trace``), ``cos_<layer>`` (``tracking.layer_cosine``; their mean ``cos_mean`` is not),
+    ``drift_cos_<layer>`` (``tracking.drift``; the whole model's ``drift_cosine`` is not),
     and every key ending in ``_l<digits>`` (``fednlr_mu_l<l>``, ``fednlr_T_l<l>``, ``neuron_drift_l<l>``). They
     go to MLflow only with ``tracking.detail_metrics``; the per-seed CSV (``details/seed_<s>.csv``, a child
     artifact) always holds them."""
-    return "/" in key or (key.startswith("cos_") and key != "cos_mean") or bool(_PER_LAYER.search(key))
+    return ("/" in key or (key.startswith("cos_") and key != "cos_mean") or key.startswith("drift_cos_")
+            or bool(_PER_LAYER.search(key)))
 
 
 def mlflow_metric_name(key: str) -> str:
@@ -183,6 +185,8 @@ def mlflow_metric_name(key: str) -> str:
     - a key of :data:`METRIC_NAMES`: its name there (``test_acc`` -> ``test/acc``, ``comm_up_floats`` ->
       ``comm/up_floats``, ``num_clients`` -> ``round/clients``);
     - ``post_<k>`` (after a post-training step): ``post/<k>`` (``post_test_acc`` -> ``post/test_acc``);
+    - a drift measure ``drift_<k>`` (``tracking.drift``) that is not per layer: ``drift/<k>`` (``drift_cosine`` ->
+      ``drift/cosine``);
     - a per-client or per-layer key (:func:`is_detail`): ``detail/<key>`` with ``/`` as ``_``
       (``client_loss/3`` -> ``detail/client_loss_3``);
     - anything else: ``diag/<key>`` (``cos_mean``, ``neuron_drift``, ``fedbug_trainable_share``,
@@ -195,6 +199,8 @@ def mlflow_metric_name(key: str) -> str:
         return METRIC_NAMES[key]
     if key.startswith("post_"):
         return f"post/{key[len('post_'):]}"
+    if key.startswith("drift_") and not is_detail(key):
+        return f"drift/{key[len('drift_'):]}"
     if is_detail(key):
         return "detail/" + key.replace("/", "_")
     return f"diag/{key}"
