@@ -16,6 +16,7 @@ Pure functions of a round's client updates; the simulator calls them only when t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Sequence
 
@@ -143,6 +144,18 @@ def effective_update(lr: float, local_epochs: int, num_samples: int, batch_size:
 STACK_LIMIT = 1 << 24  # update_drift stacks the S updates [S, d] once up to this many entries, else per tensor
 
 
+@functools.lru_cache(maxsize=8)
+def _membership(spec: ParamSpec) -> torch.Tensor:
+    """float64 [1 + L, T] on the CPU: row 0 sums all T parameter tensors (the whole model), row 1 + l those of layer l
+    (:func:`layer_groups`); built once per model layout, not every round."""
+    groups = list(layer_groups(spec).values())
+    member = torch.zeros(1 + len(groups), len(spec.numels), dtype=torch.float64)
+    member[0] = 1.0
+    for li, members in enumerate(groups):
+        member[1 + li, members] = 1.0
+    return member
+
+
 @torch.no_grad()
 def update_drift(deltas: Sequence[torch.Tensor], global_flat: torch.Tensor, num_samples: Sequence[int],
                  num_steps: Sequence[int], lr: float, spec: ParamSpec) -> Dict[str, float]:
@@ -198,10 +211,7 @@ def update_drift(deltas: Sequence[torch.Tensor], global_flat: torch.Tensor, num_
         t_sq.append(x.pow(2).sum(1))
         t_dot.append(x @ m)
         t_msq.append(m @ m)
-    member = torch.zeros(1 + len(layers), len(spec.numels), dtype=torch.float64, device=dev)  # [1 + L, T]
-    member[0] = 1.0  # row 0: the whole model, rows 1..L: the layers
-    for li, (_, members) in enumerate(layers):
-        member[1 + li, members] = 1.0
+    member = _membership(spec).to(dev)  # [1 + L, T]
     sq = member @ torch.stack(t_sq).double()  # [1 + L, S]
     dot = member @ torch.stack(t_dot).double()  # [1 + L, S]
     msq = member @ torch.stack(t_msq).double()  # [1 + L]
@@ -212,14 +222,11 @@ def update_drift(deltas: Sequence[torch.Tensor], global_flat: torch.Tensor, num_
     cos = torch.where(ok, cos, torch.zeros_like(cos)).sum(1) / ok.sum(1)  # [1 + L]; NaN (0 / 0) without a client
     norms = sq[0].sqrt()  # [S] ||Delta_i||
     theta = theta_sq.sqrt()  # 0: the relative drifts are inf / NaN and left out
-    dissim = (p * (sq[0] - 2 * dot[0] + msq[0]).clamp_min(0)).sum() / msq[0]  # NaN / inf for a zero mean update
-    nums = torch.cat([torch.stack([norms.mean() / theta, norms.max() / theta, dissim, msq[0]]), cos, norms])
+    dissim = (p * (sq[0] - 2 * dot[0] + msq[0]).clamp_min(0)).sum() / msq[0]  # inf / NaN for a zero mean update
+    nums = torch.cat([torch.stack([norms.mean() / theta, norms.max() / theta, dissim]), cos, norms])
     nums = nums.tolist()  # the one synchronisation
-    values = dict(zip(("drift_client_mean", "drift_client_max", "drift_dissimilarity"), nums[:3]))
-    if not nums[3] > 0:
-        values["drift_dissimilarity"] = math.nan
-    values["drift_cosine"] = nums[4]
-    moved = [nrm / (k * lr) for nrm, k in zip(nums[5 + len(layers):], num_steps) if k > 0 and lr > 0]
+    values = dict(zip(("drift_client_mean", "drift_client_max", "drift_dissimilarity", "drift_cosine"), nums[:4]))
+    moved = [nrm / (k * lr) for nrm, k in zip(nums[4 + len(layers):], num_steps) if k > 0 and lr > 0]
     values["drift_progress"] = sum(moved) / len(moved) if moved else math.nan
-    values.update({f"drift_cos_{layer}": v for (layer, _), v in zip(layers, nums[5:5 + len(layers)])})
+    values.update({f"drift_cos_{layer}": v for (layer, _), v in zip(layers, nums[4:4 + len(layers)])})
     return {k: v for k, v in values.items() if math.isfinite(v)}
