@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
-from .schema import (DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, ConfigError, DatasetConfig, EngineConfig,
+from .schema import (DEVICE_DATASETS, FILE_DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, TEXT_DATASETS, ConfigError, DatasetConfig, EngineConfig,
                      ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_cuda_kernels, check_fields, fmt,
                      format_value, select)
 from .schema import check_finite_positive as _finite_positive
@@ -89,9 +89,10 @@ def validate(cfg: Any) -> None:
     for name in ("train", "engine", "tracking"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
     check_local_work(cfg.train)
-    if cfg.dataset.name in GENERATED_DATASETS and cfg.train.augmentation != "none":
+    if cfg.dataset.name in (*GENERATED_DATASETS, *TEXT_DATASETS) and cfg.train.augmentation != "none":
+        what = "character sequences" if cfg.dataset.name in TEXT_DATASETS else "feature vectors"
         raise ConfigError(f"train.augmentation={cfg.train.augmentation} flips and crops images; "
-                          f"dataset={cfg.dataset.name} holds feature vectors (use train.augmentation=none)")
+                          f"dataset={cfg.dataset.name} holds {what} (use train.augmentation=none)")
     if cfg.engine.kernels == "portable" and int(cfg.engine.threads) != 1:
         raise ConfigError(f"engine.threads={cfg.engine.threads}: engine.kernels=portable runs on 1 thread (its sums are "
                           "split the same way on every machine); use engine.threads=1")
@@ -136,20 +137,38 @@ def shown_value(text: str) -> str:
     return "'" + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + "'"
 
 
+def natural_clients(*, _root_: Any) -> Any:
+    """The resolver ``${natural_clients:}`` of conf/partition/natural.yaml: the number of clients of a natural
+    partition, ``dataset.max_clients`` for the writer datasets (null: every writer in the files) and
+    ``dataset.num_devices`` for the generated ones."""
+    d = _root_.dataset
+    return d.max_clients if d.name in FILE_DEVICE_DATASETS else d.num_devices
+
+
 def _check_natural(cfg: Any) -> None:
     """``partition=natural`` needs a dataset made of devices, one client per device.
 
     Raises:
         ConfigError: another dataset (names ``partition.name``), ``partition.num_clients`` !=
-            ``dataset.num_devices`` (conf/partition/natural.yaml derives it; a different value set by hand), or
-            ``partition.size_sigma`` != 0.
+            ``dataset.num_devices`` (``dataset.max_clients`` for femnist and shakespeare; conf/partition/natural.yaml
+            derives it; a different value set by hand), or ``partition.size_sigma`` != 0; a ``partition.num_clients``
+            of null with another partition.
     """
     if cfg.partition.name != "natural":
+        if cfg.partition.num_clients is None:
+            raise ConfigError(f"partition.num_clients=null counts the devices of partition=natural; "
+                              f"partition={cfg.partition.name} needs a number of clients")
         return
     if cfg.dataset.name not in DEVICE_DATASETS:
         raise ConfigError(f"partition.name=natural needs a dataset made of devices ({', '.join(DEVICE_DATASETS)}), "
                           f"got dataset.name={cfg.dataset.name}")
-    if int(cfg.partition.num_clients) != int(cfg.dataset.num_devices):
+    if cfg.dataset.name in FILE_DEVICE_DATASETS:
+        if cfg.partition.num_clients != cfg.dataset.max_clients:
+            who = "writer" if cfg.dataset.name == "femnist" else "speaker"
+            raise ConfigError(f"partition.num_clients={format_value(cfg.partition.num_clients)} must equal "
+                              f"dataset.max_clients={format_value(cfg.dataset.max_clients)} with partition=natural "
+                              f"(one client per {who}; set dataset.max_clients, null for all of them)")
+    elif cfg.partition.num_clients is None or int(cfg.partition.num_clients) != int(cfg.dataset.num_devices):
         raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} must equal "
                           f"dataset.num_devices={cfg.dataset.num_devices} with partition=natural (one client per "
                           f"device; set dataset.num_devices)")
@@ -287,7 +306,11 @@ def _register_schema() -> None:
     if not _REGISTERED:
         from hydra.core.config_store import ConfigStore
 
+        from omegaconf import OmegaConf
+
         ConfigStore.instance().store(name="schema", node=ExperimentConfig)
+        if not OmegaConf.has_resolver("natural_clients"):
+            OmegaConf.register_new_resolver("natural_clients", natural_clients)
         _REGISTERED = True
 
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 from .algorithms import registry
 from .config import ConfigError, to_container
-from .schema import QUADRATIC_KEYS
+from .schema import LATE_KEYS
 
 RESULT_SECTIONS = ("dataset", "partition", "model", "algorithm", "train", "seed")  # what determines the numbers
 
@@ -49,13 +49,15 @@ def result_sections(cfg: Any) -> Dict[str, Any]:
     stack (``registry.trim_sections``), so adding a rule changes no other fingerprint; ``engine.kernels`` when it is
     ``portable`` (other numbers than native kernels': a run switched to portable kernels trains again instead of
     continuing the native one; native runs keep their fingerprints); ``engine.float32_precision`` when it allows
-    TF32 or bfloat16 (likewise); the seed. The keys of ``dataset=quadratic`` (:data:`~fl_core.schema.QUADRATIC_KEYS`)
-    count only for that dataset."""
+    TF32 or bfloat16 (likewise); the seed. A key added after fingerprints were pinned (:data:`~fl_core.schema.LATE_KEYS`:
+    the quadratic problem's, the writer datasets', ``partition.balance_cap``) counts only where its condition holds,
+    so the results written before it existed keep their fingerprints."""
     c = to_container(cfg)
     c["algorithm"] = registry.trim_sections(c["algorithm"])
-    if c["dataset"]["name"] != "quadratic":  # its keys came later: the other datasets keep their fingerprints
-        for key in QUADRATIC_KEYS:
-            c["dataset"].pop(key, None)
+    late = [key for key, cond in LATE_KEYS.items() if not cond.holds(c)]  # decided on the whole config first
+    for key in late:
+        section, name = key.split(".")
+        c[section].pop(name, None)
     out = {k: c[k] for k in RESULT_SECTIONS}
     if c["engine"]["kernels"] != "native":
         out["kernels"] = c["engine"]["kernels"]

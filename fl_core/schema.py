@@ -18,13 +18,19 @@ class ConfigError(ValueError):
 
 
 DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fmnist", "tiny_imagenet", "cinic10", "synthetic", "mnist1d",
-            "emnist", "quadratic")
+            "emnist", "quadratic", "femnist", "shakespeare")
 EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")  # dataset.split (Cohen et al. 2017)
 GENERATED_DATASETS = ("synthetic", "mnist1d", "quadratic")  # generated from dataset.seed; float vectors [1, 1, L], not images
-DEVICE_DATASETS = ("synthetic", "quadratic")  # datasets made of devices: partition=natural makes each device a client
+# datasets made of devices: partition=natural makes each device a client
+DEVICE_DATASETS = ("synthetic", "quadratic", "femnist", "shakespeare")
+# the devices of these are read from files (LEAF's JSON or TensorFlow Federated's h5; fl_core/data/leaf.py): writers,
+# speakers. How many there are is known once the files are read; dataset.max_clients keeps a seeded subset
+FILE_DEVICE_DATASETS = ("femnist", "shakespeare")
+TEXT_DATASETS = ("shakespeare",)  # inputs are character indices [1, 1, L], not images
+FEMNIST_SUBSETS = ("all", "digits", "lowercase")  # dataset.subset: 62, 10 or 26 classes
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
           "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny",
-          "logreg_binary", "pfl_cnn", "quadratic")
+          "logreg_binary", "pfl_cnn", "quadratic", "char_lstm")
 # logreg_binary: dataset classes -> labels 1 (b = +1) / 0 (b = -1); docs/algorithms.md, FedBCGD's convex problem
 BINARY_MAPS = ("first_class", "parity", "lt_half", "digits_letters")
 PARTITIONS = ("iid", "dirichlet", "shards", "natural")
@@ -160,7 +166,7 @@ def unless(key: str, *values: Any) -> When:
 
 def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None, gt: Optional[float] = None,
           le: Optional[float] = None, lt: Optional[float] = None, choices: Optional[Sequence[Any]] = None,
-          integer: bool = False, when: Any = (), replica: bool = False):
+          integer: bool = False, when: Any = (), replica: bool = False, nullable: bool = False):
     """A dataclass field that carries its own description and allowed values.
 
     ``help`` is the one-line description shown by ``fl-train --help`` and in the docs' parameter tables;
@@ -172,11 +178,12 @@ def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None,
     between the replicas of one population (runs trained in one vectorised pass, :mod:`fl_core.engine.population`):
     the rule keeps it as the instance attribute of the same name, lists it in ``replica_params`` and reads it only in
     ``local_objective``, as a float or as each client's 0-dim tensor (no Python branch on its value there).
+    ``nullable``: null is allowed besides the bounded values (a field whose default is null always allows it).
     """
     conds = (when,) if isinstance(when, When) else tuple(when)
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
             "choices": tuple(choices) if choices is not None else None, "integer": integer, "when": conds,
-            "replica": replica}
+            "replica": replica, "nullable": nullable}
     return field(default=default, metadata=meta)
 
 
@@ -223,7 +230,7 @@ def check_fields(schema: type, node: Any, prefix: str) -> None:
         if m.get("choices") is not None:
             check_choice(key, value, m["choices"])
             continue
-        if value is None and f.default is None:
+        if value is None and (f.default is None or m.get("nullable")):
             continue  # an optional value left unset
         if m.get("integer") and (isinstance(value, bool) or int(value) != value):
             raise ConfigError(f"{key} must be an integer, got {fmt(value)}")
@@ -236,9 +243,17 @@ def check_fields(schema: type, node: Any, prefix: str) -> None:
 
 # --------------------------------------------------------------------------- the sections that are not rules
 
-# dataset=quadratic's keys: they came after experiments' fingerprints were pinned, so the other datasets' fingerprints
-# leave them out (fl_core.experiment.result_sections)
+# Keys that came after experiments' fingerprints were pinned, each with the condition under which it counts: where
+# the condition does not hold the key is left out of the fingerprint (fl_core.experiment.result_sections), so the
+# results written before it existed keep theirs. dataset=quadratic's keys count for that dataset only, the
+# writer/speaker datasets' keys for theirs, partition.balance_cap only when it turns the cap off.
 QUADRATIC_KEYS = ("dim", "smoothness", "strong_convexity", "a_spread", "b_spread")
+LATE_KEYS = {
+    **{f"dataset.{k}": When("dataset.name", ("quadratic",)) for k in QUADRATIC_KEYS},
+    "dataset.subset": When("dataset.name", ("femnist",)),
+    "dataset.max_clients": When("dataset.name", FILE_DEVICE_DATASETS),
+    "partition.balance_cap": When("partition.balance_cap", (False,)),
+}
 
 
 @dataclass
@@ -247,14 +262,15 @@ class DatasetConfig:
 
     name: str = param("digits", "data source", choices=DATASETS)
     root: str = param("data/raw", "folder of the official files of CIFAR/MNIST/... (relative: to the project root)")
-    download: bool = param(False, "let torchvision download into root (needs a network)",
-                           when=unless("dataset.name", "digits", *GENERATED_DATASETS))
+    download: bool = param(False, "let torchvision download into root (needs a network; femnist, shakespeare: "
+                           "TensorFlow Federated's h5 files)", when=unless("dataset.name", "digits", *GENERATED_DATASETS))
     verify: bool = param(True, "check the official archives' MD5 sums where torchvision knows them",
-                         when=unless("dataset.name", "digits", *GENERATED_DATASETS))
+                         when=unless("dataset.name", "digits", *GENERATED_DATASETS, *FILE_DEVICE_DATASETS))
     test_fraction: float = param(0.25, "digits: held-out share (stratified, fixed split); synthetic: test share of "
                                  "every device (FedProx: 0.2)", gt=0, lt=1,
                                  when=when("dataset.name", "digits", "synthetic"))
-    split_seed: int = param(0, "digits: seed of the train/test split; any dataset: of the validation split")
+    split_seed: int = param(0, "digits: seed of the train/test split; femnist, shakespeare: of the "
+                            "dataset.max_clients writers kept; any dataset: of the validation split")
     seed: int = param(0, "synthetic, mnist1d, quadratic: seed of the generator (mnist1d's authors use 42)", ge=0, integer=True,
                       when=when("dataset.name", *GENERATED_DATASETS))
     alpha: float = param(1.0, "synthetic: std of u_k, the common mean of device k's W_k and b_k entries (FedProx "
@@ -282,6 +298,12 @@ class DatasetConfig:
                                     when=when("dataset.name", "mnist1d"))
     split: str = param("byclass", "emnist: the official split read: byclass (62 classes), bymerge | balanced (47), "
                        "letters (26), digits | mnist (10)", choices=EMNIST_SPLITS, when=when("dataset.name", "emnist"))
+    subset: str = param("all", "femnist: all (62 classes: digits, upper- and lower-case letters) | digits (10) | "
+                        "lowercase (26 lower-case letters); a writer left without samples is dropped",
+                        choices=FEMNIST_SUBSETS, when=when("dataset.name", "femnist"))
+    max_clients: Optional[int] = param(None, "femnist, shakespeare: keep this many writers / speakers, drawn with "
+                                       "dataset.split_seed (null: all of them)", ge=1, integer=True,
+                                       when=when("dataset.name", *FILE_DEVICE_DATASETS))
     validation_fraction: float = param(
         0.0, "> 0: hold out this share of the TRAINING set (stratified, seeded by split_seed) and evaluate on it "
         "instead of the test set; every test_* metric is then a validation metric (tuning)", ge=0, lt=1)
@@ -292,9 +314,11 @@ class PartitionConfig:
     """How the training set is split across clients (docs/algorithms.md, Data)."""
 
     name: str = param("iid", "client split; natural: each device of the dataset is a client (synthetic, "
-                      "quadratic)",
+                      "quadratic; femnist's writers, shakespeare's speakers)",
                       choices=PARTITIONS)
-    num_clients: int = param(10, "N, the number of clients (natural: dataset.num_devices)", ge=1)
+    num_clients: Optional[int] = param(10, "N, the number of clients (natural: dataset.num_devices; femnist, "
+                                       "shakespeare: dataset.max_clients, null = every writer in the files)", ge=1,
+                                       nullable=True)
     alpha: float = param(0.3, "Dirichlet concentration (a finite number > 0; checked in validate)",
                          when=when("partition.name", "dirichlet"))
     variant: str = param("per_client", "dirichlet: per_client (A, Acar/FedBug) | per_class (C, NIID-Bench) | "
@@ -306,6 +330,9 @@ class PartitionConfig:
                                           when("partition.variant", "fixed_size_reuse")))
     min_size: int = param(10, "dirichlet per_class: redraw until every client has this many samples", ge=0,
                           when=(when("partition.name", "dirichlet"), when("partition.variant", "per_class")))
+    balance_cap: bool = param(True, "dirichlet per_class: a client already holding |D|/N samples gets no share of "
+                              "later classes (NIID-Bench's cap); false: the plain per-class Dirichlet split",
+                              when=(when("partition.name", "dirichlet"), when("partition.variant", "per_class")))
     classes_per_client: int = param(2, "shards: S classes per client (#label-S)", ge=1,
                                     when=when("partition.name", "shards"))
     shards_variant: str = param("label_S", "label_S (NIID-Bench #label-S) | mcmahan_sort_shard (sort, N*S shards)",

@@ -134,8 +134,8 @@ def test_natural_partition_is_the_devices():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["partition=natural"], "partition.name=natural needs a dataset made of devices (synthetic, quadratic), got "
-                            "dataset.name=digits"),
+    (["partition=natural"], "partition.name=natural needs a dataset made of devices (synthetic, quadratic, femnist, "
+                            "shakespeare), got dataset.name=digits"),
     (["dataset=synthetic", "partition=natural", "partition.num_clients=10"],
      "partition.num_clients=10 must equal dataset.num_devices=30 with partition=natural (one client per device; "
      "set dataset.num_devices)"),

@@ -211,7 +211,8 @@ MODEL_LAYOUTS = [("small_cnn", "default"), ("std_cnn", "default"), ("mcmahan_cnn
                  ("resnet18", "block"), ("resnet34", "module"), ("vgg9", "default"), ("vgg11", "default"),
                  ("vgg19", "default"), ("m1d_mlp", "default"), ("m1d_cnn", "default"), ("m1d_gru", "default"),
                  ("vit_tiny", "default"), ("vit_b_16", "default"),
-                 ("logreg_binary", "default"), ("pfl_cnn", "default"), ("quadratic", "default")]
+                 ("logreg_binary", "default"), ("pfl_cnn", "default"), ("quadratic", "default"),
+                 ("char_lstm", "default")]
 
 
 @pytest.mark.parametrize("name,units", MODEL_LAYOUTS)
@@ -227,9 +228,12 @@ def test_feature_dim_is_the_width_of_the_features_and_a_head_is_a_unit_before_th
         shape, dataset = (1, 1, 40), "mnist1d"
     if name == "quadratic":  # samples [a, -y] of dataset=quadratic, two logits
         shape, classes, dataset = (1, 1, 5), 2, "quadratic"
+    if name == "char_lstm":  # character indices [1, 1, 80] of dataset=shakespeare, 80 logits
+        shape, classes, dataset = (1, 1, 80), 80, "shakespeare"
     m = build_model(ModelConfig(name=name, units=units), dataset, shape, classes)
+    x = torch.randint(0, classes, (2, *shape)).float() if name == "char_lstm" else torch.randn(2, *shape)
     with torch.no_grad():
-        _, f = m.eval().forward_features(torch.randn(2, *shape))
+        _, f = m.eval().forward_features(x)
     assert m.feature_dim() == f.shape[1]
     before = ParamSpec.from_model(m)
     attach_projection_head(m, 7)

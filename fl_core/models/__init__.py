@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .base import FLModel
+from .char_lstm import CharLSTM
 from .quadratic import QuadraticModel
 from .cnn import McMahanCNN, PflCNN, SmallCNN, StandardCNN, TinyCNN, resolve_units
 from .linear import MLP, LogisticRegression
@@ -36,6 +37,7 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
     "logreg_binary": BinaryLogisticRegression,  # docs/algorithms.md, FedBCGD's convex problem
     "quadratic": QuadraticModel,  # x itself, for dataset=quadratic (fl_core/models/quadratic.py)
     "pfl_cnn": PflCNN,  # pfl-research's CIFAR-10 CNN (docs/benchmarks.md, pfl-research's CIFAR-10 cross-device set-up)
+    "char_lstm": CharLSTM,  # LEAF's / FedProx's Shakespeare model (fl_core/models/char_lstm.py)
 }
 
 # model.name=auto picks the paper model of each dataset (small_cnn for the 8x8 digits; VGG-9 for CINIC-10,
@@ -43,7 +45,8 @@ MODELS: Dict[str, Callable[..., FLModel]] = {
 AUTO_MODEL = {"digits": "small_cnn", "mnist": "mcmahan_cnn", "fmnist": "mcmahan_cnn",
               "cifar10": "std_cnn", "cifar100": "std_cnn", "tiny_imagenet": "tiny_cnn", "cinic10": "vgg9",
               "synthetic": "logreg", "mnist1d": "m1d_cnn", "quadratic": "quadratic",
-              "emnist": "mcmahan_cnn"}  # as MNIST (every dataset.split; 28x28 grey characters)
+              "emnist": "mcmahan_cnn",  # as MNIST (every dataset.split; 28x28 grey characters)
+              "femnist": "mcmahan_cnn", "shakespeare": "char_lstm"}  # LEAF's baselines' models
 
 
 def resolve_model_name(name: str, dataset: str) -> str:
@@ -73,7 +76,7 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
     Raises:
         ValueError: unknown model name (``model.name``), a unit layout the model does not have
             (``model.units``), a bad ``model.norm_groups``, or an input too small for the model (or, for the
-            ``m1d_*`` sequence models, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
+            ``m1d_*`` sequence models and ``char_lstm``, not a sequence ``[1, 1, L]``: names ``model.name`` and ``dataset``).
         ConfigError: ``model.weights`` cannot be loaded (one line naming the path and the first bad key).
         ConfigError: ``logreg_binary``: a ``model.binary_map`` the dataset's classes do not allow.
     """
@@ -91,7 +94,7 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
         return MODELS[name](input_shape, num_classes, units=units, norm_groups=int(getattr(cfg, "norm_groups", 2)))
     if name in ("vgg11", "vgg19"):
         return MODELS[name](input_shape, num_classes, init=str(getattr(cfg, "vgg_init", "kaiming")))
-    if name.startswith("m1d_"):
+    if name.startswith("m1d_") or name == "char_lstm":
         return MODELS[name](input_shape, num_classes, dataset=dataset)
     if name == "vit_b_16":
         mean, std = input_norm if input_norm is not None else (None, None)
@@ -102,6 +105,6 @@ def build_model(cfg, dataset: str, input_shape: Tuple[int, int, int], num_classe
     return MODELS[name](input_shape, num_classes)
 
 
-__all__ = ["FLModel", "QuadraticModel", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
+__all__ = ["FLModel", "QuadraticModel", "CharLSTM", "MODELS", "AUTO_MODEL", "BinaryLogisticRegression", "MNIST1DCNN", "MNIST1DGRU", "MNIST1DMLP",
            "PflCNN", "ResNetGN", "VGG9", "VGG11", "VGG19", "build_model", "resolve_model_name", "unit_layouts", "ViTB16",
            "ViTTiny"]
