@@ -27,7 +27,7 @@ DEVICE_DATASETS = ("synthetic", "quadratic", "femnist", "shakespeare")
 # speakers. How many there are is known once the files are read; dataset.max_clients keeps a seeded subset
 FILE_DEVICE_DATASETS = ("femnist", "shakespeare")
 TEXT_DATASETS = ("shakespeare",)  # inputs are character indices [1, 1, L], not images
-FEMNIST_SUBSETS = ("all", "digits", "lowercase")  # dataset.subset: 62, 10 or 26 classes
+FEMNIST_SUBSETS = ("all", "digits", "lowercase", "lowercase_a_j")  # dataset.subset: 62, 10, 26 or 10 classes
 MODELS = ("auto", "small_cnn", "std_cnn", "mcmahan_cnn", "mlp", "logreg", "tiny_cnn", "resnet18", "resnet34", "vgg9",
           "vgg11", "vgg19", "m1d_mlp", "m1d_cnn", "m1d_gru", "vit_b_16", "vit_tiny",
           "logreg_binary", "pfl_cnn", "quadratic", "char_lstm")
@@ -299,7 +299,8 @@ class DatasetConfig:
     split: str = param("byclass", "emnist: the official split read: byclass (62 classes), bymerge | balanced (47), "
                        "letters (26), digits | mnist (10)", choices=EMNIST_SPLITS, when=when("dataset.name", "emnist"))
     subset: str = param("all", "femnist: all (62 classes: digits, upper- and lower-case letters) | digits (10) | "
-                        "lowercase (26 lower-case letters); a writer left without samples is dropped",
+                        "lowercase (26 lower-case letters) | lowercase_a_j (10: 'a'-'j', FedProx's FEMNIST); a "
+                        "writer left without samples is dropped",
                         choices=FEMNIST_SUBSETS, when=when("dataset.name", "femnist"))
     max_clients: Optional[int] = param(None, "femnist, shakespeare: keep this many writers / speakers, drawn with "
                                        "dataset.split_seed (null: all of them)", ge=1, integer=True,

@@ -41,6 +41,9 @@ SOURCES = ("README.md", "docs/cli.md")
 PLAN: Dict[str, str] = {
     # README.md
     "make repro": "run",
+    ".venv/bin/python scripts/tiny_natural_data.py data/tiny": "run",
+    ".venv/bin/fl-train dataset=femnist dataset.root=data/tiny partition=natural train.rounds=2": "run",
+    ".venv/bin/fl-train dataset=shakespeare dataset.root=data/tiny partition=natural train.rounds=2": "run",
     "make test": "skip: CI runs it on a clean clone (.ci/run)",
     ".venv/bin/dvc exp run -S train.lr=0.1 && make exp-show": "long",
     ".venv/bin/fl-train train.lr=0.1 seed=1,2,3 name=fedavg-lr0.1": "run",

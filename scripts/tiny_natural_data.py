@@ -1,6 +1,6 @@
 """Write tiny FEMNIST and Shakespeare files in the published formats (LEAF's JSON, TensorFlow Federated's h5), to try
-``dataset=femnist`` / ``dataset=shakespeare`` without the real data (docs/natural-data.md); the tests use the same
-writers.
+``dataset=femnist`` / ``dataset=shakespeare`` without the real data (README.md, Naturally federated data); the tests use
+the same writers.
 
     python scripts/tiny_natural_data.py DIR             # LEAF JSON under DIR/femnist/data, DIR/shakespeare/data
     python scripts/tiny_natural_data.py DIR --format tff  # DIR/fed_emnist_{train,test}.h5, shakespeare_{train,test}.h5
@@ -51,7 +51,7 @@ def shakespeare_texts(speakers: int = 4, chars: Sequence[int] = (), seed: int = 
                       ) -> Tuple[Dict[str, list], Dict[str, list]]:
     """speaker -> list of snippets (random characters of the vocabulary, line breaks and double spaces included) for
     the training and the test split. ``chars``: characters of a speaker's training text, in two snippets (default
-    200 + 20 k: 40 + 20 k examples)."""
+    200 + 20 k)."""
     rng = np.random.default_rng(seed)
     letters = np.array(list(VOCAB))
     ids = SPEAKERS[:speakers]
@@ -66,17 +66,13 @@ def shakespeare_texts(speakers: int = 4, chars: Sequence[int] = (), seed: int = 
 
 
 def _leaf_examples(snippets: list) -> Tuple[list, list]:
-    """LEAF's examples of one speaker: line breaks as spaces, runs of spaces as one, every 80-character window and
-    the next character (written out here as LEAF's preprocessing writes them into its JSON)."""
+    """LEAF's examples of one speaker: the speaker's text (the snippets joined by line breaks), line breaks as spaces,
+    runs of two or more spaces as one, every 80-character window and the next character (as LEAF's preprocessing
+    writes them into its JSON)."""
     import re
 
-    xs, ys = [], []
-    for s in snippets:
-        clean = re.sub(r" {2,}", " ", s.replace("\n", " "))
-        for i in range(len(clean) - 80):
-            xs.append(clean[i:i + 80])
-            ys.append(clean[i + 80])
-    return xs, ys
+    clean = re.sub(r" {2,}", " ", "\n".join(snippets).replace("\n", " "))
+    return [clean[i:i + 80] for i in range(len(clean) - 80)], [clean[i + 80] for i in range(len(clean) - 80)]
 
 
 def _fresh(path: Path) -> Path:

@@ -73,7 +73,7 @@ def test_both_formats_give_the_same_dataset(tmp_path):
         assert torch.equal(getattr(a, key), getattr(b, key)), key
 
 
-@pytest.mark.parametrize("subset, lo, classes", [("digits", 0, 10), ("lowercase", 36, 26)])
+@pytest.mark.parametrize("subset, lo, classes", [("digits", 0, 10), ("lowercase", 36, 26), ("lowercase_a_j", 36, 10)])
 def test_femnist_subsets_keep_and_relabel_their_classes(tmp_path, subset, lo, classes):
     train, _ = write(tmp_path, "femnist", "leaf", writers=8, train=[30] * 8)
     ds, _ = load(tmp_path, "dataset=femnist", f"dataset.subset={subset}")
@@ -138,14 +138,14 @@ def test_shakespeare_examples_speakers_and_labels(tmp_path, fmt):
     train, test = write(tmp_path, "shakespeare", fmt)
     ds, _ = load(tmp_path, "dataset=shakespeare")
     speakers = sorted(train)
-    sizes = [sum(len(leaf.text_examples(s)[1]) for s in train[u]) for u in speakers]
+    sizes = [len(leaf.text_examples("\n".join(train[u]))[1]) for u in speakers]  # a speaker's snippets joined
     assert sum(sizes) == ds.x_train.shape[0]
     assert ds.x_train.shape[1:] == (1, 1, 80) and ds.x_train.dtype == torch.uint8 and ds.num_classes == 80
     assert torch.bincount(ds.devices).tolist() == sizes and ds.num_devices == len(speakers)
     # every example is a window of the speaker's cleaned text and its label the next character
-    x0, y0, _ = leaf.text_examples(train[speakers[0]][0])
+    x0, y0, _ = leaf.text_examples("\n".join(train[speakers[0]]))
     assert torch.equal(ds.x_train[: len(y0), 0, 0], torch.from_numpy(x0)) and ds.y_train[: len(y0)].tolist() == y0.tolist()
-    assert ds.x_test.shape[0] == sum(len(leaf.text_examples(s)[1]) for u in speakers for s in test[u])
+    assert ds.x_test.shape[0] == sum(len(leaf.text_examples("\n".join(test[u]))[1]) for u in speakers)
     assert (ds.scale, ds.mean, ds.std) == (1.0, (0.0,), (1.0,))
     assert torch.equal(ds.normalize(ds.x_train[:2]), ds.x_train[:2].float())  # indices as floats, unchanged
 
@@ -319,19 +319,22 @@ def test_char_lstm_has_the_papers_size_and_units():
 def _run(root, data_dir, overrides, executor):
     from pipeline.api import run
 
-    base = ["train.rounds=2", "train.batch_size=10", "engine.progress=false", "tracking.enabled=false",
+    base = ["train.batch_size=10", "engine.progress=false", "tracking.enabled=false",
             "engine.checkpoint_every=0", "engine.dtype=float64", f"engine.executor={executor}", f"data_dir={data_dir}",
             f"dataset.root={root}", "partition=natural", "train.participation=1.0"]
     return run(list(overrides) + base, seeds=(1,))
 
 
-@pytest.mark.parametrize("name", ["femnist", "shakespeare"])
-def test_two_rounds_on_both_executors_agree(tmp_path, name):
-    write(tmp_path / "raw", name, "leaf", **({"speakers": 3} if name == "shakespeare" else {"writers": 4}))
-    over = [f"dataset={name}", "train.local_steps=2"]
+# the LSTM's runs take 13 s each on 2 cores: they run with the slow tests
+@pytest.mark.parametrize("name, rounds, steps", [("femnist", 2, 2),
+                                                 pytest.param("shakespeare", 1, 1, marks=pytest.mark.slow),
+                                                 pytest.param("shakespeare", 2, 2, marks=pytest.mark.slow)])
+def test_both_executors_agree(tmp_path, name, rounds, steps):
+    write(tmp_path / "raw", name, "leaf", **({"speakers": 2} if name == "shakespeare" else {"writers": 4}))
+    over = [f"dataset={name}", f"train.local_steps={steps}", f"train.rounds={rounds}"]
     seq = _run(tmp_path / "raw", tmp_path / "data", over, "sequential")
     vec = _run(tmp_path / "raw", tmp_path / "data", over, "vectorized")
-    assert list(seq.history["round"]) == [1, 2] and np.isfinite(seq.history["test_loss"]).all()
+    assert list(seq.history["round"]) == list(range(1, rounds + 1)) and np.isfinite(seq.history["test_loss"]).all()
     for key, p in seq.models[1].items():
         assert torch.allclose(p, vec.models[1][key], atol=1e-9), key
     classes = 62 if name == "femnist" else 80
@@ -387,3 +390,30 @@ def test_the_uncapped_split_can_be_asked_for_directly():
     rng = numpy_rng("partition", 3)
     idx = _dirichlet_per_class(labels, 3, 4, 0.2, 1, rng, balance_cap=False)
     assert sorted(np.concatenate(idx).tolist()) == list(range(30)) and min(map(len, idx)) >= 1
+
+
+# --------------------------------------------------------------------------- studies/natural without the files
+
+
+def test_the_natural_study_stops_in_one_line_naming_what_to_put_where(tmp_path, monkeypatch, capsys):
+    """What `cd studies/natural && dvc repro` runs first (its prepare stage), with the study's params and a data/raw
+    that holds nothing: exit status 2 and one line on stderr naming the files and where they are published."""
+    import yaml
+
+    from pipeline import prepare
+
+    params = yaml.safe_load((ROOT / "studies" / "natural" / "params.yaml").read_text())
+    assert params["dataset"] == {"root": "../../data/raw"}
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    params["dataset"]["root"] = str(raw)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["--params", "params.yaml"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: dataset.root: no FEMNIST files under {raw}; put LEAF's JSON")
+    assert f"{raw}/fed_emnist_train.h5" in err and leaf.TFF_ARCHIVES["femnist"] in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "raw"]  # no data folder was made
+    assert list(raw.iterdir()) == []  # nothing written where the user's files go

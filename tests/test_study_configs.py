@@ -13,7 +13,7 @@ from fl_core.config import ConfigError, compose
 from pipeline.grid import load_grid, report_deps
 
 ROOT = Path(__file__).resolve().parent.parent
-STUDIES = ["mnist1d", "synthetic", "theory"]
+STUDIES = ["mnist1d", "natural", "synthetic", "theory"]
 
 
 def _composed(grid, name, seed=1):

@@ -12,10 +12,11 @@ Two published formats are read, from ``dataset.root``:
 - TensorFlow Federated's h5 files: ``<root>/fed_emnist_train.h5`` and ``<root>/fed_emnist_test.h5``
   (``examples/<client>/pixels`` float32 ``[n, 28, 28]`` in [0, 1], ``examples/<client>/label`` ``[n]``, labels as
   LEAF's), ``<root>/shakespeare_train.h5`` and ``<root>/shakespeare_test.h5`` (``examples/<client>/snippets``: byte
-  strings of a speaker's lines). A speaker's snippets become LEAF's examples: each snippet's text with line breaks
-  as spaces and runs of spaces as one (LEAF's cleaning), then every window of 80 characters with the next one as its
-  label. Characters outside LEAF's vocabulary (TFF's snippets hold a few, e.g. ``$``) become a space; their count
-  is recorded in the dataset's provenance.
+  strings, each a contiguous run of a speaker's lines). A speaker's snippets become LEAF's examples as LEAF makes
+  them from a speaker's text (``shake_utils``): the snippets joined by line breaks, line breaks as spaces and runs of
+  two or more spaces as one, then every window of 80 characters (step 1) with the next one as its label.
+  Characters outside LEAF's vocabulary (TFF's snippets hold a few, e.g. ``$``) become a space; their count is
+  recorded in the dataset's provenance.
 
 Where both are present the LEAF JSON is read. A writer (speaker) is one device: ``FLDataset.devices`` holds it per
 training sample and ``partition=natural`` makes each one a client. Writers are ordered by id; a writer without
@@ -58,7 +59,9 @@ VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnop
 SEQ_LEN = 80  # characters in, the next one out (LEAF, FedProx)
 _PIXELS = 784
 _FEMNIST_CLASSES = 62
-_SUBSETS = {"all": (0, 62), "digits": (0, 10), "lowercase": (36, 62)}  # label range kept -> 0..hi-lo-1
+# dataset.subset -> the label range kept, relabelled 0..hi-lo-1; lowercase_a_j: FedProx's FEMNIST classes ('a'-'j',
+# Li et al. 2020, Appendix C.1)
+_SUBSETS = {"all": (0, 62), "digits": (0, 10), "lowercase": (36, 62), "lowercase_a_j": (36, 46)}
 #: TFF's h5 files and the archives they are published in (``dataset.download=true``)
 TFF_FILES = {"femnist": ("fed_emnist_train.h5", "fed_emnist_test.h5"),
              "shakespeare": ("shakespeare_train.h5", "shakespeare_test.h5")}
@@ -281,7 +284,7 @@ def femnist_dataset(cfg: Any, root: Path) -> FLDataset:
 
     Returns:
         uint8 ``[N, 1, 28, 28]`` images, int64 labels in ``[0, C)`` (C = 62, or 10 for ``dataset.subset=digits``, 26
-        for ``lowercase``), ``devices`` int64 ``[N]`` (the writer of every training image), mean/std of the training
+        for ``lowercase``, 10 for ``lowercase_a_j``), ``devices`` int64 ``[N]`` (the writer of every training image), mean/std of the training
         images; ``provenance`` names the format and the writer count.
 
     Raises:
@@ -336,8 +339,9 @@ def encode_text(text: str) -> Tuple[np.ndarray, int]:
 
 
 def text_examples(text: str) -> Tuple[np.ndarray, np.ndarray, int]:
-    """LEAF's examples of one speaker's text: line breaks become spaces and runs of spaces one space, then every
-    window of :data:`SEQ_LEN` characters with the next character as its label.
+    """LEAF's examples of one speaker's text (LEAF ``data/shakespeare/preprocess/shake_utils.py``): line breaks
+    become spaces and runs of two or more spaces one space, then every window of :data:`SEQ_LEN` characters (step
+    1) with the next character as its label.
 
     Returns:
         (uint8 ``[n, 80]`` indices, int64 ``[n]`` labels, characters not in the vocabulary replaced by a space);
@@ -396,19 +400,15 @@ def shakespeare_dataset(cfg: Any, root: Path) -> FLDataset:
         else:
             path = root / TFF_FILES["shakespeare"][index]
             for client, (snippets,) in _read_tff("shakespeare", root, index, ("snippets",)).items():
-                xs, ys = [], []
-                for s in np.asarray(snippets).reshape(-1):
-                    try:
-                        text = s.decode("utf-8") if isinstance(s, bytes) else str(s)
-                    except UnicodeDecodeError:
-                        raise DataSourceError(f"dataset.root: {path} (client {client!r}): a snippet is not UTF-8 "
-                                              f"text") from None
-                    x, y, bad = text_examples(text)
-                    xs.append(x)
-                    ys.append(y)
-                    replaced += bad
-                per[client] = (np.concatenate(xs) if xs else np.zeros((0, SEQ_LEN), np.uint8),
-                               np.concatenate(ys) if ys else np.zeros(0, np.int64))
+                try:
+                    texts = [s.decode("utf-8") if isinstance(s, bytes) else str(s)
+                             for s in np.asarray(snippets).reshape(-1)]
+                except UnicodeDecodeError:
+                    raise DataSourceError(f"dataset.root: {path} (client {client!r}): a snippet is not UTF-8 "
+                                          f"text") from None
+                x, y, bad = text_examples("\n".join(texts))
+                per[client] = (x, y)
+                replaced += bad
         splits.append(per)
     where = root / "shakespeare" / "data" / "train" if fmt == "leaf" else root / TFF_FILES["shakespeare"][0]
     x_tr, y_tr, devices, x_te, y_te = _assemble("shakespeare", cfg, root, fmt, *splits, where)
