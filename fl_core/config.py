@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .algorithms import registry
-from .schema import (DEVICE_DATASETS, FILE_DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, TEXT_DATASETS, ConfigError, DatasetConfig, EngineConfig,
-                     ModelConfig, PartitionConfig, TrackingConfig, TrainConfig, check_cuda_kernels, check_fields, fmt,
-                     format_value, select)
+from .schema import (DEVICE_DATASETS, FILE_DEVICE_DATASETS, GENERATED_DATASETS, SECTIONS, TEXT_DATASETS, ConfigError,
+                     DatasetConfig, EngineConfig, ModelConfig, PartitionConfig, TrackingConfig, TrainConfig,
+                     check_cuda_kernels, check_fields, fmt, format_value, select)
 from .schema import check_finite_positive as _finite_positive
 
 AGGREGATIONS = registry.AGGREGATIONS
@@ -85,6 +85,7 @@ def validate(cfg: Any) -> None:
         check_fields(SECTIONS[name], getattr(cfg, name), name)
     _finite_positive("partition.alpha", cfg.partition.alpha, "use partition=iid for an IID split")
     _check_natural(cfg)
+    _check_validation_split(cfg)
     registry.check_algorithm(cfg.algorithm)
     for name in ("train", "engine", "tracking"):
         check_fields(SECTIONS[name], getattr(cfg, name), name)
@@ -169,12 +170,29 @@ def _check_natural(cfg: Any) -> None:
                               f"dataset.max_clients={format_value(cfg.dataset.max_clients)} with partition=natural "
                               f"(one client per {who}; set dataset.max_clients, null for all of them)")
     elif cfg.partition.num_clients is None or int(cfg.partition.num_clients) != int(cfg.dataset.num_devices):
-        raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} must equal "
+        raise ConfigError(f"partition.num_clients={format_value(cfg.partition.num_clients)} must equal "
                           f"dataset.num_devices={cfg.dataset.num_devices} with partition=natural (one client per "
                           f"device; set dataset.num_devices)")
     if float(cfg.partition.size_sigma) != 0:
         raise ConfigError(f"partition.size_sigma={cfg.partition.size_sigma}: the devices of partition=natural keep "
                           f"their own sizes (set it to 0)")
+
+
+def _check_validation_split(cfg: Any) -> None:
+    """``dataset.validation_fraction`` > 0 holds out a stratified share of the whole training set: refused where that
+    is not a clean validation split, one line naming the key: shakespeare (its overlapping 80-character windows would
+    put the same text on both sides) and the writers of femnist with ``partition=natural`` (a writer could lose all
+    its samples, and its client with them)."""
+    if not float(cfg.dataset.validation_fraction or 0.0) > 0:
+        return
+    if cfg.dataset.name in TEXT_DATASETS:
+        raise ConfigError(f"dataset.validation_fraction={fmt(float(cfg.dataset.validation_fraction))}: "
+                          f"dataset={cfg.dataset.name}'s examples are overlapping windows of the same text, so a "
+                          f"held-out share is not unseen; tune on the test split of other speakers instead (set it to 0)")
+    if cfg.dataset.name in FILE_DEVICE_DATASETS and cfg.partition.name == "natural":
+        raise ConfigError(f"dataset.validation_fraction={fmt(float(cfg.dataset.validation_fraction))} does not "
+                          f"compose with partition=natural on dataset={cfg.dataset.name}: the held-out share is drawn "
+                          f"over all writers and may take a writer's every sample (set it to 0)")
 
 
 def check_local_work(t: Any) -> None:

@@ -345,9 +345,10 @@ class PartitionConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn ((f/e)mnist), std_cnn (CIFAR), tiny_cnn "
-                      "(Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d), quadratic (quadratic); m1d_*: the "
-                      "MNIST-1D authors' models; pfl_cnn: pfl-research's CIFAR-10 CNN", choices=MODELS)
+    name: str = param("auto", "auto: small_cnn (digits), mcmahan_cnn (mnist, fmnist, emnist, femnist), std_cnn (CIFAR), "
+                      "tiny_cnn (Tiny-ImageNet), vgg9 (CINIC-10), logreg (synthetic), m1d_cnn (mnist1d), quadratic "
+                      "(quadratic), char_lstm (shakespeare); m1d_*: the MNIST-1D authors' models; pfl_cnn: "
+                      "pfl-research's CIFAR-10 CNN; char_lstm: LEAF's/FedProx's Shakespeare LSTM", choices=MODELS)
     hidden: int = param(200, "mlp width", ge=1, when=when("model.name", "mlp"))
     units: str = param("default", "FedBug units: resnet module (M=4) | block (M=8/16); tiny_cnn code5 | paper6")
     norm_groups: int = param(2, "ResNets: GroupNorm(norm_groups, C) in place of BatchNorm", ge=1,

@@ -63,9 +63,11 @@ def run_label(metrics: Dict[str, Any]) -> str:
 _PART_RE = re.compile(r"^(?P<ds>.+?)-(?P<body>(?:iid|dirichlet|shards)(?:-.*)?)-s(?P<seed>-?\d+)$")
 
 
-_NATURAL_RE = re.compile(r"^(?P<ds>.+)-natural-n(?P<n>\d+)$")
+_NATURAL_RE = re.compile(r"^(?P<ds>.+)-natural-(?:n(?P<n>\d+)|all)$")
 _SYNTHETIC_RE = re.compile(r"^synthetic-(?:iid|a(?P<a>[^-]+)-b(?P<b>[^-]+))-n\d+-tf[^-]+-s-?\d+$")
 _MNIST1D_RE = re.compile(r"^mnist1d(?P<shuf>-shuffled)?-s-?\d+$")
+_WRITERS_RE = re.compile(r"^(?P<ds>femnist|shakespeare)(?:-(?P<subset>digits|lowercase|lowercase_a_j))?"
+                         r"(?:-c(?P<c>\d+)-s-?\d+)?$")
 
 
 def dataset_label(tag: str) -> str:
@@ -73,7 +75,8 @@ def dataset_label(tag: str) -> str:
 
     ``"synthetic-a1-b1-n30-tf0.2-s0"`` -> ``"Synthetic(1,1)"``, ``"synthetic-iid-n30-tf0.2-s0"`` ->
     ``"Synthetic IID"``, ``"mnist1d-s42"`` -> ``"MNIST-1D"``, ``"mnist1d-shuffled-s42"`` -> ``"MNIST-1D shuffled"``,
-    ``"emnist-byclass"`` -> ``"EMNIST byclass"``;
+    ``"emnist-byclass"`` -> ``"EMNIST byclass"``, ``"femnist-lowercase_a_j"`` -> ``"FEMNIST lowercase_a_j"``,
+    ``"shakespeare-c143-s0"`` -> ``"Shakespeare (143 speakers)"``;
     any other tag (``"digits"``, ``"cifar10"``) unchanged.
     """
     m = _SYNTHETIC_RE.match(tag)
@@ -84,14 +87,20 @@ def dataset_label(tag: str) -> str:
         return "MNIST-1D shuffled" if m.group("shuf") else "MNIST-1D"
     if tag.startswith("emnist-"):
         return f"EMNIST {tag[len('emnist-'):]}"
+    m = _WRITERS_RE.match(tag)
+    if m:
+        name = "FEMNIST" if m.group("ds") == "femnist" else "Shakespeare"
+        who = "writers" if m.group("ds") == "femnist" else "speakers"
+        subset = f" {m.group('subset')}" if m.group("subset") else ""
+        return f"{name}{subset}" + (f" ({m.group('c')} {who})" if m.group("c") else "")
     return tag
 
 
 def _parse_partition(key: str) -> Optional[Dict[str, str]]:
     """Fields of a partition key (see ``fl_core.data.partition.partition_key``), or None."""
     m = _NATURAL_RE.match(key)
-    if m:  # the dataset's own devices: no seed
-        return {"dataset": m.group("ds"), "kind": "natural", "clients": m.group("n")}
+    if m:  # the dataset's own devices: no seed; "all": every writer in the files
+        return {"dataset": m.group("ds"), "kind": "natural", "clients": m.group("n") or "all"}
     m = _PART_RE.match(key)
     if not m:
         return None
@@ -103,6 +112,9 @@ def _parse_partition(key: str) -> Optional[Dict[str, str]]:
             return None
         out["variant"] = rest.pop(0)
     for tok in rest:
+        if tok == "nocap" and out.get("variant") == "per_class":  # partition.balance_cap=false
+            out["nocap"] = "1"
+            continue
         for prefix, name in (("sgm", "sigma"), ("min", "min_size"), ("spc", "samples_per_client"), ("a", "alpha"),
                              ("n", "clients"), ("S", "classes")):
             if tok.startswith(prefix) and len(tok) > len(prefix):
@@ -123,7 +135,8 @@ def partition_label(key: str, verbose: bool = False) -> str:
     ``"digits-iid-n20-sgm0-s0"`` -> ``"IID"``, ``"digits-dirichlet-per_client-a0.3-n20-s0"`` ->
     ``"Dirichlet α=0.3"``, ``"...-dirichlet-per_class-a0.5-..."`` -> ``"Dirichlet α=0.5 (per class)"``,
     ``"cifar100-shards-S20-n20-s0"`` -> ``"Shards (20 classes/client)"``, ``"synthetic-a1-b1-n30-tf0.2-s0-natural-n30"``
-    -> ``"Synthetic(1,1), natural"`` (the devices are the clients).
+    -> ``"Synthetic(1,1), natural"`` (the devices are the clients), ``"femnist-natural-all"`` -> ``"FEMNIST, natural"``,
+    ``"...-per_class-a0.1-n100-min1-nocap-s0"`` -> ``"Dirichlet α=0.1 (per class, no cap)"``.
     With ``verbose`` the dataset, number of clients and every other field of the key are added, so
     different keys give different labels.
     """
@@ -143,7 +156,7 @@ def partition_label(key: str, verbose: bool = False) -> str:
     elif kind == "dirichlet":
         label = f"Dirichlet \u03b1={p['alpha']}"
         if p["variant"] == "per_class":
-            extra.append("per class")
+            extra.append("per class, no cap" if p.get("nocap") else "per class")
         elif p["variant"] == "fixed_size_reuse":
             extra.append(f"{p.get('samples_per_client', '?')}/client, reused")
     else:

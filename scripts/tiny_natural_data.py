@@ -66,12 +66,12 @@ def shakespeare_texts(speakers: int = 4, chars: Sequence[int] = (), seed: int = 
 
 
 def _leaf_examples(snippets: list) -> Tuple[list, list]:
-    """LEAF's examples of one speaker: the speaker's text (the snippets joined by line breaks), line breaks as spaces,
-    runs of two or more spaces as one, every 80-character window and the next character (as LEAF's preprocessing
-    writes them into its JSON)."""
+    """LEAF's examples of one speaker: the speaker's text (each snippet followed by a line break, as LEAF writes a
+    speaker's passages), line breaks as spaces, runs of two or more spaces as one, every 80-character window and the
+    next character (as LEAF's preprocessing writes them into its JSON)."""
     import re
 
-    clean = re.sub(r" {2,}", " ", "\n".join(snippets).replace("\n", " "))
+    clean = re.sub(r" {2,}", " ", "".join(s + "\n" for s in snippets).replace("\n", " "))
     return [clean[i:i + 80] for i in range(len(clean) - 80)], [clean[i + 80] for i in range(len(clean) - 80)]
 
 

@@ -18,6 +18,11 @@ PINNED = [
     (["algorithm=topk"], "b949d09c61a8", "topk-fedavg_shards-s2_digits"),
     (["algorithm=fedpaq"], "091eeaade854", "qsgd-fedavg_shards-s2_digits"),
     (["algorithm=qsgd"], "466c6b766ab9", "qsgd-fedavg_shards-s2_digits"),
+    # written before partition.balance_cap, dataset.subset / max_clients and the ${natural_clients:} resolver
+    (["dataset=synthetic", "partition=natural"], "ce2635844863", "fedavg_natural_synthetic"),
+    (["partition=dirichlet", "partition.variant=per_class", "partition.alpha=0.5"], "741338416077",
+     "fedavg_dirichlet-a0.5_digits"),
+    (["dataset=quadratic", "partition=natural", "algorithm=scaffold"], "2a722d0ed180", "scaffold_natural_quadratic"),
 ]
 
 

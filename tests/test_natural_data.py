@@ -89,10 +89,14 @@ def test_max_clients_is_a_seeded_subset_of_writers(tmp_path):
     b, _ = load(tmp_path, "dataset=femnist", "dataset.max_clients=4")
     c, _ = load(tmp_path, "dataset=femnist", "dataset.max_clients=4", "dataset.split_seed=1")
     assert a.num_devices == 4 and torch.equal(a.x_train, b.x_train)
-    assert not torch.equal(a.y_train, c.y_train) or not torch.equal(a.devices, c.devices)
     pick = sorted(numpy_rng("natural-clients", "femnist", 0).choice(10, size=4, replace=False).tolist())
+    other = sorted(numpy_rng("natural-clients", "femnist", 1).choice(10, size=4, replace=False).tolist())
+    assert pick != other  # split_seed draws other writers
     writers = sorted(train)
     assert torch.bincount(a.devices).tolist() == [len(train[writers[k]][1]) for k in pick]
+    assert torch.bincount(c.devices).tolist() == [len(train[writers[k]][1]) for k in other]
+    first = torch.from_numpy(np.rint(train[writers[pick[0]]][0] * 255).astype(np.uint8))
+    assert torch.equal(a.x_train[a.devices == 0, 0], first)
     assert a.x_test.shape[0] == 4 * 2  # the kept writers' own test samples
     with pytest.raises(DataSourceError, match=r"dataset.max_clients=11 exceeds the 10 writers"):
         load(tmp_path, "dataset=femnist", "dataset.max_clients=11")
@@ -103,6 +107,17 @@ def test_a_split_by_writer_evaluates_on_every_test_writer(tmp_path):
     tiny.write_leaf_femnist(tmp_path, {w: train[w] for w in sorted(train)[:4]}, {w: test[w] for w in sorted(test)[4:]})
     ds, _ = load(tmp_path, "dataset=femnist")
     assert ds.num_devices == 4 and ds.x_test.shape[0] == 2 * 2
+
+
+def test_a_split_by_sample_stays_one_when_the_kept_writers_lack_test_samples(tmp_path):
+    """The kind of split is decided over all training writers: kept writers without test samples give an error, not
+    silently other writers' test samples."""
+    train, test = tiny.femnist_samples(writers=6)
+    tiny.write_leaf_femnist(tmp_path, train, {w: test[w] for w in sorted(test)[:1]})  # by sample: writer 0 only
+    pick = sorted(numpy_rng("natural-clients", "femnist", 0).choice(6, size=2, replace=False).tolist())
+    assert 0 not in pick
+    with pytest.raises(DataSourceError, match=r"femnist/data/test holds no test sample of the kept writers$"):
+        load(tmp_path, "dataset=femnist", "dataset.max_clients=2")
 
 
 def test_natural_partition_is_one_client_per_writer(tmp_path):
@@ -133,19 +148,56 @@ def test_text_examples_by_hand():
     assert len(leaf.VOCAB) == 80 and len(set(leaf.VOCAB)) == 80
 
 
+def _speaker_text(snippets):
+    """A speaker's text as LEAF writes it: every passage followed by a line break."""
+    return "".join(s + "\n" for s in snippets)
+
+
+def test_leaf_json_by_hand(tmp_path):
+    """A LEAF file written here by hand (not by the tiny-file writer): indices, labels, writers, the test split."""
+    folder = tmp_path / "shakespeare" / "data"
+    (folder / "train").mkdir(parents=True)
+    (folder / "test").mkdir()
+    x1 = "ab" + " " * 77 + "}"
+    (folder / "train" / "a.json").write_text(json.dumps(
+        {"users": ["B", "A"], "num_samples": [1, 2],
+         "user_data": {"B": {"x": [x1], "y": ["\n"]}, "A": {"x": ["z" * 80, "Z" * 80], "y": ["!", "a"]}}}))
+    (folder / "test" / "a.json").write_text(json.dumps(
+        {"users": ["A"], "num_samples": [1], "user_data": {"A": {"x": ["0" * 80], "y": ["9"]}}}))
+    ds, _ = load(tmp_path, "dataset=shakespeare")
+    v = leaf.VOCAB.index
+    assert ds.devices.tolist() == [0, 0, 1]  # writers in id order: A, then B
+    assert ds.x_train[:, 0, 0, 0].tolist() == [v("z"), v("Z"), v("a")]
+    assert ds.x_train[2, 0, 0].tolist() == [v("a"), v("b")] + [v(" ")] * 77 + [79]
+    assert ds.y_train.tolist() == [v("!"), v("a"), 0] and v("\n") == 0 and v("}") == 79
+    assert ds.x_test[:, 0, 0].tolist() == [[v("0")] * 80] and ds.y_test.tolist() == [v("9")]
+
+
+def test_tff_snippets_become_leafs_windows_by_hand():
+    """Two passages, "x"*79 + "a" and "b": LEAF's text is x..xa b (each passage and a line break, as spaces), 83
+    characters, so 3 windows with the labels ' ', 'b', ' '."""
+    x, y, bad = leaf.text_examples(_speaker_text(["x" * 79 + "a", "b"]))
+    v = leaf.VOCAB.index
+    assert [leaf.VOCAB[i] for i in y] == [" ", "b", " "] and bad == 0
+    assert x[1].tolist() == [v("x")] * 78 + [v("a"), v(" ")]
+    # characters outside the vocabulary become spaces before runs of spaces are collapsed
+    x, y, bad = leaf.text_examples("a $ " + "c" * 80)
+    assert bad == 1 and "".join(leaf.VOCAB[i] for i in x[0]) == "a " + "c" * 78 and len(y) == 2
+
+
 @pytest.mark.parametrize("fmt", ["leaf", "tff"])
 def test_shakespeare_examples_speakers_and_labels(tmp_path, fmt):
     train, test = write(tmp_path, "shakespeare", fmt)
     ds, _ = load(tmp_path, "dataset=shakespeare")
     speakers = sorted(train)
-    sizes = [len(leaf.text_examples("\n".join(train[u]))[1]) for u in speakers]  # a speaker's snippets joined
+    sizes = [len(leaf.text_examples(_speaker_text(train[u]))[1]) for u in speakers]
     assert sum(sizes) == ds.x_train.shape[0]
     assert ds.x_train.shape[1:] == (1, 1, 80) and ds.x_train.dtype == torch.uint8 and ds.num_classes == 80
     assert torch.bincount(ds.devices).tolist() == sizes and ds.num_devices == len(speakers)
     # every example is a window of the speaker's cleaned text and its label the next character
-    x0, y0, _ = leaf.text_examples("\n".join(train[speakers[0]]))
+    x0, y0, _ = leaf.text_examples(_speaker_text(train[speakers[0]]))
     assert torch.equal(ds.x_train[: len(y0), 0, 0], torch.from_numpy(x0)) and ds.y_train[: len(y0)].tolist() == y0.tolist()
-    assert ds.x_test.shape[0] == sum(len(leaf.text_examples("\n".join(test[u]))[1]) for u in speakers)
+    assert ds.x_test.shape[0] == sum(len(leaf.text_examples(_speaker_text(test[u]))[1]) for u in speakers)
     assert (ds.scale, ds.mean, ds.std) == (1.0, (0.0,), (1.0,))
     assert torch.equal(ds.normalize(ds.x_train[:2]), ds.x_train[:2].float())  # indices as floats, unchanged
 
@@ -258,6 +310,15 @@ def test_download_failure_is_one_line(tmp_path, monkeypatch):
     (["dataset=femnist", "dataset.verify=false"],
      "dataset.verify has no effect with dataset.name=femnist: it is used only with dataset.name!=digits|synthetic|"
      "mnist1d|quadratic|femnist|shakespeare; remove it"),
+    (["dataset=shakespeare", "dataset.validation_fraction=0.1"],
+     "dataset.validation_fraction=0.1: dataset=shakespeare's examples are overlapping windows of the same text, so a "
+     "held-out share is not unseen; tune on the test split of other speakers instead (set it to 0)"),
+    (["dataset=femnist", "partition=natural", "dataset.validation_fraction=0.1"],
+     "dataset.validation_fraction=0.1 does not compose with partition=natural on dataset=femnist: the held-out share "
+     "is drawn over all writers and may take a writer's every sample (set it to 0)"),
+    (["dataset=synthetic", "partition=natural", "partition.num_clients=null"],
+     "partition.num_clients=null must equal dataset.num_devices=30 with partition=natural (one client per device; "
+     "set dataset.num_devices)"),
     (["partition=iid", "partition.balance_cap=false"],
      "partition.balance_cap has no effect with partition.name=iid: it is used only with partition.name=dirichlet; "
      "remove it"),
@@ -266,6 +327,17 @@ def test_config_refusals(overrides, message):
     with pytest.raises(ConfigError) as err:
         compose(overrides)
     assert str(err.value) == message
+
+
+def test_labels_of_the_new_partition_keys():
+    from pipeline.labels import partition_label
+
+    assert partition_label("femnist-natural-all") == "FEMNIST, natural"
+    assert partition_label("shakespeare-c143-s0-natural-n143", verbose=True) == (
+        "Shakespeare (143 speakers), natural (143 devices)")
+    capped = "digits-dirichlet-per_class-a0.1-n100-min1-s0"
+    assert partition_label(capped) == "Dirichlet \u03b1=0.1 (per class)"
+    assert partition_label(capped.replace("-s0", "-nocap-s0")) == "Dirichlet \u03b1=0.1 (per class, no cap)"
 
 
 def test_new_keys_leave_earlier_fingerprints_alone():
@@ -280,7 +352,9 @@ def test_new_keys_leave_earlier_fingerprints_alone():
     assert len({fingerprint(a), fingerprint(b), fingerprint(c)}) == 3
 
 
-def test_prepared_cache_follows_subset_and_writers(tmp_path):
+def test_prepared_cache_follows_subset_writers_root_and_files(tmp_path, monkeypatch):
+    from fl_core.data import sources
+
     write(tmp_path / "raw", "femnist", "leaf", writers=8, test=30)
     data = tmp_path / "data"
     cfgs = [compose(["dataset=femnist", f"dataset.root={tmp_path / 'raw'}", *o]).dataset
@@ -288,8 +362,22 @@ def test_prepared_cache_follows_subset_and_writers(tmp_path):
     sets = [get_dataset(c, data, ROOT) for c in cfgs]
     assert sorted(p.name for p in (data / "prepared").iterdir()) == ["femnist-c3-s0.pt", "femnist-digits.pt",
                                                                       "femnist.pt"]
-    again = get_dataset(cfgs[2], data, ROOT)
-    assert torch.equal(again.devices, sets[2].devices) and sets[2].num_devices == 3
+    reads = []
+    real = sources.load_source
+    monkeypatch.setattr(sources, "load_source", lambda cfg, root: reads.append(root) or real(cfg, root))
+    again = get_dataset(cfgs[2], data, ROOT)  # the same files: the prepared copy
+    assert reads == [] and torch.equal(again.devices, sets[2].devices) and sets[2].num_devices == 3
+    # another root with other files of the same names: read afresh, not the stale copy
+    write(tmp_path / "other", "femnist", "leaf", writers=8, test=30, seed=1)
+    moved = get_dataset(compose(["dataset=femnist", f"dataset.root={tmp_path / 'other'}"]).dataset, data, ROOT)
+    assert reads == [(tmp_path / "other").resolve()] and not torch.equal(moved.x_train, sets[0].x_train)
+    # the files made again in place (LEAF's preprocessing with other flags): read afresh
+    import shutil
+
+    shutil.rmtree(tmp_path / "raw" / "femnist")
+    write(tmp_path / "raw", "femnist", "leaf", writers=5, test=30)
+    fresh = get_dataset(cfgs[0], data, ROOT)
+    assert len(reads) == 2 and fresh.num_devices == 5
 
 
 # --------------------------------------------------------------------------- char_lstm

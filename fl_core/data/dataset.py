@@ -34,9 +34,11 @@ class FLDataset:
         mean: per-channel mean of ``x / scale`` (length C_in).
         std: per-channel standard deviation of ``x / scale`` (length C_in).
         devices: None, or int64 ``[N]``: the device (natural client) that generated each training sample, ids
-            ``0..num_devices-1`` (``synthetic``; used by ``partition=natural``).
-        provenance: for a generated source, the generator and every argument it was called with (JSON-able;
-            recorded as the MLflow dataset input's source); empty otherwise.
+            ``0..num_devices-1`` (``synthetic``, ``quadratic``; the writers of ``femnist``, the speakers of
+            ``shakespeare``; used by ``partition=natural``).
+        provenance: for a generated source, the generator and every argument it was called with; for ``femnist`` /
+            ``shakespeare``, the format read and the writer count (JSON-able; recorded as the MLflow dataset input's
+            source); empty otherwise.
     """
 
     name: str

@@ -13,8 +13,9 @@ Two published formats are read, from ``dataset.root``:
   (``examples/<client>/pixels`` float32 ``[n, 28, 28]`` in [0, 1], ``examples/<client>/label`` ``[n]``, labels as
   LEAF's), ``<root>/shakespeare_train.h5`` and ``<root>/shakespeare_test.h5`` (``examples/<client>/snippets``: byte
   strings, each a contiguous run of a speaker's lines). A speaker's snippets become LEAF's examples as LEAF makes
-  them from a speaker's text (``shake_utils``): the snippets joined by line breaks, line breaks as spaces and runs of
-  two or more spaces as one, then every window of 80 characters (step 1) with the next one as its label.
+  them from a speaker's text (``preprocess_shakespeare.py`` writes each of a speaker's passages followed by a line
+  break; ``shake_utils``): the snippets each followed by a line break, line breaks as spaces and runs of two or more
+  spaces as one, then every window of 80 characters (step 1) with the next one as its label.
   Characters outside LEAF's vocabulary (TFF's snippets hold a few, e.g. ``$``) become a space; their count is
   recorded in the dataset's provenance.
 
@@ -38,9 +39,8 @@ published archives (:data:`TFF_ARCHIVES`) where a machine has a network.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from fl_core.seeding import numpy_rng
 from .dataset import DataSourceError, FLDataset
 
 __all__ = ["VOCAB", "SEQ_LEN", "TFF_FILES", "TFF_ARCHIVES", "femnist_dataset", "shakespeare_dataset", "detect_format",
-           "expected_layout", "encode_text", "text_examples", "download"]
+           "expected_layout", "encode_text", "text_examples", "download", "files_read"]
 
 #: LEAF's Shakespeare vocabulary (``models/utils/language_utils.py``, ``ALL_LETTERS``): 80 characters; a character's
 #: index is its class
@@ -92,6 +92,29 @@ def detect_format(name: str, root: Path) -> Optional[str]:
     if (root / TFF_FILES[name][0]).exists():
         return "tff"
     return None
+
+
+def files_read(name: str, root: Path) -> Optional[dict]:
+    """What a prepared copy of ``name`` depends on besides the config: the format read and, for every file it reads,
+    its path relative to ``root``, size and modification time (ns); None when there are no files. The prepared
+    file's signature holds it (with ``root``), so new or replaced files (LEAF's preprocessing run again with other
+    flags, another ``dataset.root``) are read again instead of a stale copy being used."""
+    root = Path(root)
+    fmt = detect_format(name, root)
+    if fmt is None:
+        return None
+    if fmt == "leaf":
+        paths = [p for split in ("train", "test") for p in sorted((root / name / "data" / split).glob("*.json"))]
+    else:
+        paths = [root / f for f in TFF_FILES[name] if (root / f).exists()]
+    listing = []
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:  # unreadable: the reader names it
+            continue
+        listing.append([str(p.relative_to(root)), int(st.st_size), int(st.st_mtime_ns)])
+    return {"format": fmt, "files": listing}
 
 
 # --------------------------------------------------------------------------- reading the files
@@ -145,23 +168,24 @@ def _leaf_users(path: Path, name: str) -> Dict[str, Tuple[list, list]]:
     return out
 
 
-def _read_leaf(name: str, root: Path, split: str) -> Dict[str, Tuple[list, list, Path]]:
-    """user -> (x, y, first file) over the LEAF JSON files of one split."""
+def _read_leaf(name: str, root: Path, split: str, convert: Callable[[list, list, str], Tuple[np.ndarray, np.ndarray]]
+               ) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """user -> (x, y) arrays over the LEAF JSON files of one split: each file's users are converted by
+    ``convert(x, y, where)`` as the file is read (so only one file's Python lists are held at a time), and a user
+    found in several files gets its arrays concatenated in file order."""
     folder = root / name / "data" / split
-    users: Dict[str, Tuple[list, list, Path]] = {}
+    parts: Dict[str, List[Tuple[np.ndarray, np.ndarray]]] = {}
     files = _leaf_files(folder, name, root)
     bar = progress.bar(total=len(files), desc=f"LEAF {name} {split}", unit="file", leave=False,
                        enabled=len(files) > 1)
     for path in files:
         for user, (x, y) in _leaf_users(path, name).items():
-            xs, ys, _ = users.setdefault(user, ([], [], path))
-            xs.extend(x)
-            ys.extend(y)
+            parts.setdefault(user, []).append(convert(x, y, f"{path} (user {user!r})"))
         if bar is not None:
             bar.update()
     if bar is not None:
         bar.close()
-    return users
+    return {u: (np.concatenate([a for a, _ in p]), np.concatenate([b for _, b in p])) for u, p in parts.items()}
 
 
 def _h5(path: Path):
@@ -186,13 +210,15 @@ def _h5(path: Path):
     return f
 
 
-def _read_tff(name: str, root: Path, split: int, fields: Tuple[str, ...]) -> Dict[str, Tuple[Any, ...]]:
-    """client -> arrays of ``fields`` from TFF's h5 file of one split (0: train, 1: test)."""
+def _read_tff(name: str, root: Path, split: int, fields: Tuple[str, ...], convert: Callable[..., Any]
+              ) -> Dict[str, Any]:
+    """client -> ``convert(*arrays of fields, where)`` for every client of TFF's h5 file of one split (0: train,
+    1: test), converted as it is read (one client's float arrays held at a time)."""
     path = root / TFF_FILES[name][split]
     f = _h5(path)
     if f is None:
         raise DataSourceError(f"dataset.root: {path} is missing; {expected_layout(name, root)}")
-    out: Dict[str, Tuple[Any, ...]] = {}
+    out: Dict[str, Any] = {}
     with f:
         clients = sorted(f["examples"].keys())
         bar = progress.bar(total=len(clients), desc=f"TFF {name} {'train' if split == 0 else 'test'}",
@@ -200,13 +226,14 @@ def _read_tff(name: str, root: Path, split: int, fields: Tuple[str, ...]) -> Dic
         for client in clients:
             group = f["examples"][client]
             try:
-                out[client] = tuple(np.asarray(group[k][()]) for k in fields)
+                arrays = tuple(np.asarray(group[k][()]) for k in fields)
             except KeyError as err:
                 raise DataSourceError(f"dataset.root: {path}: client {client!r} lacks {_one_line(err)} (expected "
                                       f"examples/<client>/{' and '.join(fields)})") from None
             except OSError as err:  # a truncated dataset inside a readable file
                 raise DataSourceError(f"dataset.root: {path}: client {client!r} cannot be read (truncated or corrupt:"
                                       f" {_one_line(err)})") from None
+            out[client] = convert(*arrays, f"{path} (client {client!r})")
             if bar is not None:
                 bar.update()
         if bar is not None:
@@ -215,6 +242,13 @@ def _read_tff(name: str, root: Path, split: int, fields: Tuple[str, ...]) -> Dic
 
 
 # --------------------------------------------------------------------------- writers and splits
+
+
+def _split_files(name: str, root: Path, fmt: str) -> Tuple[Path, Path]:
+    """The training and the test files (LEAF: folders) of ``name`` in format ``fmt``, for messages."""
+    if fmt == "leaf":
+        return root / name / "data" / "train", root / name / "data" / "test"
+    return root / TFF_FILES[name][0], root / TFF_FILES[name][1]
 
 
 def _keep(users: List[str], cfg: Any, name: str, where: Path) -> List[str]:
@@ -230,25 +264,27 @@ def _keep(users: List[str], cfg: Any, name: str, where: Path) -> List[str]:
     return [users[i] for i in sorted(pick.tolist())]
 
 
-def _assemble(name: str, cfg: Any, root: Path, fmt: str, train: Dict[str, Tuple[np.ndarray, np.ndarray]],
-              test: Dict[str, Tuple[np.ndarray, np.ndarray]], where: Path) -> Tuple[np.ndarray, ...]:
+def _assemble(name: str, cfg: Any, train: Dict[str, Tuple[np.ndarray, np.ndarray]],
+              test: Dict[str, Tuple[np.ndarray, np.ndarray]], where: Tuple[Path, Path]) -> Tuple[np.ndarray, ...]:
     """(x_train, y_train, devices, x_test, y_test) from per-writer arrays: writers in id order, empty ones dropped,
-    ``dataset.max_clients`` applied, the test set as the module docstring says."""
+    ``dataset.max_clients`` applied, the test set as the module docstring says (a split by sample when any training
+    writer is among the test files' writers, decided before the writers are drawn). ``where``: the training and the
+    test files, for the messages."""
     users = sorted(u for u, (_, y) in train.items() if len(y))
+    subset = f" of dataset.subset={cfg.subset}" if name == "femnist" and cfg.subset != "all" else ""
     if not users:
-        raise DataSourceError(f"dataset.root: {where} holds no training sample"
-                              f"{' of dataset.subset=' + str(cfg.subset) if name == 'femnist' else ''}")
-    users = _keep(users, cfg, name, where)
-    shared = [u for u in users if u in test]
-    test_users = shared if shared else sorted(test)
+        raise DataSourceError(f"dataset.root: {where[0]} holds no training sample{subset}")
+    by_sample = any(u in test for u in users)
+    users = _keep(users, cfg, name, where[0])
+    test_users = [u for u in users if u in test] if by_sample else sorted(test)
     xs = [train[u][0] for u in users]
     ys = [train[u][1] for u in users]
     devices = np.repeat(np.arange(len(users), dtype=np.int64), [len(y) for y in ys])
     tx = [test[u][0] for u in test_users if len(test[u][1])]
     ty = [test[u][1] for u in test_users if len(test[u][1])]
     if not ty:
-        raise DataSourceError(f"dataset.root: the {fmt.upper()} test files of {name} under {root} hold no test "
-                              f"sample of the kept writers")
+        whose = "of the kept writers" if by_sample else ""
+        raise DataSourceError(f"dataset.root: {where[1]} holds no test sample{subset} {whose}".rstrip())
     return np.concatenate(xs), np.concatenate(ys), devices, np.concatenate(tx), np.concatenate(ty)
 
 
@@ -263,6 +299,8 @@ def _femnist_arrays(x: Any, y: Any, where: str, subset: str) -> Tuple[np.ndarray
     except (ValueError, TypeError):
         raise DataSourceError(f"dataset.root: {where}: x is not rows of {_PIXELS} numbers") from None
     n = len(ya)
+    if n == 0 and xa.size == 0:  # a user without samples (dropped later)
+        return np.zeros((0, 1, 28, 28), np.uint8), np.zeros(0, np.int64)
     if xa.shape not in ((n, _PIXELS), (n, 28, 28)) or ya.ndim != 1:
         raise DataSourceError(f"dataset.root: {where}: x has shape {list(xa.shape)} for {n} labels, expected "
                               f"[{n}, {_PIXELS}] or [{n}, 28, 28]")
@@ -301,17 +339,10 @@ def femnist_dataset(cfg: Any, root: Path) -> FLDataset:
     subset = str(cfg.subset)
     splits = []
     for split, index in (("train", 0), ("test", 1)):
-        per: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
-        if fmt == "leaf":
-            for user, (x, y, path) in _read_leaf("femnist", root, split).items():
-                per[user] = _femnist_arrays(x, y, f"{path} (user {user!r})", subset)
-        else:
-            path = root / TFF_FILES["femnist"][index]
-            for client, (pixels, label) in _read_tff("femnist", root, index, ("pixels", "label")).items():
-                per[client] = _femnist_arrays(pixels, label, f"{path} (client {client!r})", subset)
-        splits.append(per)
-    where = root / "femnist" / "data" / "train" if fmt == "leaf" else root / TFF_FILES["femnist"][0]
-    x_tr, y_tr, devices, x_te, y_te = _assemble("femnist", cfg, root, fmt, *splits, where)
+        convert = lambda x, y, where: _femnist_arrays(x, y, where, subset)  # noqa: E731
+        splits.append(_read_leaf("femnist", root, split, convert) if fmt == "leaf"
+                      else _read_tff("femnist", root, index, ("pixels", "label"), convert))
+    x_tr, y_tr, devices, x_te, y_te = _assemble("femnist", cfg, *splits, _split_files("femnist", root, fmt))
     lo, hi = _SUBSETS[subset]
     x_train = torch.from_numpy(np.ascontiguousarray(x_tr))
     mean, std = channel_stats(x_train, 255.0)
@@ -340,15 +371,16 @@ def encode_text(text: str) -> Tuple[np.ndarray, int]:
 
 def text_examples(text: str) -> Tuple[np.ndarray, np.ndarray, int]:
     """LEAF's examples of one speaker's text (LEAF ``data/shakespeare/preprocess/shake_utils.py``): line breaks
-    become spaces and runs of two or more spaces one space, then every window of :data:`SEQ_LEN` characters (step
-    1) with the next character as its label.
+    become spaces and runs of two or more spaces one space (after characters outside the vocabulary became spaces),
+    then every window of :data:`SEQ_LEN` characters (step 1) with the next character as its label.
 
     Returns:
         (uint8 ``[n, 80]`` indices, int64 ``[n]`` labels, characters not in the vocabulary replaced by a space);
         n = max(0, len - 80).
     """
-    clean = re.sub(r" {2,}", " ", text.replace("\n", " "))
-    codes, bad = encode_text(clean)
+    codes, bad = encode_text(text.replace("\n", " "))  # characters outside the vocabulary -> spaces, then:
+    space = codes == _SPACE
+    codes = codes[~(space & np.concatenate(([False], space[:-1])))]  # runs of two or more spaces -> one
     if codes.size <= SEQ_LEN:
         return np.zeros((0, SEQ_LEN), np.uint8), np.zeros(0, np.int64), bad
     windows = np.lib.stride_tricks.sliding_window_view(codes, SEQ_LEN + 1)
@@ -390,31 +422,25 @@ def shakespeare_dataset(cfg: Any, root: Path) -> FLDataset:
     if fmt is None:
         raise DataSourceError(f"dataset.root: no Shakespeare files under {root}; "
                               f"{expected_layout('shakespeare', root)}")
-    replaced = 0
+    replaced = [0]
+
+    def snippets_examples(snippets: np.ndarray, where: str) -> Tuple[np.ndarray, np.ndarray]:
+        try:
+            texts = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in np.asarray(snippets).reshape(-1)]
+        except UnicodeDecodeError:
+            raise DataSourceError(f"dataset.root: {where}: a snippet is not UTF-8 text") from None
+        x, y, bad = text_examples("".join(t + "\n" for t in texts))  # as LEAF writes a speaker's lines
+        replaced[0] += bad
+        return x, y
+
     splits = []
     for split, index in (("train", 0), ("test", 1)):
-        per: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
-        if fmt == "leaf":
-            for user, (x, y, path) in _read_leaf("shakespeare", root, split).items():
-                per[user] = _leaf_text_arrays(x, y, f"{path} (user {user!r})")
-        else:
-            path = root / TFF_FILES["shakespeare"][index]
-            for client, (snippets,) in _read_tff("shakespeare", root, index, ("snippets",)).items():
-                try:
-                    texts = [s.decode("utf-8") if isinstance(s, bytes) else str(s)
-                             for s in np.asarray(snippets).reshape(-1)]
-                except UnicodeDecodeError:
-                    raise DataSourceError(f"dataset.root: {path} (client {client!r}): a snippet is not UTF-8 "
-                                          f"text") from None
-                x, y, bad = text_examples("\n".join(texts))
-                per[client] = (x, y)
-                replaced += bad
-        splits.append(per)
-    where = root / "shakespeare" / "data" / "train" if fmt == "leaf" else root / TFF_FILES["shakespeare"][0]
-    x_tr, y_tr, devices, x_te, y_te = _assemble("shakespeare", cfg, root, fmt, *splits, where)
+        splits.append(_read_leaf("shakespeare", root, split, _leaf_text_arrays) if fmt == "leaf"
+                      else _read_tff("shakespeare", root, index, ("snippets",), snippets_examples))
+    x_tr, y_tr, devices, x_te, y_te = _assemble("shakespeare", cfg, *splits, _split_files("shakespeare", root, fmt))
     prov = {"format": fmt, "speakers": int(devices.max()) + 1}
     if fmt == "tff":
-        prov["replaced_characters"] = replaced
+        prov["replaced_characters"] = replaced[0]
     seq = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(-1, 1, 1, SEQ_LEN)))  # noqa: E731
     return FLDataset(name="shakespeare", x_train=seq(x_tr), y_train=torch.from_numpy(y_tr), x_test=seq(x_te),
                      y_test=torch.from_numpy(y_te), num_classes=len(VOCAB), scale=1.0, mean=(0.0,), std=(1.0,),
@@ -423,10 +449,10 @@ def shakespeare_dataset(cfg: Any, root: Path) -> FLDataset:
 
 def download(name: str, root: Path) -> None:
     """Fetch and unpack TFF's archive of ``name`` into ``root`` (``dataset.download=true``; torchvision's
-    downloader). Does nothing when the training h5 file is there."""
+    downloader). Does nothing when files of either format are there (LEAF's folder, or both TFF files)."""
     from fl_core.compat import torchvision
 
-    if (Path(root) / TFF_FILES[name][0]).is_file():
+    if detect_format(name, root) == "leaf" or all((Path(root) / f).is_file() for f in TFF_FILES[name]):
         return
     Path(root).mkdir(parents=True, exist_ok=True)
     torchvision().datasets.utils.download_and_extract_archive(TFF_ARCHIVES[name], download_root=str(root))

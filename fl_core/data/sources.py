@@ -1118,12 +1118,14 @@ def prepared_path(cfg: Any, data_dir: Path) -> Path:
 
 def _signature(cfg: Any, root: Optional[Path] = None) -> dict:
     """The config fields the prepared tensors depend on (a cached file must match them); for ``femnist`` and
-    ``shakespeare`` also which files under ``root`` are read (LEAF's JSON or TFF's h5)."""
+    ``shakespeare`` also ``root`` and the files read under it (format, names, sizes, modification times:
+    :func:`fl_core.data.leaf.files_read`), since those files are what a user makes with LEAF's preprocessing."""
     sig: dict = {"format": _PREPARED_FORMAT, "name": str(cfg.name)}
     if cfg.name in ("femnist", "shakespeare"):
-        from .leaf import detect_format
+        from .leaf import files_read
 
-        sig.update(tag=dataset_tag(cfg), files=None if root is None else detect_format(str(cfg.name), root))
+        sig.update(tag=dataset_tag(cfg), root=None if root is None else str(root),
+                   files=None if root is None else files_read(str(cfg.name), root))
     if cfg.name == "digits":
         sig.update(test_fraction=float(cfg.test_fraction), split_seed=int(cfg.split_seed),
                    digits_format=_DIGITS_CACHE_FORMAT)

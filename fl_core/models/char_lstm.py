@@ -1,10 +1,11 @@
 """The next-character model of LEAF's and FedProx's Shakespeare experiments (docs/algorithms.md, Model catalogue):
 ``model=char_lstm``.
 
-Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020, Sec. 5.1 and Appendix C.2
-(Shakespeare: "a two-layer LSTM classifier containing 256 hidden units with an 8D embedding layer", 80
-characters in, the next one out), the same model as LEAF's Shakespeare baseline (Caldas et al. 2018); written here
-anew in torch.
+Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020, Appendix C.1 (Shakespeare: a
+two-layer LSTM with an 8-dimensional embedding, 80 characters in, the next one out, 80 classes), with the width of
+the authors' code, 256 (their ``main.py``, ``shakespeare.stacked_lstm``; the text says 100 hidden units), the same
+model as LEAF's Shakespeare baseline (Caldas et al. 2018, ``models/shakespeare/stacked_lstm.py``); written here anew
+in torch.
 
 Inputs are ``[B, 1, 1, L]``: L = 80 character indices in ``[0, V)`` held as floats (``dataset=shakespeare`` stores
 them as uint8 with scale 1, mean 0, std 1, so :meth:`~fl_core.data.FLDataset.normalize` only casts). The model
@@ -43,7 +44,7 @@ class LSTMLayer(nn.Module):
     i = sig(W_ii x + b_ii + W_hi h + b_hi), f = sig(...), g = tanh(...), o = sig(...), c' = f * c + i * g,
     h' = o * tanh(c'). Parameters ``weight_ih_l0 [4H, input_size]``, ``weight_hh_l0 [4H, H]``, ``bias_ih_l0 [4H]``,
     ``bias_hh_l0 [4H]``. ``forward`` returns the outputs h_t of every position ``[B, T, H]``; loading one layer of a
-    ``torch.nn.LSTM``'s state dict gives the same outputs (tests/test_char_lstm.py).
+    ``torch.nn.LSTM``'s state dict gives the same outputs (tests/test_natural_data.py).
     """
 
     def __init__(self, input_size: int, hidden_size: int):
