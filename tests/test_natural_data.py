@@ -505,3 +505,26 @@ def test_the_natural_study_stops_in_one_line_naming_what_to_put_where(tmp_path, 
     assert f"{raw}/fed_emnist_train.h5" in err and leaf.TFF_ARCHIVES["femnist"] in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "raw"]  # no data folder was made
     assert list(raw.iterdir()) == []  # nothing written where the user's files go
+
+
+# --------------------------------------------------------------------------- the acceptance commands, as printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["femnist", "shakespeare"])
+@pytest.mark.parametrize("fmt", ["leaf", "tff"])
+def test_fl_train_runs_two_rounds_on_tiny_files(tmp_path, name, fmt):
+    """`fl-train dataset=<name> dataset.root=DIR partition=natural train.rounds=2` on tiny files of each format."""
+    import os
+    import subprocess
+
+    root = tmp_path / "tiny"
+    write(root, name, fmt)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.train", f"dataset={name}", f"dataset.root={root}",
+                           "partition=natural", "train.rounds=2"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = (tmp_path / "results" / f"fedavg_natural_{name}" / "runs.csv").read_text().splitlines()
+    assert len(runs) == 1 + 2  # a header and the two rounds of the one seed
+    assert f"fedavg_natural_{name}: final test accuracy" in proc.stdout
