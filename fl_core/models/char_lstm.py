@@ -24,7 +24,6 @@ gates are ``torch.nn.LSTM``'s (no added forget bias) and every parameter starts 
 
 from __future__ import annotations
 
-import math
 from typing import Tuple
 
 import torch
@@ -32,11 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import FLModel
+from .recurrent import UnrolledLayer
 
 __all__ = ["CharLSTM", "LSTMLayer"]
 
 
-class LSTMLayer(nn.Module):
+class LSTMLayer(UnrolledLayer):
     """One LSTM layer over ``[B, T, input_size]``, unrolled over T, from zero states.
 
     The equations and the parameter names, shapes and initialisation (uniform in ``+-1/sqrt(hidden)``) of one layer
@@ -48,20 +48,12 @@ class LSTMLayer(nn.Module):
     """
 
     def __init__(self, input_size: int, hidden_size: int):
-        super().__init__()
-        self.hidden_size = hidden_size
+        super().__init__(hidden_size)
         self.weight_ih_l0 = nn.Parameter(torch.empty(4 * hidden_size, input_size))
         self.weight_hh_l0 = nn.Parameter(torch.empty(4 * hidden_size, hidden_size))
         self.bias_ih_l0 = nn.Parameter(torch.empty(4 * hidden_size))
         self.bias_hh_l0 = nn.Parameter(torch.empty(4 * hidden_size))
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Every parameter uniform in ``+-1/sqrt(hidden)`` (as ``torch.nn.LSTM``); the simulator calls it under the
-        run's initialisation seed, like every layer's."""
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        for p in self.parameters():
-            nn.init.uniform_(p, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gates_x = F.linear(x, self.weight_ih_l0, self.bias_ih_l0)  # [B, T, 4H]: the input's part, all positions at once

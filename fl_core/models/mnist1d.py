@@ -30,6 +30,7 @@ from torch import nn
 
 from .base import FLModel, conv_out
 from .cnn import NeuronLayersMixin
+from .recurrent import UnrolledLayer
 
 __all__ = ["MNIST1DMLP", "MNIST1DCNN", "MNIST1DGRU", "GRULayer", "sequence_length"]
 
@@ -107,7 +108,7 @@ class MNIST1DCNN(NeuronLayersMixin, FLModel):
         return self.fc(f), f
 
 
-class GRULayer(nn.Module):
+class GRULayer(UnrolledLayer):
     """One (optionally bidirectional) GRU layer over ``[B, T, input_size]``, unrolled over T.
 
     The equations and the parameter names, shapes and initialisation (uniform in ``+-1/sqrt(hidden)``) of
@@ -120,8 +121,7 @@ class GRULayer(nn.Module):
     """
 
     def __init__(self, input_size: int, hidden_size: int, bidirectional: bool = True):
-        super().__init__()
-        self.hidden_size = hidden_size
+        super().__init__(hidden_size)
         self.suffixes = ("_l0", "_l0_reverse") if bidirectional else ("_l0",)
         for s in self.suffixes:
             self.register_parameter(f"weight_ih{s}", nn.Parameter(torch.empty(3 * hidden_size, input_size)))
@@ -129,13 +129,6 @@ class GRULayer(nn.Module):
             self.register_parameter(f"bias_ih{s}", nn.Parameter(torch.empty(3 * hidden_size)))
             self.register_parameter(f"bias_hh{s}", nn.Parameter(torch.empty(3 * hidden_size)))
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Every parameter uniform in ``+-1/sqrt(hidden)`` (as ``torch.nn.GRU``); the simulator calls it under the
-        run's initialisation seed, like every layer's."""
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        for p in self.parameters():
-            nn.init.uniform_(p, -bound, bound)
 
     def _direction(self, x: torch.Tensor, s: str, reverse: bool) -> torch.Tensor:
         w_hh, b_hh = getattr(self, f"weight_hh{s}"), getattr(self, f"bias_hh{s}")
