@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -121,9 +121,10 @@ def files_read(name: str, root: Path) -> Optional[dict]:
 
 
 def _one_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    text = lines[0].strip() if lines else type(err).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
+    """The first line of ``err``'s message, printable, at most 200 characters (the other sources' messages)."""
+    from .sources import _one_line as first_line
+
+    return first_line(err, with_type=False)
 
 
 def _leaf_files(folder: Path, name: str, root: Path) -> List[Path]:
@@ -135,8 +136,8 @@ def _leaf_files(folder: Path, name: str, root: Path) -> List[Path]:
     return files
 
 
-def _leaf_users(path: Path, name: str) -> Dict[str, Tuple[list, list]]:
-    """user -> (x, y) of one LEAF JSON file, checked against its ``users`` and ``num_samples``."""
+def _leaf_users(path: Path, name: str) -> Iterator[Tuple[str, list, list]]:
+    """(user, x, y) of every user of one LEAF JSON file, checked against its ``users`` and ``num_samples``."""
     try:
         with open(path, "rb") as f:
             blob = json.loads(f.read())
@@ -152,7 +153,6 @@ def _leaf_users(path: Path, name: str) -> Dict[str, Tuple[list, list]]:
     if counts is not None and (not isinstance(counts, list) or len(counts) != len(blob["users"])):
         raise DataSourceError(f"dataset.root: {path}: 'num_samples' must hold one count per user "
                               f"({len(blob['users'])})")
-    out: Dict[str, Tuple[list, list]] = {}
     for k, user in enumerate(blob["users"]):
         data = blob["user_data"].get(user)
         if not isinstance(data, dict) or not isinstance(data.get("x"), list) or not isinstance(data.get("y"), list):
@@ -162,10 +162,7 @@ def _leaf_users(path: Path, name: str) -> Dict[str, Tuple[list, list]]:
             shown = "" if counts is None else f", num_samples {counts[k]}"
             raise DataSourceError(f"dataset.root: {path}: user {user!r} has {len(x)} x and {len(y)} y{shown}; "
                                   f"the file is truncated or corrupt")
-        xs, ys = out.setdefault(str(user), ([], []))
-        xs.extend(x)
-        ys.extend(y)
-    return out
+        yield str(user), x, y
 
 
 def _read_leaf(name: str, root: Path, split: str, convert: Callable[[list, list, str], Tuple[np.ndarray, np.ndarray]]
@@ -179,7 +176,7 @@ def _read_leaf(name: str, root: Path, split: str, convert: Callable[[list, list,
     bar = progress.bar(total=len(files), desc=f"LEAF {name} {split}", unit="file", leave=False,
                        enabled=len(files) > 1)
     for path in files:
-        for user, (x, y) in _leaf_users(path, name).items():
+        for user, x, y in _leaf_users(path, name):
             parts.setdefault(user, []).append(convert(x, y, f"{path} (user {user!r})"))
         if bar is not None:
             bar.update()
@@ -188,16 +185,17 @@ def _read_leaf(name: str, root: Path, split: str, convert: Callable[[list, list,
     return {u: (np.concatenate([a for a, _ in p]), np.concatenate([b for _, b in p])) for u, p in parts.items()}
 
 
-def _h5(path: Path):
+def _h5(path: Path, name: str, root: Path):
     """An open h5py file of TFF's layout (``examples/<client>/...``).
 
     Raises:
-        DataSourceError: missing, unreadable, truncated or not an HDF5 file, or without the ``examples`` group.
+        DataSourceError: missing (naming the layout expected under ``root``), unreadable, truncated or not an HDF5
+            file, or without the ``examples`` group.
     """
     import h5py
 
     if not path.is_file():
-        return None
+        raise DataSourceError(f"dataset.root: {path} is missing; {expected_layout(name, root)}")
     try:
         f = h5py.File(path, "r")
     except OSError as err:
@@ -215,9 +213,7 @@ def _read_tff(name: str, root: Path, split: int, fields: Tuple[str, ...], conver
     """client -> ``convert(*arrays of fields, where)`` for every client of TFF's h5 file of one split (0: train,
     1: test), converted as it is read (one client's float arrays held at a time)."""
     path = root / TFF_FILES[name][split]
-    f = _h5(path)
-    if f is None:
-        raise DataSourceError(f"dataset.root: {path} is missing; {expected_layout(name, root)}")
+    f = _h5(path, name, root)
     out: Dict[str, Any] = {}
     with f:
         clients = sorted(f["examples"].keys())

@@ -75,6 +75,7 @@ import torch
 from fl_core import progress
 from fl_core.store import envfail, faults
 from fl_core.compat import torchvision
+from fl_core.schema import FILE_DEVICE_DATASETS
 
 from .dataset import DataSourceError, FLDataset
 
@@ -1067,7 +1068,7 @@ def load_source(cfg: Any, root: Path) -> FLDataset:
         return _cinic10(cfg, root)
     if name == "emnist":
         return _emnist(cfg, root)
-    if name in ("femnist", "shakespeare"):
+    if name in FILE_DEVICE_DATASETS:
         from . import leaf
 
         _check_root(root, f"{name}/data/ (LEAF) or {leaf.TFF_FILES[name][0]} (TensorFlow Federated)")
@@ -1100,7 +1101,7 @@ def dataset_tag(cfg: Any) -> str:
         name = f"mnist1d{'-shuffled' if bool(cfg.shuffle_positions) else ''}-s{int(cfg.seed)}"
     elif name == "emnist":
         name = f"emnist-{cfg.split}"
-    elif name in ("femnist", "shakespeare"):
+    elif name in FILE_DEVICE_DATASETS:
         subset = getattr(cfg, "subset", "all") if name == "femnist" else "all"
         m = getattr(cfg, "max_clients", None)
         name += ("" if subset == "all" else f"-{subset}") + ("" if m is None else f"-c{int(m)}-s{int(cfg.split_seed)}")
@@ -1121,7 +1122,7 @@ def _signature(cfg: Any, root: Optional[Path] = None) -> dict:
     ``shakespeare`` also ``root`` and the files read under it (format, names, sizes, modification times:
     :func:`fl_core.data.leaf.files_read`), since those files are what a user makes with LEAF's preprocessing."""
     sig: dict = {"format": _PREPARED_FORMAT, "name": str(cfg.name)}
-    if cfg.name in ("femnist", "shakespeare"):
+    if cfg.name in FILE_DEVICE_DATASETS:
         from .leaf import files_read
 
         sig.update(tag=dataset_tag(cfg), root=None if root is None else str(root),
@@ -1163,7 +1164,7 @@ def describe_source(cfg: Any) -> str:
         return _provenance_text(quadratic_provenance(cfg))
     if cfg.name == "emnist":
         return f"dataset=emnist split={cfg.split} root={cfg.root}"
-    if cfg.name in ("femnist", "shakespeare"):
+    if cfg.name in FILE_DEVICE_DATASETS:
         return f"dataset={dataset_tag(cfg)} root={cfg.root}"
     return f"dataset={cfg.name} root={cfg.root}"
 
