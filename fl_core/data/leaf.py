@@ -30,7 +30,7 @@ test sample. Accuracy over that union is the sample-weighted mean of the writers
 report.
 
 Stored as uint8: FEMNIST images ``[N, 1, 28, 28]`` as round(255 x) (lossless for k/255), mean/std measured on the
-kept training images (:func:`~fl_core.data.sources.channel_stats`); Shakespeare sequences ``[N, 1, 1, 80]`` of
+kept training images (:func:`~fl_core.data.reading.channel_stats`); Shakespeare sequences ``[N, 1, 1, 80]`` of
 character indices with scale 1, mean 0, std 1, so :meth:`FLDataset.normalize` only casts them to float (the
 ``char_lstm`` model embeds them). No file is downloaded unless ``dataset.download=true``, which fetches TFF's
 published archives (:data:`TFF_ARCHIVES`) where a machine has a network.
@@ -49,6 +49,7 @@ from fl_core import progress
 from fl_core.seeding import numpy_rng
 
 from .dataset import DataSourceError, FLDataset
+from .reading import channel_stats, one_line
 
 __all__ = ["VOCAB", "SEQ_LEN", "TFF_FILES", "TFF_ARCHIVES", "femnist_dataset", "shakespeare_dataset", "detect_format",
            "expected_layout", "encode_text", "text_examples", "download", "files_read"]
@@ -122,9 +123,7 @@ def files_read(name: str, root: Path) -> Optional[dict]:
 
 def _one_line(err: BaseException) -> str:
     """The first line of ``err``'s message, printable, at most 200 characters (the other sources' messages)."""
-    from .sources import _one_line as first_line
-
-    return first_line(err, with_type=False)
+    return one_line(err, with_type=False)
 
 
 def _leaf_files(folder: Path, name: str, root: Path) -> List[Path]:
@@ -326,8 +325,6 @@ def femnist_dataset(cfg: Any, root: Path) -> FLDataset:
             truncated or of the wrong shape (names the file and, where one is to blame, the writer), labels outside
             0..61, ``dataset.max_clients`` above the writers there are.
     """
-    from .sources import channel_stats
-
     root = Path(root)
     fmt = detect_format("femnist", root)
     if fmt is None:

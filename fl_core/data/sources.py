@@ -65,7 +65,6 @@ import shutil
 import stat
 import tempfile
 import warnings
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,6 +77,7 @@ from fl_core.compat import torchvision
 from fl_core.schema import FILE_DEVICE_DATASETS
 
 from .dataset import DataSourceError, FLDataset
+from .reading import channel_stats, one_line
 
 __all__ = [
     "DataSourceError",
@@ -165,19 +165,9 @@ def holdout_validation(ds: FLDataset, fraction: float, seed: int = 0) -> FLDatas
 # --------------------------------------------------------------------------- error helpers
 
 
-def _one_line(err: BaseException, with_type: bool = True) -> str:
-    """``err`` as one printable line of at most 200 characters: ``Type: first line of the message``."""
-    lines = str(err).strip().splitlines()
-    text = lines[0].strip() if lines else ""
-    if with_type or not text:
-        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _os_reason(err: OSError) -> str:
     """``Type: strerror`` of an OSError, without the file name it repeats."""
-    return f"{type(err).__name__}: {err.strerror}" if err.strerror else _one_line(err)
+    return f"{type(err).__name__}: {err.strerror}" if err.strerror else one_line(err)
 
 
 def _folder_problem(path: Path) -> Optional[str]:
@@ -188,7 +178,7 @@ def _folder_problem(path: Path) -> Optional[str]:
     except (FileNotFoundError, NotADirectoryError):
         return "missing"
     except OSError as err:  # permission denied on a parent folder, loops, ...
-        return _one_line(err)
+        return one_line(err)
     if not stat.S_ISDIR(mode):
         return "not a folder"
     if not os.access(path, os.R_OK | os.X_OK):
@@ -204,7 +194,7 @@ def _file_problem(path: Path) -> Optional[str]:
     except (FileNotFoundError, NotADirectoryError):
         return "missing"
     except OSError as err:
-        return _one_line(err)
+        return one_line(err)
     if not stat.S_ISREG(mode):
         return "not a file"
     if not os.access(path, os.R_OK):
@@ -337,51 +327,6 @@ def _digits_from_sklearn(cfg: Any) -> FLDataset:
         mean=mean,
         std=std,
     )
-
-
-def channel_stats(x: torch.Tensor, scale: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and (population) standard deviation of ``x / scale``, the same to the bit on every CPU and
-    thread count (docs/reliability.md, Numbers on another CPU).
-
-    A float reduction in torch (or BLAS) sums in an order that depends on the CPU's instruction set and the number
-    of threads, so ``(x / scale).std(dim=(0, 2, 3))`` differed in the last digits between one and two threads
-    (0.37600559619114615 against 0.37600559619096297 on the digits split), and with it the prepared data and
-    ``dvc.lock``. Here no float is summed in an order a machine chooses:
-
-    - uint8 images: the sums are exact integers, ``S1 = sum k`` and ``S2 = sum k^2`` per channel (counted with
-      ``numpy.bincount``, integers: any order gives the same sum); the mean ``S1 / (n scale)`` and the variance
-      ``(n S2 - S1^2) / (n scale)^2`` are exact fractions, each rounded once to float64; the std is the square
-      root of that float64 variance (IEEE's square root is correctly rounded).
-    - float images: two passes of :func:`math.fsum` (exactly rounded sums) over the float64 values: the mean, then
-      the mean squared deviation from it.
-
-    Args:
-        x: uint8 or float ``[N, C, H, W]`` (a tensor or an array), N >= 1.
-        scale: the raw maximum the values are divided by (``FLDataset.scale``).
-
-    Returns:
-        ``(mean, std)``, one float per channel.
-    """
-    a = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-    if a.ndim != 4 or a.shape[0] == 0:
-        raise ValueError(f"channel_stats needs a non-empty [N, C, H, W] array, got shape {tuple(a.shape)}")
-    means, stds = [], []
-    for c in range(a.shape[1]):
-        values = a[:, c].reshape(-1)
-        n = values.size
-        if values.dtype == np.uint8:
-            counts = np.bincount(values, minlength=256).tolist()  # Python ints: exact sums below
-            s1 = sum(k * m for k, m in enumerate(counts))
-            s2 = sum(k * k * m for k, m in enumerate(counts))
-            unit = Fraction(float(scale)) * n  # n * scale, exactly
-            means.append(float(Fraction(s1) / unit))
-            stds.append(math.sqrt(Fraction(n * s2 - s1 * s1) / (unit * unit)))
-        else:
-            floats = (values.astype(np.float64) / float(scale)).tolist()
-            mean = math.fsum(floats) / n
-            means.append(mean)
-            stds.append(math.sqrt(math.fsum((v - mean) ** 2 for v in floats) / n))
-    return tuple(means), tuple(stds)
 
 
 def _unverified(cls: type) -> type:
@@ -541,7 +486,7 @@ def _cifar_error(base: type, title: str, root: Path, verify: bool, num_classes: 
                 f"dataset.root: {title} files under {folder} failed torchvision's MD5 check "
                 f"({', '.join(failed)}); replace them with the official files or set dataset.verify=false"
             )
-    return DataSourceError(f"dataset.root: cannot read {title} under {folder} ({_one_line(err)})")
+    return DataSourceError(f"dataset.root: cannot read {title} under {folder} ({one_line(err)})")
 
 
 def _cifar_file_problem(path: Path, labels_key: Optional[str], num_classes: int, meta_key: str) -> Optional[str]:
@@ -563,7 +508,7 @@ def _cifar_file_problem(path: Path, labels_key: Optional[str], num_classes: int,
         except OSError:
             raise
         except Exception as err:  # UnpicklingError, EOFError, ValueError, ImportError, MemoryError, ...
-            text = _one_line(err, with_type=False)
+            text = one_line(err, with_type=False)
             return f"not in the official format: {text}" if text.startswith("refused") else \
                 f"truncated or corrupt: {text}"
     fmt = "not in the official format"
@@ -652,7 +597,7 @@ def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException, f
                       and all(isinstance(t, torch.Tensor) for t in obj))
                 reason = None if ok else "not a pair of tensors"
             except Exception as load_err:  # noqa: BLE001 (whatever a broken file raises)
-                reason = _one_line(load_err, with_type=False)
+                reason = one_line(load_err, with_type=False)
             if reason:
                 return DataSourceError(f"dataset.root: {path} is not a readable {title} file of torchvision's "
                                        f"legacy cache (truncated or corrupt: {reason}); delete {processed} "
@@ -685,7 +630,7 @@ def _mnist_error(folder_name: str, title: str, root: Path, err: BaseException, f
                 f"dataset.root: {raw / img} holds {counts[img]} images but {raw / lab} {counts[lab]} labels; "
                 f"replace them with the official files"
             )
-    return DataSourceError(f"dataset.root: cannot read the {title} idx files under {raw} ({_one_line(err)})")
+    return DataSourceError(f"dataset.root: cannot read the {title} idx files under {raw} ({one_line(err)})")
 
 
 def _idx_problem(data: bytes, magic: int, images: bool, labels: tuple = (0, 9)) -> tuple[Optional[str], int]:
@@ -996,7 +941,7 @@ def _decode_images(items: list[tuple[Path, int]], split: str, title: str, size: 
                     rgb = np.asarray(img.convert("RGB"))
             except Exception as err:  # UnidentifiedImageError, OSError (truncated), SyntaxError (broken PNG), ...
                 reason = ("not an image file" if isinstance(err, UnidentifiedImageError)
-                          else _one_line(err, with_type=False))
+                          else one_line(err, with_type=False))
                 raise DataSourceError(f"dataset.root: {path} is not a readable {title} image (truncated or "
                                       f"corrupt: {reason}); replace it with the official file") from None
         if rgb.shape != (size, size, 3):
