@@ -38,7 +38,8 @@ def _algorithm_config() -> type:
         ("transforms", List[str], field(default_factory=list)),  # message transforms in order, e.g. [topk, qsgd]
         # weighted: p_i = n_i/n_S | uniform: p_i = 1/|S| | null: the base rule's own (registry.aggregation)
         ("aggregation", Optional[str], field(default=None)),
-        ("eta_g", Optional[float], field(default=None)),  # server learning rate; null: the server step's own
+        # server learning rate; null: the server step's own. Each replica of a population keeps its own (server side)
+        ("eta_g", Optional[float], field(default=None, metadata={"replica": True})),
         # the server optimiser on the base's pseudo-gradient (registry: kind server); sgd: the base's own step
         ("server_opt", str, field(default=registry.NO_SERVER_OPT)),
     ]
@@ -240,6 +241,29 @@ def schema_fields() -> Dict[str, Any]:
 
     walk(ExperimentConfig(), "")
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def replica_keys() -> tuple:
+    """The keys in which the replicas of one population may differ (runs trained in one vectorised pass,
+    :mod:`fl_core.engine.population`): every schema field declared ``replica`` (:func:`fl_core.schema.param`), in
+    schema order: ``train.lr``, ``train.weight_decay``, ``algorithm.eta_g`` and the rules' replica parameters
+    (FedProx's mu, FedBug's P, FedNLR's mu0 / a1 / a2, FedBCGD's lambda, FedDyn's alpha, FedExP's eps, the server
+    optimisers' betas and tau). The seed and the experiment's name differ between replicas too."""
+    return tuple(k for k, f in schema_fields().items() if f is not None and f.metadata.get("replica"))
+
+
+def drop_keys(c: Dict[str, Any], keys: Sequence[str]) -> Dict[str, Any]:
+    """``c`` (a plain nested dict of a config, :func:`to_container`) without the dotted ``keys`` it holds, changed in
+    place and returned; a key whose section ``c`` does not hold is skipped."""
+    for key in keys:
+        *path, last = key.split(".")
+        node: Any = c
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return c
 
 
 def _is_group(key: str, config_dir: Optional[str]) -> bool:

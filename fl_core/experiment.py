@@ -134,3 +134,14 @@ def resolve(cfgs: Sequence[Any]) -> ResolvedExperiment:
         dataset=str(cfg0.dataset.name), dataset_tag=tag, partition_key=partition_key(cfg0.partition, tag),
         model=resolve_model_name(cfg0.model.name, cfg0.dataset.name), seeds=tuple(int(c.seed) for c in cfgs),
         configs=tuple(cfgs))
+
+
+def population_key(cfg: Any) -> str:
+    """What the runs of one population must share, as a string: the whole config (:func:`fl_core.config.compose`)
+    but the experiment's name, the seed and the keys a replica carries itself (:func:`fl_core.config.replica_keys`:
+    eta_l, the weight decay, eta_g, the rules' replica parameters). Two configs with the same key can train in one
+    vectorised pass (:mod:`fl_core.engine.population`) where their executor allows it; ``fl-train -m`` and the
+    sweeps' batches group by it."""
+    from .config import drop_keys, replica_keys
+
+    return json.dumps(drop_keys(to_container(cfg), ("name", "seed", *replica_keys())), sort_keys=True, default=str)

@@ -175,9 +175,13 @@ def param(default: Any = MISSING, help: str = "", *, ge: Optional[float] = None,
     the key, e.g. ``algorithm.fedprox.mu must be >= 0, got -1``; a float must be finite. ``when`` (a
     :class:`When` or a tuple of them, all of which must hold) says when the parameter has an effect: a value the
     user sets while it does not hold is refused (``fl_core.config.inactive_keys``). ``replica``: the value may differ
-    between the replicas of one population (runs trained in one vectorised pass, :mod:`fl_core.engine.population`):
-    the rule keeps it as the instance attribute of the same name, lists it in ``replica_params`` and reads it only in
-    ``local_objective``, as a float or as each client's 0-dim tensor (no Python branch on its value there).
+    between the replicas of one population (runs trained in one vectorised pass, :mod:`fl_core.engine.population`;
+    every such key: :func:`fl_core.config.replica_keys`). Each replica has its own rule instance, so a value read in
+    the per-replica hooks (state, ``broadcast``, ``client_begin`` and the step plan it sets, ``finish_client``,
+    ``aggregate``) needs nothing more; a value the batched hooks read (``local_objective``) must be the instance
+    attribute of the same name, listed in the rule's ``replica_params``, read as a float or as each client's 0-dim
+    tensor (no Python branch on its value there). ``tests/test_population.py`` trains a population over every such
+    key against the separate runs.
     ``nullable``: null is allowed besides the bounded values (a field whose default is null always allows it).
     """
     conds = (when,) if isinstance(when, When) else tuple(when)
@@ -393,9 +397,9 @@ class TrainConfig:
     local_steps: int = param(0, "> 0: exactly this many local steps K per client per round (LocalSGD), instead of "
                              "E epochs", ge=0)
     batch_size: int = param(16, "B", ge=1)
-    lr: float = param(0.05, "eta_l", gt=0)
+    lr: float = param(0.05, "eta_l", gt=0, replica=True)
     lr_decay: float = param(1.0, "eta_l(r) = lr * lr_decay**(r-1)", gt=0, le=1)
-    weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0)
+    weight_decay: float = param(0.0, "L2 added to the gradient of trainable parameters", ge=0, replica=True)
     optimizer: str = param("sgd", "the clients' local optimiser: sgd (plain, or with momentum) | adam "
                            "(torch.optim.Adam: betas (0.9, 0.999), eps 1e-8, L2 weight decay; a new state for every "
                            "client and round)", choices=LOCAL_OPTIMIZERS)

@@ -4,7 +4,7 @@ another.
 
 Every caller trains seeds through :class:`ExperimentRunner`: the train stage and ``fl-train``
 (:mod:`pipeline.train`: result files, completion records, checkpoints, MLflow children), the Python API
-(:mod:`pipeline.api`, in memory), the sweeps (:func:`sweeps.runner.train_seeds`) and a worker rank of
+(:mod:`pipeline.api`, in memory), the sweeps (:func:`sweeps.trials.train_seeds`) and a worker rank of
 ``engine.executor=distributed`` (:func:`pipeline.train._serve`, which only builds the simulators). What a caller
 does with a seed's rounds it says through :class:`Observer`: the seed's run logger (built here, with its
 simulator), that the seed starts (and from which round), each round's row, and the seed's end.
@@ -13,9 +13,9 @@ simulator), that the seed starts (and from which round), each round's row, and t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fl_core.experiment import ResolvedExperiment
 
@@ -110,14 +110,15 @@ class ExperimentRunner:
         self.cache_dir = cache_dir
 
     def simulator(self, cfg, *, checkpoint_path: Optional[Path] = None, logger=None,
-                  callbacks: Sequence[Callable] = ()):
-        """The simulator of one seed's config ``cfg`` (:func:`fl_core.engine.factory.build_simulator`)."""
+                  callbacks: Sequence[Callable] = (), replicas: int = 1):
+        """The simulator of one seed's config ``cfg`` (:func:`fl_core.engine.factory.build_simulator`; ``replicas``:
+        how many train together with it, for ``engine.executor=auto``'s choice)."""
         from fl_core.engine.factory import build_simulator
 
         i = self.inputs
         return build_simulator(cfg, i.ds, i.part, device=i.device, data=i.data, logger=logger,
                                checkpoint_path=checkpoint_path, callbacks=list(callbacks),
-                               cache_dir=self.cache_dir, experiment=self.exp)
+                               cache_dir=self.cache_dir, experiment=self.exp, replicas=replicas)
 
     def train(self, cfgs: Optional[Sequence] = None, observers: Sequence[Observer] = (), *,
               checkpoint_path: Optional[Callable[[int], Optional[Path]]] = None,
@@ -141,11 +142,11 @@ class ExperimentRunner:
         cfgs = list(self.exp.configs if cfgs is None else cfgs)
         return train_together([Part(self, cfgs, observers, checkpoint_path)], together)[0]
 
-    def _build(self, cfg, observers: Sequence[Observer], checkpoint_path) -> SeedRun:
+    def _build(self, cfg, observers: Sequence[Observer], checkpoint_path, replicas: int = 1) -> SeedRun:
         seed = int(cfg.seed)
         logger = next((lg for lg in (ob.logger(seed, cfg) for ob in observers) if lg is not None), None)
         sim = self.simulator(cfg, checkpoint_path=checkpoint_path(seed) if checkpoint_path else None, logger=logger,
-                             callbacks=[functools.partial(ob.round, seed) for ob in observers])
+                             callbacks=[functools.partial(ob.round, seed) for ob in observers], replicas=replicas)
         run = SeedRun(seed, cfg, sim)
         for ob in observers:
             ob.built(run)
@@ -169,10 +170,11 @@ def train_together(parts: Sequence[Part], together: bool = True) -> List[List[Se
     When the first seed's simulator runs on the vectorised executor with ``engine.population`` on and there are
     several seeds in all, every seed's simulator is built, and if they can share a pass
     (:func:`fl_core.engine.population.can_share`: the seeds of one experiment, or experiments that differ only in
-    eta_l and the rule parameters a replica carries) they train as one population, in chunks that fit in memory
-    (:func:`fl_core.engine.factory.population_chunk`). Otherwise each seed is built, trained and reported before the
-    next is built (fault point ``between_seeds`` between two). Each seed is reported to its own experiment's
-    observers (:class:`Observer`).
+    the keys a replica carries, :func:`fl_core.config.replica_keys`) they train as one population, in chunks that fit
+    in memory (:func:`fl_core.engine.factory.population_chunk`); ``engine.executor=auto`` chooses for that
+    population (:func:`fl_core.engine.factory.build_simulator`'s ``replicas``). Otherwise each seed is built,
+    trained and reported before the next is built (fault point ``between_seeds`` between two). Each seed is
+    reported to its own experiment's observers (:class:`Observer`).
 
     Args:
         parts: the experiments and the seeds of each to train.
@@ -184,42 +186,115 @@ def train_together(parts: Sequence[Part], together: bool = True) -> List[List[Se
     Raises:
         whatever building a simulator raises (ConfigError, ValueError), and what an observer raises.
     """
-    from fl_core.engine import factory, population
+    from fl_core.engine import population
 
     out: List[List[SeedRun]] = [[] for _ in parts]
     todo = [(i, cfg) for i, part in enumerate(parts) for cfg in part.cfgs]
     if not todo:
         return out
-
-    def build(k: int) -> SeedRun:
-        i, cfg = todo[k]
-        return parts[i].runner._build(cfg, parts[i].observers, parts[i].checkpoint_path)
-
-    built = [build(0)]
-    cfg0 = todo[0][1]
-    if together and bool(cfg0.engine.population) and len(todo) > 1 and population.vectorized(built[0].sim):
-        built += [build(k) for k in range(1, len(todo))]
-        sims = [run.sim for run in built]
-        if population.can_share(sims):
-            for (i, _), run in zip(todo, built):
-                out[i].append(run)
-                _started(run, parts[i].observers)
-            chunk = factory.population_chunk(cfg0, sims[0], len(sims))
-            population.run_together(sims, chunk, lambda k, outcome: _ended(built[k], parts[todo[k][0]].observers,
-                                                                          outcome))
-            return out
-        built = built[:1]  # replicas that cannot share a pass: one after another, built one at a time
+    replicas = len(todo) if together and bool(todo[0][1].engine.population) else 1
+    built = [_build(parts, todo[0], replicas)]
+    if replicas > 1 and _as_population(parts, todo, built, out, None, replicas):
+        return out
     for k, (i, _) in enumerate(todo):
         if k:
             from fl_core.store import faults
 
             faults.point("between_seeds")
-            built.append(build(k))
+            built.append(_build(parts, todo[k], 1))
         run = built[k]
         out[i].append(run)
         _started(run, parts[i].observers)
         _ended(run, parts[i].observers, population.run_one(run.sim))
     return out
+
+
+@dataclass
+class Steer:
+    """What the caller of :func:`train_population` decides between two passes: ``stop`` (part index, seed) ->
+    reason, those seeds end now (:class:`~fl_core.engine.simulator.RunStopped`, reported to their observers);
+    ``join``: new parts whose seeds begin now in the same population (they must share its pass)."""
+
+    stop: Dict[Tuple[int, int], str] = field(default_factory=dict)
+    join: List[Part] = field(default_factory=list)
+
+
+def train_population(parts: Sequence[Part], steer: Callable[[], Optional[Steer]],
+                     replicas: int) -> Optional[List[List[SeedRun]]]:
+    """Train the seeds of ``parts`` as one population that ``steer`` may shrink and refill between passes (a sweep's
+    batch: :mod:`sweeps.batch`), or nothing when they cannot share a pass (the first seed's simulator is not on the
+    vectorised executor, e.g. ``engine.executor=auto`` found the sequential one faster for ``replicas`` replicas;
+    or they differ in more than the keys a replica carries): then None, and nothing was trained.
+
+    Args:
+        parts: the experiments and their seeds.
+        steer: asked after every pass (:class:`Steer`); the parts it adds are appended to ``parts`` (a list).
+        replicas: the most replicas that will train at once (the memory estimate's chunking and ``auto``'s choice).
+
+    Returns:
+        per part (those ``steer`` added included), one :class:`SeedRun` per config, in order; or None.
+
+    Raises:
+        whatever building a simulator raises (ConfigError, ValueError), and what an observer raises.
+    """
+    parts = parts if isinstance(parts, list) else list(parts)
+    out: List[List[SeedRun]] = [[] for _ in parts]
+    todo = [(i, cfg) for i, part in enumerate(parts) for cfg in part.cfgs]
+    if not todo:
+        return out
+    built = [_build(parts, todo[0], replicas)]
+    return out if _as_population(parts, todo, built, out, steer, replicas) else None
+
+
+def _build(parts: Sequence[Part], job: Tuple[int, Any], replicas: int) -> SeedRun:
+    i, cfg = job
+    return parts[i].runner._build(cfg, parts[i].observers, parts[i].checkpoint_path, replicas)
+
+
+def _as_population(parts: List[Part], todo: List[Tuple[int, Any]], built: List[SeedRun], out: List[List[SeedRun]],
+                   steer: Optional[Callable[[], Optional[Steer]]], replicas: int) -> bool:
+    """Train ``todo`` (``built`` holds its first seed's run) as one population if it can share a pass: True once
+    trained (``out`` filled), False when it cannot (only ``built[0]`` is kept built)."""
+    from fl_core.engine import factory, population
+
+    if not population.vectorized(built[0].sim):
+        return False
+    built += [_build(parts, job, replicas) for job in todo[1:]]
+    sims = [run.sim for run in built]
+    if len(sims) > 1 and not population.can_share(sims):
+        del built[1:]  # replicas that cannot share a pass: one after another, built one at a time
+        return False
+    owner = [i for i, _ in todo]  # replica index -> its part
+    for i, run in zip(owner, built):
+        out[i].append(run)
+        _started(run, parts[i].observers)
+    where = {(i, run.seed): k for k, (i, run) in enumerate(zip(owner, built))}
+
+    def ended(k: int, outcome: Any) -> None:
+        _ended(built[k], parts[owner[k]].observers, outcome)
+
+    def steered() -> Optional[population.Steer]:
+        plan = steer()
+        if plan is None:
+            return None
+        joined = []
+        for part in plan.join:
+            parts.append(part)
+            out.append([])
+            i = len(parts) - 1
+            for cfg in part.cfgs:
+                run = _build(parts, (i, cfg), replicas)
+                where[(i, run.seed)] = len(built)
+                built.append(run)
+                owner.append(i)
+                out[i].append(run)
+                _started(run, part.observers)
+                joined.append(run.sim)
+        return population.Steer({where[key]: why for key, why in plan.stop.items() if key in where}, joined)
+
+    chunk = factory.population_chunk(todo[0][1], sims[0], max(replicas, len(sims)))
+    population.run_together(sims, chunk, ended, steered if steer is not None else None)
+    return True
 
 
 def _started(run: SeedRun, observers: Sequence[Observer]) -> None:

@@ -337,31 +337,15 @@ def _validated_jobs(parsed: List[Any], user_keys: set, seeds: Optional[List[int]
     return None
 
 
-# the keys in which the experiments of one population may differ besides the rule parameters a replica carries
-# (fl_core.algorithms.registry.replica_keys): each replica has its own name, seeds and eta_l
-POPULATION_FREE = ("name", "seed", "train.lr")
-
-
 def population_key(cfg) -> Optional[str]:
-    """What the jobs of one population share: the whole config but the keys a replica carries itself
-    (:data:`POPULATION_FREE`, the rules' replica parameters); None when ``cfg`` trains no population (another
-    executor than ``vectorized``, or ``engine.population=false``)."""
-    import json
-
-    from fl_core.algorithms.registry import replica_keys
-    from fl_core.config import to_container
+    """What the jobs of one population share (:func:`fl_core.experiment.population_key`: the whole config but the
+    name, the seed and the keys a replica carries); None when ``cfg`` trains no population (another executor than
+    ``vectorized``, or ``engine.population=false``)."""
+    from fl_core.experiment import population_key as key
 
     if cfg.engine.executor != "vectorized" or not bool(cfg.engine.population):
         return None
-    c = to_container(cfg)
-    for key in (*POPULATION_FREE, *replica_keys()):
-        *path, last = key.split(".")
-        node = c
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return json.dumps(c, sort_keys=True, default=str)
+    return key(cfg)
 
 
 def population_groups(jobs: Sequence[Sequence[str]], seeds: Optional[List[int]]) -> List[List[int]]:

@@ -70,6 +70,7 @@ def usage() -> str:
     from fl_core.paths import conf_dir
 
     from fl_core.algorithms import registry
+    from fl_core.config import replica_keys
     from fl_core.schema import EXECUTORS
 
     def opts(group):
@@ -77,7 +78,7 @@ def usage() -> str:
 
     rules = "\n".join("  " + line for line in registry.help_lines())
     two = ",".join(r.preset_name for r in registry.rules("base")[:2])  # an example sweep over two presets
-    carried = " / ".join(registry.replica_keys())  # the rule parameters a population's replicas may differ in
+    carried = " / ".join(replica_keys())  # the keys a population's replicas may differ in
 
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
@@ -113,7 +114,7 @@ Multirun (-m, --multirun): every other swept key (algorithm={two}) gives one job
   experiment with the whole seed list; hydra/launcher=basic (default, one after another) | joblib (parallel:
   pip install hydra-joblib-launcher; hydra.launcher.n_jobs=N) | submitit_slurm. Hydra's files in
   outputs/multirun/<date>/<time>/; exit status: the worst job's. With engine.executor=vectorized and the basic
-  launcher, jobs that differ only in train.lr or {carried} train as one population. See docs/cli.md.
+  launcher, jobs that differ only in {carried} (and the seed) train as one population. See docs/cli.md.
 Outputs go to results/<name>/ and the MLflow store (MLFLOW_TRACKING_URI or sqlite:///<root>/mlflow.db; make ui
 browses it, docs/tracking.md). Waits on it are bounded: a tracking server 30 s from a request's first failure
 (FL_HTTP_RETRY_S; MLflow's MLFLOW_HTTP_REQUEST_MAX_RETRIES=10, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1 where unset), a locked SQLite store

@@ -251,13 +251,14 @@ def test_the_real_choice_holds_with_a_cpu_bound_neighbour(digits, fresh_probes, 
 
 
 def test_the_probe_runs_once_per_workload(digits, fresh_probes, monkeypatch):
-    """Seeds and learning rates of one workload share one probe; another batch size is another workload."""
+    """Seeds and learning rates of one workload share one probe; another batch size is another workload, and so is
+    a population of several replicas (the probe times their round: ``replicas``)."""
     import fl_core.engine.factory as factory
 
     calls = []
 
-    def fake(cfg, model, algo, data, kwargs):
-        calls.append(int(kwargs["batch_size"]))
+    def fake(cfg, model, algo, data, kwargs, replicas=1):
+        calls.append(int(kwargs["batch_size"]) * (100 if replicas > 1 else 1))
         return ExecutorTiming.from_samples({"sequential": [1.0], "vectorized": [0.1]}, {"sequential": 1,
                                            "vectorized": 1}, [1], 0, 0.2)
 
@@ -272,6 +273,8 @@ def test_the_probe_runs_once_per_workload(digits, fresh_probes, monkeypatch):
     assert calls == [5]
     build_simulator(_logreg_workload(digits, "train.batch_size=3")[0], digits, part)
     assert calls == [5, 3]
+    pop = build_simulator(cfg, digits, part, replicas=4)
+    assert calls == [5, 3, 500] and "predicted round 1 of a population of 4 replicas" in pop.executor.reason
 
 
 def test_the_probe_keeps_the_collector_out_of_its_calls(digits, fresh_probes, monkeypatch):

@@ -200,8 +200,11 @@ def test_jobs_that_differ_in_more_than_a_replica_carries_are_not_one_population(
     assert population_groups([vec + ["train.lr=0.1", "name=a"], vec + ["train.lr=0.2", "name=b"],
                               vec + ["algorithm.fedprox.mu=1", "name=c"]], [1, 2]) == [[0, 1, 2]]
     assert population_groups([vec + ["train.local_epochs=2"], vec + ["train.local_epochs=3"]], None) == [[0], [1]]
-    assert population_groups([["algorithm=feddyn", "engine.executor=vectorized", f"algorithm.feddyn.alpha={a}"]
-                              for a in (0.1, 0.2)], None) == [[0], [1]]
+    assert population_groups([["algorithm=feddyn", "engine.executor=vectorized", f"algorithm.feddyn.adaptive_alpha={a}"]
+                              for a in ("true", "false")], None) == [[0], [1]]
+    # FedDyn's alpha, eta_g and the weight decay are carried by each replica (fl_core.config.replica_keys)
+    assert population_groups([["algorithm=feddyn", "engine.executor=vectorized", f"algorithm.feddyn.alpha={a}",
+                               f"train.weight_decay={a / 10}"] for a in (0.1, 0.2)], None) == [[0, 1]]
     assert population_groups([["train.lr=0.1"], ["train.lr=0.2"]], None) == [[0], [1]]  # the sequential executor
     assert population_groups([vec + ["engine.population=false", f"train.lr={lr}"] for lr in (0.1, 0.2)],
                              None) == [[0], [1]]

@@ -76,25 +76,103 @@ def test_a_population_over_a_rules_replica_parameter_equals_the_separate_runs():
                                                             ("algorithm.fedprox.mu=0.5", "seed=2")])
 
 
-def test_every_replica_parameter_is_declared_by_its_rule_and_read_as_an_attribute():
-    """A parameter marked ``replica=True`` is listed in its rule's ``replica_params`` and held as the attribute of
-    that name (what the executor binds per client); a rule lists nothing else."""
-    import dataclasses
+# every key a replica may carry (fl_core.config.replica_keys): the stack it is tested on and the values a population
+# trains at once, each with an edge value (P = 0, lambda = 0, alpha small, eps = 0, beta = 0, no weight decay)
+REPLICA_CASES = {
+    "train.lr": (_stack("fedavg", extra=UNEQUAL), (0.01, 0.05, 0.2)),
+    "train.weight_decay": (_stack("fedavg", extra=UNEQUAL + ("train.momentum=0.9",)), (0.0, 1e-3, 0.1)),
+    "algorithm.eta_g": (_stack("fedavg", extra=UNEQUAL), (0.5, 1.0, 1.7)),
+    "algorithm.fedprox.mu": (_stack("fedprox", extra=UNEQUAL), (0.0, 0.1, 1.0)),
+    "algorithm.feddyn.alpha": (_stack("feddyn", extra=UNEQUAL), (1e-4, 0.01, 0.3)),
+    "algorithm.fedexp.eps": (_stack("fedexp", extra=UNEQUAL), (0.0, 1e-3, 0.1)),
+    "algorithm.fedexp.eps_decay": (_stack("fedexp", extra=UNEQUAL), (0.5, 0.998, 1.0)),
+    "algorithm.fednlr.mu0": (_stack("fedavg", "fednlr", UNEQUAL), (0.5, 1.0, 2.0)),
+    "algorithm.fednlr.a1": (_stack("fedavg", "fednlr", UNEQUAL), (0.0, 1.0, 2.0)),
+    "algorithm.fednlr.a2": (_stack("fedavg", "fednlr", UNEQUAL), (0.0, 1.0, 2.0)),
+    "algorithm.fedavgm.beta": (_stack("fedavgm", extra=UNEQUAL), (0.0, 0.5, 0.9)),
+    "algorithm.adaptive.beta1": (_stack("fedadam", extra=UNEQUAL), (0.0, 0.5, 0.9)),
+    "algorithm.adaptive.beta2": (_stack("fedyogi", extra=UNEQUAL), (0.0, 0.9, 0.99)),
+    "algorithm.adaptive.tau": (_stack("fedadam", extra=UNEQUAL), (1e-4, 1e-3, 1e-1)),
+    "algorithm.fedbcgd.lam": (_stack("fedbcgd", extra=UNEQUAL), (0.0, 0.45, 0.8)),
+    "algorithm.fedbug.gu_percentage": (_stack("fedprox", "fedbug", UNEQUAL), (0.0, 0.3, 1.0)),
+}
 
+
+def test_every_replica_key_has_its_population_test_and_every_batched_one_is_bound():
+    """Each key declared ``replica=True`` (fl_core.config.replica_keys) is tried below as a population against the
+    separate runs, and a rule's ``replica_params`` (the values ``local_objective`` reads, bound per client) are
+    replica keys of its own section, held as floats."""
     from fl_core.algorithms import registry
-    from fl_core.algorithms.registry import replica_keys
+    from fl_core.config import replica_keys
 
-    marked = {r.name: {f.name for f in dataclasses.fields(r.params) if f.metadata.get("replica")}
-              for r in registry.rules() if r.params is not None}
-    assert "algorithm.fedprox.mu" in replica_keys()
-    for name in (n for n, fields in marked.items() if fields):
-        assert name in registry.names("base"), f"{name}: replica parameters are tested for base rules only"
-        algo = _sim((f"algorithm={registry.get(name).preset_name}",)).algo.layer_stack()[0]
-        assert set(algo.replica_params) == marked[name], name
-        assert all(isinstance(getattr(algo, a), float) for a in algo.replica_params), name
-    for name in registry.names("base"):
-        algo = _sim((f"algorithm={registry.get(name).preset_name}",)).algo.layer_stack()[0]
-        assert set(algo.replica_params) <= marked.get(name, set()), name
+    assert set(REPLICA_CASES) == set(replica_keys())
+    for name in registry.names("base") + registry.names("wrapper"):
+        rule = registry.get(name)
+        stack = (f"algorithm={rule.preset_name}",) if rule.kind == "base" else _stack("fedavg", name)
+        layer = next(lay for lay in _sim(stack).algo.layer_stack() if lay.name == name)
+        for attr in layer.replica_params:
+            assert f"algorithm.{rule.config_section}.{attr}" in replica_keys(), (name, attr)
+            assert isinstance(getattr(layer, attr), float), (name, attr)
+
+
+@pytest.mark.parametrize("key", sorted(REPLICA_CASES))
+def test_a_population_over_each_replica_key_equals_the_separate_runs(key):
+    """A population whose replicas differ in ``key`` (an edge value among them) gives each replica the numbers of its
+    own separate sequential run, float64 to 1e-9 (``_assert_as_apart``); the second population adds the seed."""
+    stack, values = REPLICA_CASES[key]
+    _assert_as_apart(stack, [(f"{key}={v}",) for v in values])
+    _assert_as_apart(stack, [(f"{key}={values[0]}", "seed=2"), (f"{key}={values[-1]}",)])
+
+
+def test_a_population_mixing_several_replica_keys_equals_the_separate_runs():
+    """FedBug(FedProx) replicas that differ in P, mu, eta_l, the weight decay and the seed at once."""
+    stack = _stack("fedprox", "fedbug", UNEQUAL)
+    _assert_as_apart(stack, [("algorithm.fedbug.gu_percentage=0", "algorithm.fedprox.mu=0.5", "train.lr=0.02"),
+                             ("algorithm.fedbug.gu_percentage=0.6", "train.weight_decay=0.01", "seed=2"),
+                             ("algorithm.fedbug.gu_percentage=1.0", "algorithm.fedprox.mu=0", "train.lr=0.1")])
+
+
+def test_a_replica_whose_setting_is_infeasible_fails_alone():
+    """FedBug's code schedule needs P * K_i >= M: the replica with P = 0.01 raises InfeasibleSetting for its clients
+    once running; it ends FAILED alone (``RunFailed.cause``), and the others keep the numbers of their separate runs."""
+    from fl_core.algorithms import InfeasibleSetting
+
+    stack = _stack("fedavg", "fedbug", UNEQUAL + ("algorithm.fedbug.schedule=code",))
+    variants = [("algorithm.fedbug.gu_percentage=0.5",), ("algorithm.fedbug.gu_percentage=0.01",),
+                ("algorithm.fedbug.gu_percentage=1.0", "seed=2")]
+    got = population.run_together([_sim(stack + v, "vectorized") for v in variants])
+    assert isinstance(got[1], RunFailed) and isinstance(got[1].cause, InfeasibleSetting), got[1]
+    assert "P*K_i >= M" in str(got[1])
+    for i in (0, 2):
+        assert float((got[i].final_flat - _run(stack + variants[i])[0]).abs().max()) <= TOL
+
+
+def test_steering_stops_replicas_between_passes_and_adds_new_ones_that_train_as_apart():
+    """``steer`` after round 1 stops replica 1 (RunStopped, with its round-1 history) and adds a replica at round 0;
+    it catches up alone, then trains with the others, and every replica that ran to its end equals its separate run."""
+    from fl_core.engine.population import Steer
+    from fl_core.engine.simulator import RunStopped
+
+    stack = _stack("fedprox", extra=UNEQUAL + ("train.rounds=3",))
+    variants = [("algorithm.fedprox.mu=0",), ("algorithm.fedprox.mu=0.3",), ("train.lr=0.2", "seed=2")]
+    newcomer = ("algorithm.fedprox.mu=1.0", "seed=3")
+    calls, ended = [], []
+
+    def steer():
+        calls.append(1)
+        if len(calls) == 1:
+            return Steer(stop={1: "pruned: by the test"}, join=[_sim(stack + newcomer, "vectorized")])
+        return None
+
+    got = population.run_together([_sim(stack + v, "vectorized") for v in variants],
+                                  on_done=lambda i, o: ended.append(i), steer=steer)
+    assert len(got) == 4 and sorted(ended) == [0, 1, 2, 3]
+    assert isinstance(got[1], RunStopped) and str(got[1]) == "pruned: by the test" and len(got[1].history) == 1
+    for i, v in ((0, variants[0]), (2, variants[2]), (3, newcomer)):
+        assert not isinstance(got[i], RunFailed), got[i]
+        gap = float((got[i].final_flat - _run(stack + v)[0]).abs().max())
+        assert gap <= TOL, (v, gap)
+        _same_rows(got[i].history, _run(stack + v)[1], v)
 
 
 def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
@@ -104,8 +182,10 @@ def test_replicas_that_differ_in_model_or_rule_do_not_share_a_pass():
     # the lead executor's local-step settings would train the other replica's clients: refused
     assert not population.can_share([_sim(("train.batch_size=32",), "vectorized"), _sim((), "vectorized")])
     # a rule parameter the replicas do not carry (not replica=True) would be the first replica's for all: refused
-    assert not population.can_share([_sim(("algorithm=feddyn", "algorithm.feddyn.alpha=0.1"), "vectorized"),
+    assert not population.can_share([_sim(("algorithm=feddyn", "algorithm.feddyn.adaptive_alpha=false"), "vectorized"),
                                      _sim(("algorithm=feddyn",), "vectorized")])
+    # (the local optimiser's momentum is the lead executor's for every client: refused)
+    assert not population.can_share([_sim(("train.momentum=0.5",), "vectorized"), _sim((), "vectorized")])
     assert population.can_share([_sim(("algorithm=fedprox", "algorithm.fedprox.mu=0.1"), "vectorized"),
                                  _sim(("algorithm=fedprox",), "vectorized")])
     assert not population.can_share([_sim(("seed=1",)), _sim(("seed=2",))])  # the sequential executor

@@ -270,10 +270,11 @@ class Algorithm:
     # ``update.extra`` keys that are uploaded vectors of the same size as the model payload and that a message
     # transform (QSGD) compresses too (FedBCGD+'s Delta c): a declaration of the message, no hook
     compressed_extras: Tuple[str, ...] = ()
-    # attributes of this instance that may differ between the replicas of one population (its parameters declared
-    # with ``param(..., replica=True)``): only ``local_objective`` reads them, as a float or, in a population whose
+    # the parameters declared ``param(..., replica=True)`` that ``local_objective`` reads (the batched hook, which
+    # runs on the first replica's instance): attributes of this instance, read as a float or, in a population whose
     # replicas differ in them, as each client's 0-dim tensor under vmap (the executor binds them; no Python branch
-    # on their value there)
+    # on their value there). Replica parameters read only in the per-replica hooks (client_begin, finish_client,
+    # aggregate, ...) are not listed: each replica's own instance holds them.
     replica_params: Tuple[str, ...] = ()
 
     @property

@@ -75,7 +75,7 @@ class FedBCGDParams:
     blocks: int = param(0, "N parameter blocks besides the shared block; 0: as many as the model has (its paper "
                         "table's N, else one per unit besides the classifier)", ge=0)
     lam: float = param(0.8, "lambda: per-block server heavy-ball momentum (paper best ~0.8; code 0.45)", ge=0, lt=1,
-                       when=when("algorithm.fedbcgd.momentum", True))
+                       when=when("algorithm.fedbcgd.momentum", True), replica=True)
     block_partition: str = param("auto", "auto (the model's paper table if it has N blocks, else units) | paper | "
                                  "code | units", choices=("auto", "paper", "code", "units"))
     shared: bool = param(True, "false: ablation 'nonshare', the classifier joins the last block")

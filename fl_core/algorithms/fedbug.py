@@ -39,7 +39,7 @@ _UNFREEZES = when("algorithm.fedbug.strategy", "bottom_up", "top_down")  # fixed
 @dataclass
 class FedBugParams:
     gu_percentage: float = param(0.2, "P: share of the local steps spent on gradual unfreezing", ge=0, le=1,
-                                 when=_UNFREEZES)
+                                 when=_UNFREEZES, replica=True)
     schedule: str = param("paper", "paper: m(k) = min(M, ceil(kM / (PK))) | code: period floor(PK / M)",
                           choices=("paper", "code"), when=_UNFREEZES)
     strategy: str = param("bottom_up", "bottom_up (FedBug) | ablations: top_down, fixed_last (FedBABU), "

@@ -30,7 +30,7 @@ torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg
 
 @dataclass
 class FedDynParams:
-    alpha: float = param(0.01, "regulariser alpha (Acar et al.; FedBug uses 0.01)", gt=0)
+    alpha: float = param(0.01, "regulariser alpha (Acar et al.; FedBug uses 0.01)", gt=0, replica=True)
     adaptive_alpha: bool = param(True, "alpha_i = alpha / w_i with w_i = n_i / mean_j n_j (Acar/FedBug code)")
     eval_model: str = param("sel", "model evaluated: sel = mean of the active clients' models (FedBug/Acar logs), "
                             "cloud = the broadcast model", choices=("sel", "cloud"))
@@ -38,6 +38,7 @@ class FedDynParams:
 
 class FedDyn(Algorithm):
     name = "feddyn"
+    replica_params = ("alpha",)  # local_objective reads it: a population may train several alpha at once
 
     def __init__(self, alpha: float = 0.01, adaptive_alpha: bool = True, eval_model: str = "sel"):
         checked(FedDynParams, "algorithm.feddyn", alpha=alpha, adaptive_alpha=adaptive_alpha, eval_model=eval_model)

@@ -32,8 +32,10 @@ _OFFICIAL = when("algorithm.fedexp.variant", "official")  # fedbug_code: no eps,
 class FedExPParams:
     variant: str = param("official", "official (Jhunjhunwala et al.) | fedbug_code (FedBug's implementation)",
                          choices=("official", "fedbug_code"))
-    eps: float = param(1e-3, "epsilon of the step size; 0.1 for EMNIST in the paper", ge=0, when=_OFFICIAL)
-    eps_decay: float = param(0.998, "eps <- eps * eps_decay**2 after every round", gt=0, le=1, when=_OFFICIAL)
+    eps: float = param(1e-3, "epsilon of the step size; 0.1 for EMNIST in the paper", ge=0, when=_OFFICIAL,
+                       replica=True)
+    eps_decay: float = param(0.998, "eps <- eps * eps_decay**2 after every round", gt=0, le=1, when=_OFFICIAL,
+                             replica=True)
     average_last_two: bool = param(True, "evaluate (x_t + x_{t+1}) / 2 (official only)", when=_OFFICIAL)
 
 

@@ -32,9 +32,10 @@ torch = lazy_import("torch")  # executed on first use: fl-train --help and --cfg
 
 @dataclass
 class FedNLRParams:
-    mu0: float = param(1.0, "mu_l = mu0 + a1 * depth + a2 * log10(M_l) (FedNLR Eq. 17)", ge=0)
-    a1: float = param(1.0, "weight of the depth term in mu_l", ge=0)
-    a2: float = param(1.0, "weight of log10(M_l) in mu_l", ge=0)
+    mu0: float = param(1.0, "mu_l = mu0 + a1 * depth + a2 * log10(M_l) (FedNLR Eq. 17)", ge=0,
+                       replica=True)
+    a1: float = param(1.0, "weight of the depth term in mu_l", ge=0, replica=True)
+    a2: float = param(1.0, "weight of log10(M_l) in mu_l", ge=0, replica=True)
     depth_term: str = param("l_over_L", "l/L (Eq. 17) | one_over_L (the paper's printed final formula)",
                             choices=("l_over_L", "one_over_L"))
     neuron_count: str = param("channels", "M_l of a conv layer: channels | channels_x_hw",

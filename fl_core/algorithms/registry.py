@@ -239,16 +239,6 @@ def sections() -> Dict[str, type]:
     return out
 
 
-def replica_keys() -> List[str]:
-    """The config keys of rule parameters that may differ between the replicas of one population (declared with
-    ``param(..., replica=True)``; each replica's rule instance carries its value into the vectorised pass):
-    ``["algorithm.<section>.<name>", ...]``."""
-    import dataclasses
-
-    return [f"algorithm.{section}.{f.name}" for section, schema in sections().items()
-            for f in dataclasses.fields(schema) if f.metadata.get("replica")]
-
-
 def _key(a: Any, key: str, default: Any = None) -> Any:
     """``a.<key>`` of an ``algorithm`` node given as a dict, a DictConfig or a dataclass."""
     return a.get(key, default) if hasattr(a, "get") else getattr(a, key, default)

@@ -61,17 +61,17 @@ OPT_PREFIX = "opt."  # server-state keys of the optimiser, beside the rule's own
 
 @dataclass
 class FedAvgMParams:
-    beta: float = param(0.9, "server momentum", ge=0, lt=1)
+    beta: float = param(0.9, "server momentum", ge=0, lt=1, replica=True)
     form: str = param("heavy_ball", "heavy_ball: v <- beta v + D, x <- x + eta_g v | ema: m <- beta m + (1-beta) D, "
                       "x <- x + m", choices=("heavy_ball", "ema"))
 
 
 @dataclass
 class AdaptiveParams:
-    beta1: float = param(0.9, "first-moment decay (adam, yogi, adagrad)", ge=0, lt=1)
+    beta1: float = param(0.9, "first-moment decay (adam, yogi, adagrad)", ge=0, lt=1, replica=True)
     beta2: float = param(0.99, "second-moment decay (adam, yogi)", ge=0, lt=1,
-                         when=when("algorithm.server_opt", "adam", "yogi"))
-    tau: float = param(1.0e-3, "adaptivity: x <- x + eta_g m / (sqrt(v) + tau)", gt=0)
+                         when=when("algorithm.server_opt", "adam", "yogi"), replica=True)
+    tau: float = param(1.0e-3, "adaptivity: x <- x + eta_g m / (sqrt(v) + tau)", gt=0, replica=True)
     v0: str = param("zero", "initial second moment: zero (v = 0, FedDecorr's code) | tau2 (v = tau^2, Reddi et al. "
                     "Alg. 2: v_{-1} >= tau^2)", choices=("zero", "tau2"))
 

@@ -112,8 +112,12 @@ def _sync(device: torch.device) -> None:
 
 
 def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: Dict,
-                   budget_s: float = PROBE_BUDGET_S, repeats: int = PROBE_REPEATS) -> ExecutorTiming:
+                   budget_s: float = PROBE_BUDGET_S, repeats: int = PROBE_REPEATS, replicas: int = 1) -> ExecutorTiming:
     """Time one local step of the sequential and the vectorised executor on round 1's clients; predict the round.
+
+    With ``replicas`` R > 1 the round predicted is that of a population of R replicas like this run
+    (:mod:`.population`): R times round 1's clients, which the sequential executor trains one replica after another
+    and the vectorised one in one pass (the probe's calls then train round 1's clients R times over).
 
     Each executor trains the first m of round 1's sampled clients (``cfg.train``'s sampler and ``cfg.seed``;
     the clients with data first) for one local step each (``local_steps=1``), on deep copies of ``model`` and
@@ -145,6 +149,7 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
         kwargs: the executors' keyword arguments (batch size, epochs, ... as the factory passes them).
         budget_s: seconds of sequential training per timed call (sets m).
         repeats: timed calls per executor at most (>= 1).
+        replicas: the replicas that will train together (1: a single run).
 
     Returns:
         an :class:`ExecutorTiming` (seconds) with every timed call in ``samples``.
@@ -155,7 +160,7 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
-    sampled, steps, chunk, order = _round1_clients(cfg, data, kwargs)
+    sampled, steps, chunk, order = _round1_clients(cfg, data, kwargs, replicas)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), gcpause.paused():
         executors, rctx = _probe_executors(cfg, model, algo, data, kwargs, sampled)
         timed = _timer(executors, rctx, device)
@@ -167,17 +172,20 @@ def time_executors(cfg, model: torch.nn.Module, algo, data: ClientData, kwargs: 
     return ExecutorTiming.from_samples(samples, m, steps, chunk, time.perf_counter() - t0)
 
 
-def _round1_clients(cfg, data: ClientData, kwargs: Dict) -> Tuple[List[int], List[int], int, List[int]]:
+def _round1_clients(cfg, data: ClientData, kwargs: Dict,
+                    replicas: int = 1) -> Tuple[List[int], List[int], int, List[int]]:
     """Round 1's sampled clients (``cfg.train``'s sampler, ``cfg.seed``), their local step counts K_i, the clients
     trained at once (``engine.max_parallel_clients``, 0: all), and the order the probe trains them in: the clients
-    with data first."""
+    with data first. With ``replicas`` R > 1, the steps and the order are R times over (a population's round) and
+    the chunk is all of them unless ``engine.max_parallel_clients`` is set."""
     t = cfg.train
+    r = max(1, int(replicas))
     sampled = sample_clients(len(data.indices), t.participation, t.sampler, int(cfg.seed), 1).tolist()
     sizes = [data.size(c) for c in sampled]
     steps = [client_steps(n, kwargs["batch_size"], kwargs["local_epochs"], kwargs.get("local_steps", 0))
-             for n in sizes]
-    chunk = int(cfg.engine.max_parallel_clients) or len(sampled)
-    order = [c for c, n in zip(sampled, sizes) if n > 0] + [c for c, n in zip(sampled, sizes) if n == 0]
+             for n in sizes] * r
+    chunk = int(cfg.engine.max_parallel_clients) or len(sampled) * r
+    order = ([c for c, n in zip(sampled, sizes) if n > 0] + [c for c, n in zip(sampled, sizes) if n == 0]) * r
     return sampled, steps, chunk, order
 
 
@@ -274,11 +282,12 @@ def _interleaved_samples(timed: Timed, order: List[int], m: Dict[str, int], step
     return samples
 
 
-def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict) -> str:
+def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict, replicas: int = 1) -> str:
     """What the probe's result depends on, as a string (the key of :func:`cached_timing`): the model's device and
     the torch thread count, the data's dtype and sample shape, every client's size, the ``dataset``, ``model`` and
     ``algorithm`` sections, the executors' local-step settings (``kwargs`` less the seed), the sampler and
-    participation, ``engine.max_parallel_clients``, ``engine.kernels``, and the model's parameter count. Not the
+    participation, ``engine.max_parallel_clients``, ``engine.kernels``, the model's parameter count and the replicas
+    that train together (``replicas``, a population). Not the
     seed, the learning rate or the number of rounds: they change which clients round 1 samples, not what a round
     of this workload costs."""
     c = to_container(cfg)
@@ -289,7 +298,7 @@ def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict) ->
             "executor": {k: v for k, v in kwargs.items() if k != "seed"},
             "sampler": [c["train"]["sampler"], c["train"]["participation"]],
             "engine": [c["engine"]["max_parallel_clients"], c["engine"]["kernels"]],
-            "d": sum(p.numel() for p in model.parameters())}
+            "d": sum(p.numel() for p in model.parameters()), "replicas": max(1, int(replicas))}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 

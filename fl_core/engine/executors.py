@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ..algorithms.base import Algorithm, ClientContext, ClientUpdate, RoundContext
+from ..algorithms.base import Algorithm, ClientContext, ClientUpdate, InfeasibleSetting, RoundContext
 from ..data import augment
 from ..seeding import derive_seeds, torch_generator
 from .probes import layer_activation_means
@@ -465,6 +465,11 @@ class _Chunk:
     moments: Dict[str, tuple]  # Adam's (m, v, step count [C]) per tensor
     masked: bool  # some client has a step mask
     population: bool = False  # the clients come from the rounds of several replicas (:meth:`run_population`)
+    weight_decay: Any = 0.0  # the L2 coefficient: one float, or [C] (a population over train.weight_decay)
+    # run_population: a client whose step plan raises InfeasibleSetting ends its replica alone (recorded in failed:
+    # position in the chunk -> the error); run_round: it is raised
+    isolated: bool = False
+    failed: Dict[int, BaseException] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -563,47 +568,70 @@ class VectorizedExecutor(Executor):
         return updates
 
     def run_population(self, jobs: Sequence[PopulationJob],
-                       chunk: Optional[int] = None) -> List[Union[List[ClientUpdate], NonFiniteLossError]]:
+                       chunk: Optional[int] = None) -> List[Union[List[ClientUpdate], Exception]]:
         """Train the clients of several replicas' rounds (same model and rule stack, same round number; each
-        replica its own received model, rule broadcast, eta_l, rule parameters listed in ``replica_params``, seed and
-        client states) in one pass: the vmap
-        axis is (replica x client), in chunks of ``chunk`` clients (0: all; None: ``max_parallel_clients``). Each client's batches,
-        augmentation and hooks are those of its replica (:func:`batch_schedule` with the replica's seed; its own
-        rule instance's ``client_begin`` / ``finish_client``), so each replica's updates are those of its own
+        replica its own received model, rule broadcast, eta_l, weight decay, rule parameters listed in
+        ``replica_params``, seed and client states) in one pass: the vmap axis is (replica x client), in chunks of
+        ``chunk`` clients (0: all; None: ``max_parallel_clients``). Each client's batches, augmentation and hooks are
+        those of its replica (:func:`batch_schedule` with the replica's seed; its own rule instance's
+        ``client_begin``, step plan and ``finish_client``), so each replica's updates are those of its own
         :meth:`run_round` up to float rounding.
 
         Returns:
-            per job, its clients' updates in order, or the :class:`NonFiniteLossError` of its first client whose
-            loss became non-finite (the other replicas' updates are unaffected).
+            per job, its clients' updates in order, or the exception that ends that replica alone: the
+            :class:`NonFiniteLossError` of its first client whose loss became non-finite, or the
+            :class:`~fl_core.algorithms.base.InfeasibleSetting` its rule raised for one of its clients (in
+            ``client_begin`` or its step plan). The other replicas' updates are unaffected.
         """
         ctxs: List[ClientContext] = []
         spans: List[Tuple[int, int]] = []  # each job's clients: ctxs[start:end]
-        for job in jobs:
+        errors: Dict[int, Exception] = {}  # job -> the exception that ends its replica
+        for j, job in enumerate(jobs):
             ex = job.executor
             mine = ex.client_contexts(job.rctx, [int(c) for c in job.client_ids], job.store)
-            ex._begin_clients(job.rctx, mine)
+            try:
+                ex._begin_clients(job.rctx, mine)
+            except InfeasibleSetting as err:  # this replica's setting: it fails alone, its clients do not train
+                errors[j], mine = err, []
             spans.append((len(ctxs), len(ctxs) + len(mine)))
             ctxs.extend(mine)
-        size = (self.max_parallel_clients if chunk is None else chunk) or len(ctxs)
+        size = (self.max_parallel_clients if chunk is None else chunk) or len(ctxs) or 1
         hyper = self._replica_values(jobs, spans)
+        decay = self._replica_decays(jobs, spans)
         updates: List[ClientUpdate] = []
-        bad: set = set()
+        bad: Dict[int, Exception] = {}  # position in ctxs -> why its replica fails
         for s in range(0, len(ctxs), size):
-            chunk = self._stack_chunk(jobs[0].rctx, ctxs[s:s + size], {k: v[s:s + size] for k, v in hyper.items()})
+            part = ctxs[s:s + size]
+            chunk = self._stack_chunk(jobs[0].rctx, part, {k: v[s:s + size] for k, v in hyper.items()},
+                                      None if decay is None else decay[s:s + size])
+            chunk.isolated = True
             for k in range(chunk.kmax):
                 self._chunk_step(chunk, k)
             ups, b = self._chunk_updates(chunk)
             updates.extend(ups)
-            bad.update(s + i for i in b)
-        out: List[Union[List[ClientUpdate], NonFiniteLossError]] = []
-        for job, (start, end) in zip(jobs, spans):
-            failed = [i for i in range(start, end) if i in bad]
-            if failed:
-                out.append(NonFiniteLossError(_non_finite(updates[failed[0]].train_loss, job.rctx.round,
-                                                          ctxs[failed[0]].client_id)))
+            for i in b:
+                bad.setdefault(s + i, NonFiniteLossError(_non_finite(ups[i].train_loss, part[i].round.round,
+                                                                     part[i].client_id)))
+            for i, err in chunk.failed.items():
+                bad[s + i] = err
+        out: List[Union[List[ClientUpdate], Exception]] = []
+        for j, (job, (start, end)) in enumerate(zip(jobs, spans)):
+            failed = [bad[i] for i in range(start, end) if i in bad]
+            if j in errors or failed:
+                infeasible = [e for e in failed if isinstance(e, InfeasibleSetting)]
+                out.append(errors.get(j) or (infeasible or failed)[0])
             else:
                 out.append(job.executor._finish_clients(ctxs[start:end], updates[start:end], job.store))
         return out
+
+    def _replica_decays(self, jobs: Sequence[PopulationJob], spans: List[Tuple[int, int]]) -> Optional[torch.Tensor]:
+        """Each client's weight decay [N] (its replica's ``train.weight_decay``) when the replicas of ``jobs`` differ
+        in it, else None (this executor's value for all)."""
+        values = [float(job.executor.weight_decay) for job in jobs]
+        if len(set(values)) < 2:
+            return None
+        return torch.tensor([v for v, (a, b) in zip(values, spans) for _ in range(b - a)],
+                            dtype=self.data.x.dtype, device=self.data.x.device)
 
     def _replica_values(self, jobs: Sequence[PopulationJob], spans: List[Tuple[int, int]]) -> Dict[str, torch.Tensor]:
         """The rule parameters in which the replicas of ``jobs`` differ (the ``replica_params`` of each layer of the
@@ -621,12 +649,12 @@ class VectorizedExecutor(Executor):
         return out
 
     def local_settings(self) -> Tuple[Any, ...]:
-        """What this executor imposes on every client it trains (batch size, local epochs or steps, weight decay,
-        momentum, local optimiser, clipping, augmentation): a population's lead executor
-        trains every replica's clients with its own, so replicas must agree on them
-        (:func:`~.population.can_share`)."""
-        return (self.batch_size, self.local_epochs, self.local_steps, self.weight_decay, self.momentum,
-                self.optimizer, self.grad_clip, self.augmentation, self.crop_padding)
+        """What this executor imposes on every client it trains (batch size, local epochs or steps, momentum, local
+        optimiser, clipping, augmentation): a population's lead executor trains every replica's clients with its
+        own, so replicas must agree on them (:func:`~.population.can_share`); the weight decay may differ (each
+        client gets its replica's, :meth:`run_population`)."""
+        return (self.batch_size, self.local_epochs, self.local_steps, self.momentum, self.optimizer, self.grad_clip,
+                self.augmentation, self.crop_padding)
 
     def _round_values(self, rctx: RoundContext, ctxs: List[ClientContext]):
         """(the hooks' round context of the chunk, the per-client round values vmap slices or None):
@@ -733,10 +761,12 @@ class VectorizedExecutor(Executor):
                 ctx.full_grad = full_gradient(self.model, algo, ctx, data.x[ix], data.y[ix])
 
     def _stack_chunk(self, rctx: RoundContext, ctxs: List[ClientContext],
-                     hyper: Optional[Dict[str, torch.Tensor]] = None) -> _Chunk:
+                     hyper: Optional[Dict[str, torch.Tensor]] = None,
+                     weight_decay: Optional[torch.Tensor] = None) -> _Chunk:
         """The chunk's starting point stacked [C, ...]: the received parameters, step-size multipliers, per-client
         values (with ``hyper``: the rule parameters in which a population's replicas differ, each [C];
-        :meth:`_replica_values`), batch schedule, anchor and optimiser state."""
+        :meth:`_replica_values`; ``weight_decay`` [C]: each client's replica's, where they differ), batch schedule,
+        anchor and optimiser state."""
         data, needs, dev = self.data, self.needs, self.data.x.device
         C = len(ctxs)
         rctx, per_client = self._round_values(rctx, ctxs)
@@ -779,7 +809,8 @@ class VectorizedExecutor(Executor):
         return _Chunk(rctx=rctx, ctxs=ctxs, params=params, lr_scale=lr_scale, steps=steps, client=client, pos=pos,
                       w=w, kmax=kmax, batched_ctx=batched_ctx, anchor=anchor, loss_sum=loss_sum, bufs=bufs,
                       moments=moments, masked=any(c.step_mask is not None for c in ctxs),
-                      population=per_client is not None)
+                      population=per_client is not None,
+                      weight_decay=self.weight_decay if weight_decay is None else weight_decay)
 
     def _stacked_lr_scale(self, ctxs: List[ClientContext], g: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Per-client step-size multipliers stacked [C, *shape] for the tensors some client scales; 1 where a
@@ -828,13 +859,29 @@ class VectorizedExecutor(Executor):
         """Which tensor of which client moves at step k + 1, [C, P]: the clients' step masks, and only clients
         with steps left (``active`` [C])."""
         C, P = len(chunk.ctxs), len(self._names)
-        masks = [c.step_mask(k + 1) if c.step_mask is not None else None for c in chunk.ctxs] if chunk.masked \
-            else [None]
+        masks = [self._client_mask(chunk, i, k) for i in range(C)] if chunk.masked else [None]
         if all(m is None for m in masks):  # every tensor of every client may move: the mask is `active`
             return active[:, None].expand(C, P)
         mask = torch.tensor([[True] * P if m is None else list(m) for m in masks], device=self.data.x.device)
         mask &= active[:, None]  # [C, P]
         return mask
+
+    def _client_mask(self, chunk: _Chunk, i: int, k: int) -> Optional[Sequence[bool]]:
+        """Client ``i``'s step mask at step k + 1 (None: every tensor moves). In a population, a client whose step
+        plan raises :class:`~fl_core.algorithms.base.InfeasibleSetting` (its replica's setting) stops moving and is
+        recorded in ``chunk.failed``: its replica fails alone (:meth:`run_population`)."""
+        ctx = chunk.ctxs[i]
+        if i in chunk.failed:
+            return [False] * len(self._names)
+        if ctx.step_mask is None:
+            return None
+        try:
+            return ctx.step_mask(k + 1)
+        except InfeasibleSetting as err:
+            if not chunk.isolated:
+                raise
+            chunk.failed[i] = err
+            return [False] * len(self._names)
 
     def _clip_coefficients(self, grads: Dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Per-client gradient scale [C] of ``clip_grad_norm_`` over the client's trainable tensors."""
@@ -851,13 +898,22 @@ class VectorizedExecutor(Executor):
             shape = (C,) + (1,) * (p.dim() - 1)
             if coef is not None:
                 gr = gr * coef.view(shape)
-            d_p = gr + self.weight_decay * p if self.weight_decay else gr
+            d_p = self._decayed(chunk, gr, p, shape)
             moves = mask[:, j].view(shape)
             if self.optimizer == "adam":
                 step = self._adam_step(chunk, n, d_p, mask[:, j], moves, shape)
             else:
                 step = self._sgd_step(chunk, n, d_p, moves)
             chunk.params[n] = torch.where(moves, p - step, p)
+
+    @staticmethod
+    def _decayed(chunk: _Chunk, grad: torch.Tensor, p: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+        """The gradient with the L2 term, grad + wd * p [C, *shape]: one wd for the chunk, or each client's own ([C]
+        viewed as ``shape``; a population over ``train.weight_decay``)."""
+        wd = chunk.weight_decay
+        if isinstance(wd, torch.Tensor):
+            return grad + wd.view(shape) * p
+        return grad + wd * p if wd else grad
 
     def _adam_step(self, chunk: _Chunk, n: str, d_p: torch.Tensor, mask_j: torch.Tensor, moves: torch.Tensor,
                    shape: Tuple[int, ...]) -> torch.Tensor:

@@ -80,7 +80,7 @@ def vectorized_fit(cfg, model: torch.nn.Module, algo, data: ClientData, state_by
 
 def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.device,
                     probe: Optional[Callable[[], ExecutorTiming]] = None,
-                    fit: Optional[Callable[[], memory.Fit]] = None) -> Tuple[str, str]:
+                    fit: Optional[Callable[[], memory.Fit]] = None, replicas: int = 1) -> Tuple[str, str]:
     """Resolve ``engine.executor`` (``auto`` included) to an executor name and the reason for it.
 
     A name other than ``auto`` is taken as given; ``vectorized`` is checked against the memory first (below).
@@ -101,6 +101,7 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
         probe: returns the :class:`ExecutorTiming` (called at most once), or None (device default).
         fit: returns the vectorised executor's :class:`.memory.Fit` (:func:`vectorized_fit`; called at most once,
             only for ``auto`` and ``vectorized`` with a stack and a model it can run), or None (no memory check).
+        replicas: the replicas the probe's round is for (a population trained together; only named in the reason).
 
     Returns:
         (executor name, reason): the reason is one line, logged as the MLflow tag ``executor_reason``.
@@ -146,7 +147,8 @@ def choose_executor(requested: str, algo, model: torch.nn.Module, device: torch.
     calls = len(timing.samples.get("sequential", ()))
     how = f"fastest of {calls} alternating calls each, " if calls else ""
     again = ", measured once for this workload in this process" if timing.cached else ""
-    return name, (f"auto: {name} ({why}): predicted round 1 on {where}: vectorized {1e3 * vec:.1f} ms, "
+    pop = f" of a population of {replicas} replicas" if replicas > 1 else ""
+    return name, (f"auto: {name} ({why}): predicted round 1{pop} on {where}: vectorized {1e3 * vec:.1f} ms, "
                   f"sequential {1e3 * seq:.1f} ms, from one local step of {n['vectorized']} and "
                   f"{n['sequential']} of its {timing.sampled} clients ({how}probe {timing.probe_s:.2f} s{again})")
 
@@ -184,7 +186,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
                     data: Optional[ClientData] = None, logger: Optional[RunLogger] = None,
                     checkpoint_path: Optional[Path] = None,
                     callbacks: Optional[List[Callable]] = None, cache_dir: Optional[Path] = None,
-                    experiment: Optional[ResolvedExperiment] = None) -> Simulator:
+                    experiment: Optional[ResolvedExperiment] = None, replicas: int = 1) -> Simulator:
     """Model, algorithm stack, executor and round loop for one seed of ``cfg``.
 
     Args:
@@ -197,6 +199,10 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
             None: nothing is written.
         experiment: the experiment ``cfg`` is a seed of (:func:`fl_core.experiment.resolve`), whose fingerprint names
             the seed's job between the ranks of ``engine.executor=distributed``; None: computed from ``cfg``.
+        replicas: how many replicas like this one are meant to train together as a population (an experiment's
+            seeds, a sweep's batch; :mod:`.population`): ``engine.executor=auto`` then times R of them one after
+            another on the sequential executor against one pass of all of them on the vectorised one
+            (:func:`.autoprobe.time_executors`). 1: a single run.
 
     A model with a ``label_map`` trains and is tested on its own targets (:func:`model_targets`); the model then
     sees the clients' data once (``bind_training_data``) before the executor is chosen.
@@ -231,11 +237,14 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
         rank, ranks, _ = world()
     # the in-memory store keeps every client's state on the host (Simulator._open_store): RAM the run will take
     held = partition.num_clients * state_bytes if store == "memory" and device.type == "cpu" and rank == 0 else 0
+    replicas = 1 if distributed else max(1, int(replicas))
     name, reason = choose_executor(cfg.engine.rank_executor if distributed else cfg.engine.executor, algo, model,
                                    device, probe=lambda: autoprobe.cached_timing(
-                                       autoprobe.workload_key(cfg, model, data, kwargs),
-                                       lambda: time_executors(cfg, model, algo, data, kwargs)),
-                                   fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks, held))
+                                       autoprobe.workload_key(cfg, model, data, kwargs, replicas),
+                                       lambda: time_executors(cfg, model, algo, data, kwargs, replicas=replicas)),
+                                   fit=lambda: vectorized_fit(cfg, model, algo, data, state_bytes, ranks, held),
+                                   replicas=replicas)
+
     if name == "vectorized":
         kwargs["max_parallel_clients"] = cfg.engine.max_parallel_clients
     executor = EXECUTORS[name](model, algo, data, **kwargs)
@@ -260,22 +269,20 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     return sim
 
 
+SHARED_SECTIONS = ("algorithm", "model", "dataset", "partition")  # what a population's replicas share (replica_key)
+
+
 def replica_key(cfg) -> str:
     """What replicas of a population must share beyond the simulator's own settings: the rule stack's, the model's,
     the dataset's and the partition's config sections (a rule's hyperparameters are not in its description, and the
-    batched hooks run on the first replica's instance; :func:`.population.can_share`), but the rule parameters a
-    replica carries itself (:func:`fl_core.algorithms.registry.replica_keys`)."""
+    batched hooks run on the first replica's instance; :func:`.population.can_share`), but the keys a replica
+    carries itself (:func:`fl_core.config.replica_keys`: eta_g and the rules' replica parameters)."""
     import json
 
-    from ..algorithms.registry import replica_keys
-    from ..config import to_container
+    from ..config import drop_keys, replica_keys, to_container
 
     c = to_container(cfg)
-    for key in replica_keys():
-        section, name = key.split(".")[1:]
-        if isinstance(c["algorithm"].get(section), dict):
-            c["algorithm"][section].pop(name, None)
-    return json.dumps({k: c[k] for k in ("algorithm", "model", "dataset", "partition")}, sort_keys=True, default=str)
+    return json.dumps(drop_keys({k: c[k] for k in SHARED_SECTIONS}, replica_keys()), sort_keys=True, default=str)
 
 
 def population_chunk(cfg, sim: Simulator, replicas: int) -> int:

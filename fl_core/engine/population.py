@@ -10,20 +10,25 @@ function of its replica's ``(seed, round, client)`` (:mod:`fl_core.seeding`), so
 its separate run up to float rounding, and a replica resumed from its checkpoint rejoins the others (replicas at
 different rounds after a kill catch up first: a pass takes only the replicas at the lowest round).
 
-A replica whose loss becomes non-finite ends FAILED alone; the others go on. Replicas that cannot share a pass
+A replica whose loss becomes non-finite, or whose rule finds its setting infeasible once running
+(``InfeasibleSetting``, e.g. FedBug's code schedule with P * K_i < M for that replica's P), ends FAILED alone; the others
+go on. The caller may stop replicas between passes and add new ones (:class:`Steer`: a sweep's pruner and the trials
+that refill its batch). Replicas that cannot share a pass
 (another executor, a rule stack or model that differs: :func:`can_share`) run one after another, each with
 :func:`run_one` (:class:`pipeline.experiment.ExperimentRunner` decides).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
+from ..algorithms.base import InfeasibleSetting
 from . import gcpause
 from .executors import NonFiniteLossError, PopulationJob, VectorizedExecutor
-from .simulator import RunFailed, RunResult, Simulator
+from .simulator import RunFailed, RunResult, RunStopped, Simulator
 
-Outcome = Union[RunResult, RunFailed]
+Outcome = Union[RunResult, RunFailed, RunStopped]
 
 
 def vectorized(sim: Simulator) -> bool:
@@ -36,9 +41,10 @@ def can_share(sims: Sequence[Simulator]) -> bool:
     """Whether ``sims`` can train as one population: at least two, each on the vectorised executor (not wrapped by
     another, e.g. distributed), built by the factory from configs with the same rule stack, model, dataset and
     partition sections (:func:`.factory.replica_key`: so one model architecture, federation and client data, and a
-    rule's hyperparameters, as the batched hooks run on the first replica's instance, but those a replica carries
-    itself, ``replica_params``), of one round count and local-step settings
-    (:meth:`~.executors.VectorizedExecutor.local_settings`); eta_l and the seed may differ."""
+    rule's hyperparameters, as the batched hooks run on the first replica's instance, but the keys a replica carries
+    itself, :func:`fl_core.config.replica_keys`), of one round count and local-step settings
+    (:meth:`~.executors.VectorizedExecutor.local_settings`); the seed, eta_l, the weight decay, eta_g and the rules'
+    replica parameters may differ."""
     if len(sims) < 2 or not all(vectorized(s) and s.replica_key is not None for s in sims):
         return False  # (a simulator not built by the factory: what it shares is unknown)
 
@@ -51,20 +57,43 @@ def can_share(sims: Sequence[Simulator]) -> bool:
 Done = Optional[Callable[[int, Outcome], None]]
 
 
-def run_together(sims: Sequence[Simulator], chunk: int = 0, on_done: Done = None) -> List[Outcome]:
-    """Run the simulators ``sims`` (:func:`can_share`) to their end as one population, ``chunk`` clients at once (0:
+@dataclass
+class Steer:
+    """What the caller of :func:`run_together` decides between two passes.
+
+    Attributes:
+        stop: replica index -> reason: end these replicas now (:meth:`~.simulator.Simulator.stop`: their logger's run
+            KILLED, outcome :class:`~.simulator.RunStopped`), e.g. the trials a sweep's pruner stopped.
+        join: new replicas (simulators that :func:`can_share` with the population) that begin now, from their own
+            round (0, or their checkpoint's), and take the next indices in order; a pass takes the replicas at the
+            lowest round, so a newcomer trains alone until it has caught up with the others.
+    """
+
+    stop: Dict[int, str] = field(default_factory=dict)
+    join: List[Simulator] = field(default_factory=list)
+
+
+def run_together(sims: Sequence[Simulator], chunk: int = 0, on_done: Done = None,
+                 steer: Optional[Callable[[], Optional[Steer]]] = None) -> List[Outcome]:
+    """Run the simulators ``sims`` (:func:`can_share`; or one that ``steer`` may join others to) to their end as one
+    population, ``chunk`` clients at once (0:
     all of a round's clients of every replica; :func:`.factory.population_chunk`). ``on_done(i, outcome)`` hears of
-    each replica as soon as it ends (it may raise to stop the rest). Returns, in order, each one's
-    :class:`~.simulator.RunResult` or the :class:`~.simulator.RunFailed` it ended with (its logger's run closed
-    FAILED).
+    each replica as soon as it ends (it may raise to stop the rest). ``steer()``, when given, is asked after every
+    pass (after the ``on_done`` calls of the replicas that ended in it) and may stop replicas or add new ones
+    (:class:`Steer`); the population runs until no replica is left and ``steer`` adds none. Returns, in index order
+    (the joined replicas after ``sims``), each one's :class:`~.simulator.RunResult` or the
+    :class:`~.simulator.RunFailed` it ended with (its logger's run closed FAILED; a non-finite loss, or an
+    ``InfeasibleSetting`` its rule raised: ``RunFailed.cause``) or the :class:`~.simulator.RunStopped` of a replica
+    ``steer`` stopped.
 
     Raises:
-        ValueError: the simulators cannot share a pass (run them one after another instead: :func:`run_one`).
+        ValueError: the simulators cannot share a pass (run them one after another instead: :func:`run_one`), or
+            ``steer`` adds one that cannot share it with them.
     """
-    if not can_share(sims):
+    if not (can_share(sims) or (len(sims) == 1 and vectorized(sims[0]) and sims[0].replica_key is not None)):
         raise ValueError("these simulators cannot train as one population (can_share): run them one by one")
     with gcpause.frozen_heap():
-        return _lock_step(list(sims), chunk, on_done)
+        return _lock_step(list(sims), chunk, on_done, steer)
 
 
 def run_one(sim: Simulator) -> Outcome:
@@ -75,8 +104,9 @@ def run_one(sim: Simulator) -> Outcome:
         return err
 
 
-def _lock_step(sims: List[Simulator], chunk: int, on_done: Done) -> List[Outcome]:
-    states = {i: sim.begin() for i, sim in enumerate(sims)}  # i -> (round state, client store, resumed from)
+def _lock_step(sims: List[Simulator], chunk: int, on_done: Done,
+               steer: Optional[Callable[[], Optional[Steer]]] = None) -> List[Outcome]:
+    states: Dict[int, tuple] = {}  # i -> (round state, client store, resumed from)
     results: Dict[int, Outcome] = {}
 
     def done(i: int, outcome: Outcome) -> None:
@@ -85,28 +115,53 @@ def _lock_step(sims: List[Simulator], chunk: int, on_done: Done) -> List[Outcome
         if on_done is not None:
             on_done(i, outcome)
 
-    for i, (st, store, resumed) in list(states.items()):
+    def begin(i: int) -> None:
+        states[i] = sims[i].begin()
+        st, store, resumed = states[i]
         if st["round"] >= sims[i].rounds:  # a checkpoint of the last round: nothing left to train
             done(i, sims[i].finish_run(st, store, resumed))
+
+    for i in range(len(sims)):
+        begin(i)
     first_pass = True
-    while states:
-        r = min(st["round"] for st, _, _ in states.values()) + 1
-        group = [i for i, (st, _, _) in states.items() if st["round"] + 1 == r]
-        starts = {i: sims[i].start_round(r, states[i][0]) for i in group}
-        jobs = [PopulationJob(sims[i].executor, starts[i].rctx, starts[i].clients, states[i][1]) for i in group]
-        trained = sims[group[0]].executor.run_population(jobs, chunk)
-        for i, updates in zip(group, trained):
-            st, store, resumed = states[i]
-            try:
-                if isinstance(updates, NonFiniteLossError):
-                    raise updates
-                sims[i].end_round(starts[i], st, store, updates)
-            except NonFiniteLossError as err:
-                done(i, sims[i].fail(st, store, err))
-                continue
-            if st["round"] >= sims[i].rounds:
-                done(i, sims[i].finish_run(st, store, resumed))
+    while True:
+        if states:
+            _one_pass(sims, states, chunk, done)
         if first_pass:  # the first pass imported what it uses: freeze it too
             gcpause.refreeze()
             first_pass = False
+        plan = steer() if steer is not None else None
+        if plan is not None:
+            for i, reason in plan.stop.items():
+                if i in states:
+                    st, store, _ = states[i]
+                    done(i, sims[i].stop(st, store, reason))
+            for sim in plan.join:
+                if not can_share([sims[0], sim]):
+                    raise ValueError("a replica added to the population cannot share its pass (can_share)")
+                sims.append(sim)
+                begin(len(sims) - 1)
+        if not states:
+            break
     return [results[i] for i in range(len(sims))]
+
+
+def _one_pass(sims: List[Simulator], states: Dict[int, tuple], chunk: int, done: Callable[[int, Outcome], None]):
+    """One round of the replicas at the lowest round, their clients in one vectorised pass; each replica then ends
+    its round, or fails alone (a non-finite loss, an ``InfeasibleSetting`` of its rule)."""
+    r = min(st["round"] for st, _, _ in states.values()) + 1
+    group = [i for i, (st, _, _) in states.items() if st["round"] + 1 == r]
+    starts = {i: sims[i].start_round(r, states[i][0]) for i in group}
+    jobs = [PopulationJob(sims[i].executor, starts[i].rctx, starts[i].clients, states[i][1]) for i in group]
+    trained = sims[group[0]].executor.run_population(jobs, chunk)
+    for i, updates in zip(group, trained):
+        st, store, resumed = states[i]
+        try:
+            if isinstance(updates, Exception):
+                raise updates
+            sims[i].end_round(starts[i], st, store, updates)
+        except (NonFiniteLossError, InfeasibleSetting) as err:  # this replica's own: it ends alone
+            done(i, sims[i].fail(st, store, err))
+            continue
+        if st["round"] >= sims[i].rounds:
+            done(i, sims[i].finish_run(st, store, resumed))

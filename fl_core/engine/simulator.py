@@ -62,11 +62,20 @@ class NullLogger:
 
 
 class RunFailed(RuntimeError):
-    """The run ended as FAILED; the message is the one-line reason, ``history`` the rounds run until then."""
+    """The run ended as FAILED; the message is the one-line reason, ``history`` the rounds run until then, ``cause``
+    the exception that ended it (a :class:`~.executors.NonFiniteLossError`, or in a population the
+    :class:`~fl_core.algorithms.base.InfeasibleSetting` of this replica's rule), if any."""
 
-    def __init__(self, reason: str, history: Optional[List[Dict[str, float]]] = None):
+    def __init__(self, reason: str, history: Optional[List[Dict[str, float]]] = None,
+                 cause: Optional[BaseException] = None):
         super().__init__(reason)
         self.history = list(history or [])
+        self.cause = cause
+
+
+class RunStopped(RunFailed):
+    """The run was stopped by its caller before its last round (a replica a sweep's pruner stopped,
+    :func:`~.population.run_together`); its logger's run is closed KILLED with the reason, no checkpoint is kept."""
 
 
 @dataclass
@@ -362,10 +371,20 @@ class Simulator:
         self.logger.open(st.get("logger"))
         return st, store, resumed_from
 
-    def fail(self, st: dict, store: ClientStateStore, err: NonFiniteLossError) -> RunFailed:
-        """The run ends FAILED on ``err`` (:meth:`_close_failed`); the :class:`RunFailed` to raise or report."""
+    def fail(self, st: dict, store: ClientStateStore, err: Exception) -> RunFailed:
+        """The run ends FAILED on ``err`` (:meth:`_close_failed`; a :class:`NonFiniteLossError`, or an
+        ``InfeasibleSetting`` of a replica in a population); the :class:`RunFailed` to raise or report."""
         self._close_failed(store, str(err))
-        return RunFailed(str(err), st["history"])
+        return RunFailed(str(err), st["history"], err)
+
+    def stop(self, st: dict, store: ClientStateStore, reason: str) -> RunStopped:
+        """Its caller ends the run before its last round (``reason``: why): the store closed, the logger's run closed
+        KILLED with the reason, the checkpoint dropped; the :class:`RunStopped` to report."""
+        getattr(store, "close", lambda: None)()
+        self.logger.flush()
+        self.logger.close("KILLED", reason)
+        self.discard_checkpoint()
+        return RunStopped(reason, st["history"])
 
     def _run(self) -> RunResult:
         """Resume (or start), run rounds ``st["round"] + 1 .. R``, then the post-training step and the result."""
