@@ -795,7 +795,8 @@ def _sweep_case(action: str):
 
             def command(n: int) -> List[str]:
                 return py("sweeps.tune", "--space", "space.yaml", "--storage", url, "--study-name", "s", "--n-trials",
-                          str(n), "--workers", str(SWEEP_WORKERS), "--no-test", "--quiet", "--out", "out")
+                          str(n), "--workers", str(SWEEP_WORKERS), "--batch", "1", "--no-test", "--quiet", "--out",
+                          "out")  # one trial at a time per worker, as the campaign's tables were measured
 
             first = Run(chain, command(SWEEP_TRIALS))
             fault_at = None

@@ -33,7 +33,11 @@ Parts, in this order; each one reports its error in one line and the check goes 
    builds left out), and the largest relative distance between final models: the population's replicas against
    their vectorised runs one after another, those against the sequential runs, and each row's runs against its own
    first repeat (whether the device repeats itself: ``engine.deterministic``).
-4. ``vit``: V1 on CUDA (``model=vit_b_16`` with random weights, d = 85.8 M, FedBCGD's B = 16, 10 clients x 32
+4. ``trials``: a sweep's batch at the engine level (``tune.py --space lr --batch 16``): 16 W1 experiments that differ
+   in eta_l (``--quick``: 4) as one population, against the same one after another on the vectorised and on the
+   sequential executor (``--batch 1``'s default), the same columns as ``population`` and the ratio to the sequential
+   runs (docs/sweeps.md, Batches).
+5. ``vit``: V1 on CUDA (``model=vit_b_16`` with random weights, d = 85.8 M, FedBCGD's B = 16, 10 clients x 32
    samples, all 10 per round, E = 1); on the CPU V0 (``vit_tiny``, the same layout at CPU size). ms per round for
    the sequential and the vectorised executor, and the vectorised executor's peak memory above what the device held
    before its rounds against the engine's own estimate (:func:`fl_core.engine.factory.vectorized_fit`, at the
@@ -88,6 +92,8 @@ AGREE_STACKS = (  # (row name, overrides, dtype)
     ("Top-k (10%) over FedAvg", ["algorithm=topk"], "float64"),
 )
 POP_SEEDS = (1, 2, 3)
+PARTS = ("agreement", "speed", "population", "trials", "vit")
+TRIAL_BATCH = 16  # part trials: the eta_l values of one sweep batch (tune.py --batch 16)
 FP32_PEAK_TFLOPS = {"H100": 67.0, "H200": 67.0, "A100": 19.5}  # plain float32 (no tensor cores), datasheets (SXM)
 
 
@@ -155,7 +161,7 @@ class Check:
         self.data: Dict = {"command": "python3 benchmarks/gpu_check.py " + " ".join(args.argv),
                            "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
                            "machine": self.machine(), "kit": kit_line, "parts": [], "agreement": [], "speed": [],
-                           "population": [], "vit": []}
+                           "population": [], "trials": [], "vit": []}
 
     # ------------------------------------------------------------------ machine and output
 
@@ -341,21 +347,41 @@ class Check:
             self.write()
 
     def population(self) -> None:
+        """The 3 seeds of one W1 experiment as one population against the same seeds one after another."""
+        rounds = 3 if self.args.quick else 10
+        self._groups("population", [(f"seed {s}", s, []) for s in POP_SEEDS], rounds,
+                     f"W1, seeds {list(POP_SEEDS)}, {rounds} rounds")
+
+    def trials(self) -> None:
+        """A sweep's batch at the engine level (``tune.py --space lr --batch K``): K W1 experiments that differ in
+        eta_l (log-spaced over the ``lr`` space's range) as one population, against the same K one after another on
+        the sequential executor (what ``--batch 1`` trains on by default) and on the vectorised one."""
+        k = 4 if self.args.quick else TRIAL_BATCH
+        rounds = 3 if self.args.quick else 10
+        lrs = [0.005 * 100 ** (i / max(1, k - 1)) for i in range(k)]
+        self._groups("trials", [(f"eta_l {lr:.3g}", self.args.seed, [f"train.lr={lr!r}"]) for lr in lrs], rounds,
+                     f"W1, {k} values of eta_l in [0.005, 0.5] (a batch of {k} trials of the lr space), {rounds} rounds")
+
+    def _groups(self, key: str, variants: Sequence, rounds: int, workload: str) -> None:
+        """Rows of part ``key``: ``variants`` ((label, seed, extra overrides) per replica) as one population, one
+        after another on the vectorised executor, one after another on the sequential one; seconds for the rounds
+        (the builds left out) and the largest relative distance between the final models (module docstring)."""
         from benchmarks import round_speed as rs
         from fl_core.engine.factory import population_chunk
         from fl_core.engine.population import can_share, run_one, run_together
 
         w = rs.WORKLOADS["W1"]
-        rounds = 3 if self.args.quick else 10
         ds, part, data = self.inputs(w, self.args.seed)
 
+        def config(executor: str, seed: int, extra):
+            return self.config(w, executor, rounds, seed, ["train.eval_every=1000", *extra])
+
         def sims(executor: str):
-            return [self.build(self.config(w, executor, rounds, s, ["train.eval_every=1000"]), ds, part, data)
-                    for s in POP_SEEDS]
+            return [self.build(config(executor, s, extra), ds, part, data) for _, s, extra in variants]
 
         times: Dict[str, List[float]] = {"population": [], "vectorized, one after another": [],
                                          "sequential, one after another": []}
-        finals: Dict[str, List] = {k: [] for k in times}  # per repeat: the 3 replicas' final models
+        finals: Dict[str, List] = {k: [] for k in times}  # per repeat: the replicas' final models
         for rep in range(self.args.repeats):
             order = list(times) if rep % 2 == 0 else list(times)[::-1]
             for kind in order:
@@ -364,8 +390,8 @@ class Check:
                 group = sims("sequential" if kind.startswith("sequential") else "vectorized")
                 if kind == "population":
                     if not can_share(group):
-                        raise RuntimeError("the 3 seeds' simulators cannot share a pass (population.can_share)")
-                    chunk = population_chunk(self.config(w, "vectorized", rounds, POP_SEEDS[0]), group[0],
+                        raise RuntimeError(f"the {len(group)} simulators cannot share a pass (population.can_share)")
+                    chunk = population_chunk(config("vectorized", variants[0][1], variants[0][2]), group[0],
                                              len(group))
                     self.sync()
                     t0 = time.perf_counter()
@@ -377,29 +403,28 @@ class Check:
                 self.sync()
                 times[kind].append(time.perf_counter() - t0)
                 finals[kind].append([o.final_flat for o in outs])
-                log(f"  {kind}: {times[kind][-1]:.2f} s for {rounds} rounds of {len(group)} seeds")
+                log(f"  {key} {kind}: {times[kind][-1]:.2f} s for {rounds} rounds of {len(group)} replicas")
                 del group, outs
-        base = statistics.median(times["vectorized, one after another"]) if times[
-            "vectorized, one after another"] else None
+        base = {k: statistics.median(ts) if ts else None for k, ts in times.items()}
         compare = {"population": ("vectorized, one after another", "the vectorised runs one after another"),
                    "vectorized, one after another": ("sequential, one after another", "the sequential runs"),
                    "sequential, one after another": ("sequential, one after another", "its own earlier repeats")}
         for kind, ts in times.items():
             if not ts:
-                self.data["population"].append({"row": kind, "note": "skipped: time budget"})
+                self.data[key].append({"row": kind, "note": "skipped: time budget"})
                 continue
             med = statistics.median(ts)
             other, what = compare[kind]
             pairs = ([(a, b) for rep in finals[kind][1:] for a, b in zip(finals[kind][0], rep)] if other == kind else
                      [(a, b) for ra, rb in zip(finals[other], finals[kind]) for a, b in zip(ra, rb)])
             again = [(a, b) for rep in finals[kind][1:] for a, b in zip(finals[kind][0], rep)]
-            self.data["population"].append({
+            vec, seq = base["vectorized, one after another"], base["sequential, one after another"]
+            self.data[key].append({
                 "row": kind, "seconds": med, "repeat_s": ts, "ms_per_round": 1e3 * med / rounds,
-                "vs_one_after_another": med / base if base else None,
+                "vs_one_after_another": med / vec if vec else None, "vs_sequential": med / seq if seq else None,
                 "max_rel_l2": max((_rel(a, b) for a, b in pairs), default=None), "compared_with": what,
                 "run_to_run": max((_rel(a, b) for a, b in again), default=None)})
-        self.data["population_notes"] = {"workload": f"W1, seeds {list(POP_SEEDS)}, {rounds} rounds "
-                                                     f"(builds not timed), x{self.args.repeats} repeats"}
+        self.data[f"{key}_notes"] = {"workload": f"{workload} (builds not timed), x{self.args.repeats} repeats"}
         self.write()
 
     def vit(self) -> None:
@@ -483,7 +508,7 @@ def render(d: Dict) -> str:
                   "TF32 rows (engine.float32_precision=high) and the deterministic=false rows.", ""]
     lines += ["| part | result | seconds |", "|---|---|---:|"]
     lines += [f"| {p['name']} | {'ok' if p['ok'] else p['error']} | {p['seconds']} |" for p in d["parts"]]
-    for section in (_agreement_md, _speed_md, _population_md, _vit_md):
+    for section in (_agreement_md, _speed_md, _population_md, _trials_md, _vit_md):
         lines += section(d)
     return "\n".join(lines) + "\n"
 
@@ -538,23 +563,28 @@ def _speed_md(d: Dict) -> List[str]:
     return lines
 
 
-def _population_md(d: Dict) -> List[str]:
-    if not d["population"]:
+def _population_md(d: Dict, key: str = "population", title: str = "Populations") -> List[str]:
+    if not d.get(key):
         return []
-    lines = ["", "Populations (" + d.get("population_notes", {}).get("workload", "") + "):", "",
-             "| row | seconds (median) | ms per round | vs vectorised one after another "
-             "| final models: max relative L2 distance | compared with | run to run (same row, repeat 1 against "
-             "the others) |", "|---|---:|---:|---:|---:|---|---:|"]
-    for r in d["population"]:
+    lines = ["", f"{title} (" + d.get(f"{key}_notes", {}).get("workload", "") + "):", "",
+             "| row | seconds (median) | ms per round | vs vectorised one after another | vs sequential one after "
+             "another | final models: max relative L2 distance | compared with | run to run (same row, repeat 1 "
+             "against the others) |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in d[key]:
         if "note" in r:
-            lines.append(f"| {r['row']} | {r['note']} | | | | | |")
+            lines.append(f"| {r['row']} | {r['note']} | | | | | | |")
             continue
         rel, again = r["max_rel_l2"], r.get("run_to_run")
-        vs = r["vs_one_after_another"]
+        vs, seq = r["vs_one_after_another"], r.get("vs_sequential")
         lines.append(f"| {r['row']} | {r['seconds']:.2f} | {_fmt(r['ms_per_round'])} | "
-                     f"{'-' if vs is None else f'{vs:.2f}x'} | {'-' if rel is None else f'{rel:.1e}'} | "
-                     f"{r['compared_with']} | {'-' if again is None else f'{again:.1e}'} |")
+                     f"{'-' if vs is None else f'{vs:.2f}x'} | {'-' if seq is None else f'{seq:.2f}x'} | "
+                     f"{'-' if rel is None else f'{rel:.1e}'} | {r['compared_with']} | "
+                     f"{'-' if again is None else f'{again:.1e}'} |")
     return lines
+
+
+def _trials_md(d: Dict) -> List[str]:
+    return _population_md(d, "trials", "A sweep's batch as one population")
 
 
 def _vit_md(d: Dict) -> List[str]:
@@ -588,7 +618,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "(default: 2, --quick 1)")
     p.add_argument("--budget-s", type=float, default=420.0, help="seconds for the whole check; parts and rows that "
                    "would start later are skipped with a note (default 420)")
-    p.add_argument("--parts", default="agreement,speed,population,vit", help="comma-separated parts to run")
+    p.add_argument("--parts", default="agreement,speed,population,trials,vit", help="comma-separated parts to run")
     p.add_argument("--kit", type=Path, default=ROOT / "gpu-kit", help="the wheels of `make gpu-kit` (default: "
                    "gpu-kit/ in the project root)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's plain float32 peak for the "
@@ -597,9 +627,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.part_list = [s.strip() for s in args.parts.split(",") if s.strip()]
-    bad = [s for s in args.part_list if s not in ("agreement", "speed", "population", "vit")]
+    bad = [s for s in args.part_list if s not in PARTS]
     if bad:
-        p.error(f"--parts: unknown part(s) {', '.join(bad)} (agreement, speed, population, vit)")
+        p.error(f"--parts: unknown part(s) {', '.join(bad)} ({', '.join(PARTS)})")
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
     if args.repeats < 1:

@@ -66,6 +66,7 @@ PLAN: Dict[str, str] = {
         "skip: needs the CIFAR-100 files under /data/cifar",
     ".venv/bin/python sweeps/tune.py --space fedbug --n-trials 20": "long",
     ".venv/bin/python sweeps/tune.py --space cross --n-trials 60 --workers 2 --objectives acc,uplink": "long",
+    ".venv/bin/python sweeps/tune.py --space lr --n-trials 16 --batch 8": "run",
     ".venv/bin/python -m pipeline.train dataset=cifar10 dataset.root=/data/cifar partition=dirichlet "
     "algorithm=fedbug train.rounds=300": "skip: needs the CIFAR-10 files under /data/cifar",
     # docs/cli.md (in the activated environment)

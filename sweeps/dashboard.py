@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script (python sweeps/dashboard.py): m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fl_core.paths import project_root
-from sweeps.runner import StorageError, default_storage, is_url, open_storage, shown_storage, storage_error
+from sweeps.storage import StorageError, default_storage, is_url, open_storage, shown_storage, storage_error
 from sweeps.spaces import space_names
 
 DEFAULT_HOST = "127.0.0.1"
@@ -78,7 +78,7 @@ def open_dashboard_storage(spec: str, study: Optional[str] = None) -> Tuple[obje
     Raises:
         DashboardError: the storage does not exist yet or holds no study ("run a sweep first", naming ``spec``
             with its password as ``***``), or it cannot be opened (a missing driver, an unreachable server: the
-            one line of :func:`sweeps.runner.storage_error`).
+            one line of :func:`sweeps.storage.storage_error`).
     """
     shown = shown_storage(spec)
     missing = f"no sweep storage at {shown} yet: {_run_first(study)}"

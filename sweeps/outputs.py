@@ -19,8 +19,10 @@ from fl_core.paths import project_root
 from pipeline.files import atomic_write, write_text
 from fl_core.schema import format_value
 
-from .runner import (DataCache, Settings, error_reason, owner_tags, quiet_optuna, round_metrics, shown_storage,
-                     train_seeds)
+from .settings import Settings
+from .storage import owner_tags, shown_storage
+from .study import quiet_optuna
+from .trials import DataCache, error_reason, round_metrics, train_seeds
 from .spaces import (VALIDATION_FRACTION, Space, display_path, make_override, merge_overrides, override_key,
                      overrides_mapping)
 
@@ -30,7 +32,7 @@ from .spaces import (VALIDATION_FRACTION, Space, display_path, make_override, me
 def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Optional[str]:
     """The study's MLflow parent run: the one recorded in the study's user attribute
     ``mlflow_parent_run_id`` if it still exists (set RUNNING again, owned by this process: its
-    :func:`~sweeps.runner.owner_tags` replaced, a ``fl.end_reason`` of an earlier end dropped),
+    :func:`~sweeps.storage.owner_tags` replaced, a ``fl.end_reason`` of an earlier end dropped),
     else a new one; None without MLflow."""
     if tracking is None:
         return None
@@ -57,7 +59,8 @@ def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Opti
                                      "base_overrides": " ".join(space.base), "overrides": " ".join(settings.overrides),
                                      "validation_fraction": VALIDATION_FRACTION})
         study.set_user_attr("mlflow_parent_run_id", run_id)
-    tags = {"sampler": settings.sampler, "pruner": settings.pruner, "storage": shown_storage(settings.storage)}
+    tags = {"sampler": settings.sampler, "pruner": settings.pruner, "batch": str(settings.batch),
+            "storage": shown_storage(settings.storage)}
     for k, v in tags.items():
         tracking.client.set_tag(run_id, k, v)
     return run_id
@@ -278,7 +281,7 @@ def summarize(study, settings: Settings, space: Space, best, test: Optional[Dict
         "storage": shown_storage(settings.storage), "objectives": settings.objectives,
         "directions": settings.directions(),
         "sampler": settings.sampler, "pruner": "none" if settings.multi else settings.pruner,
-        "seeds": settings.seeds, "overrides": settings.overrides, "trials": len(trials),
+        "batch": settings.batch, "seeds": settings.seeds, "overrides": settings.overrides, "trials": len(trials),
         "complete": states["COMPLETE"], "pruned": states["PRUNED"], "failed": states["FAIL"],
         "running": states["RUNNING"], "runtime_s": round(runtime_s, 1),
         "pruned_by": {kind: sum(1 for t in trials if t.state.name == "PRUNED"

@@ -34,16 +34,21 @@ if __package__ in (None, ""):  # run as a script (python sweeps/tune.py): make t
 from fl_core import progress
 from fl_core.store import envfail, storefail, storewait
 from fl_core.paths import project_root
-from sweeps.runner import (EXIT_INTERRUPTED, GRACE_S, OBJECTIVES, SAMPLERS, DataCache, Settings, StorageError,
-                           TrialRunner, default_storage, end_orphaned_runs, error_reason, fail_silent_trials,
-                           fail_stale_trials, is_url, label_study, open_storage, optimize, parse_pruner, quiet_optuna,
-                           run_workers, sampler_and_pruner, set_threads, setup_lock, shown_storage, storage_call)
-from sweeps.spaces import SpaceError, check_space, load_space, space_names
+from sweeps.runner import optimize
+from sweeps.settings import EXIT_INTERRUPTED, OBJECTIVES, SAMPLERS, Settings
+from sweeps.storage import (GRACE_S, StorageError, default_storage, end_orphaned_runs, fail_silent_trials,
+                            fail_stale_trials, is_url, open_storage, setup_lock, shown_storage, storage_call)
+from sweeps.study import label_study, parse_pruner, quiet_optuna, sampler_and_pruner
+from sweeps.trials import DataCache, TrialRunner, error_reason
+from sweeps.workers import run_workers, set_threads
+from sweeps.batch import auto_batch, parse_batch
+from sweeps.spaces import SpaceError, check_space, load_space, override_key, space_names
 
 
 _EPILOG = ("Examples:\n"
            "  python sweeps/tune.py --space SPACE --n-trials 20   (SPACE: a file of sweeps/spaces/ or a YAML path)\n"
            "  python sweeps/tune.py --space cross --n-trials 60 --workers 2 --objectives acc,uplink\n"
+           "  python sweeps/tune.py --space lr --n-trials 16 --batch 8   (8 trials at a time, one population)\n"
            "  python sweeps/tune.py --space lr --n-trials 30 --seeds 3 partition.alpha=0.1 train.rounds=40\n"
            "The sweep fixes dataset.validation_fraction, seed, engine.checkpoint_every, engine.progress and\n"
            "tracking.enabled (overriding them is refused). See docs/sweeps.md.")
@@ -95,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop starting trials after S seconds (per worker)")
     p.add_argument("--workers", type=int, default=1, metavar="W",
                    help="parallel worker processes (default 1: trials run in this process)")
+    p.add_argument("--batch", default="auto", metavar="K|auto",
+                   help="trials each worker trains at once as one population (one vectorised pass per round over "
+                        "every trial's seeds; trials that differ in more than eta_l, the weight decay, eta_g and the "
+                        "rules' replica parameters train in separate passes). auto (default): the fewest trials (of 1, 2, 4, "
+                        "8, 16, within the device's memory and --n-trials) whose round the timing probe predicts "
+                        "within 10%% of the fastest per trial; 1: one trial at a time. With K > 1 the trials "
+                        "train on engine.executor=auto unless the overrides name vectorized")
     p.add_argument("--storage", default=None, metavar="PATH|URL",
                    help="journal file (default sweeps/studies/<study>.log) or an RDB URL for many machines, "
                         "e.g. postgresql+psycopg://user@host/db (psycopg 3 is installed with the project; "
@@ -163,10 +175,12 @@ def _main(argv: Optional[List[str]]) -> int:
     out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
     _check_out(out)
     kwargs, cache = _sampler_and_data(settings, space, base_cfg)
+    why = _resolve_batch(args, settings, space, cache)
     study, tracking = _set_up(args, settings, space, kwargs)
     if not args.quiet:
         print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
-              f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())})", file=sys.stderr)
+              f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())}); --batch "
+              f"{settings.batch} ({why})", file=sys.stderr)
     previous_threads = set_threads(settings.threads)
     forget = storewait.on_stall(lambda failure: _end_parent_on(failure, settings, tracking))
     try:
@@ -181,6 +195,25 @@ def _main(argv: Optional[List[str]]) -> int:
         forget()
         set_threads(previous_threads)
     return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
+
+
+def _resolve_batch(args: argparse.Namespace, settings: Settings, space, cache) -> str:
+    """``settings.batch`` from ``--batch`` (``auto``: :func:`sweeps.batch.auto_batch`) and why, in words. K > 1 with
+    an executor that cannot train a population named in the overrides or the space's base: one line, exit 2."""
+    from pipeline.common import fail
+
+    executors = [o.split("=", 1)[1] for o in [*space.base, *args.overrides] if override_key(o) == "engine.executor"]
+    if args.batch_k is None:
+        if executors and executors[-1] not in ("auto", "vectorized"):
+            settings.batch = 1
+            return f"auto: 1, engine.executor={executors[-1]} trains one trial at a time"
+        settings.batch, why = auto_batch(space, settings, cache, -(-args.n_trials // args.workers))
+        return why
+    if args.batch_k > 1 and executors and executors[-1] not in ("auto", "vectorized"):
+        fail(f"--batch {args.batch_k} trains trials together on the vectorised executor; engine.executor="
+             f"{executors[-1]} trains them one at a time: drop it (the batch uses engine.executor=auto) or use --batch 1")
+    settings.batch = args.batch_k
+    return "one trial at a time" if args.batch_k == 1 else "as given"
 
 
 def _check_out(out: Path) -> None:
@@ -229,6 +262,10 @@ def _check_args(args: argparse.Namespace) -> List[str]:
             fail(f"{name} must be >= {lo}, got {value}")
     if args.timeout is not None and args.timeout <= 0:
         fail(f"--timeout must be > 0, got {args.timeout:g}")
+    try:
+        args.batch_k = parse_batch(args.batch)
+    except ValueError as err:
+        fail(str(err))
     return objectives
 
 
@@ -277,7 +314,7 @@ def _sampler_and_data(settings: Settings, space, base_cfg):
 
 def _set_up(args: argparse.Namespace, settings: Settings, space, kwargs):
     """(the study, the MLflow :class:`~fl_core.store.tracking.Tracking` or None): under the storage's setup lock
-    (:func:`sweeps.runner.setup_lock`: one process at a time, on any machine) open the storage, create or load
+    (:func:`sweeps.storage.setup_lock`: one process at a time, on any machine) open the storage, create or load
     the study, check its signature, mark stale trials FAIL (``--fail-stale``), end orphaned MLflow runs and
     create or reopen the parent run (``settings.parent_run_id``). A storage failure, a lock held too long or
     another signature: one line on stderr and exit 2."""
@@ -349,7 +386,7 @@ def _check_signature(study, settings: Settings, space) -> None:
 
 
 def _fail_silent(study) -> None:
-    """Mark FAIL the trials whose Optuna heartbeat stopped (:func:`sweeps.runner.fail_silent_trials`: an RDB storage;
+    """Mark FAIL the trials whose Optuna heartbeat stopped (:func:`sweeps.storage.fail_silent_trials`: an RDB storage;
     any machine), with one line on stderr."""
     failed = fail_silent_trials(study)
     if failed:
@@ -358,7 +395,7 @@ def _fail_silent(study) -> None:
 
 
 def _fail_stale(study) -> None:
-    """Mark FAIL the trials left RUNNING by a process that is gone (:func:`sweeps.runner.fail_stale_trials`),
+    """Mark FAIL the trials left RUNNING by a process that is gone (:func:`sweeps.storage.fail_stale_trials`),
     with one line on stderr."""
     stale = fail_stale_trials(study)
     if stale:
@@ -428,7 +465,7 @@ def _finish_sweep(args: argparse.Namespace, study, settings: Settings, space, ou
 
 def _end_orphaned_runs(tracking) -> None:
     """Before any run is created: end the MLflow runs a killed process of this machine left RUNNING
-    (:func:`sweeps.runner.end_orphaned_runs`), with one line on stderr; a failure is only reported."""
+    (:func:`sweeps.storage.end_orphaned_runs`), with one line on stderr; a failure is only reported."""
     try:
         ended = end_orphaned_runs(tracking.client, tracking.experiment_id)
     except Exception as err:  # housekeeping: the sweep itself may still work

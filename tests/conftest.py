@@ -79,3 +79,17 @@ def empty_store(tmp_path_factory) -> Path:
     db = tmp_path_factory.mktemp("store") / "mlflow.db"
     ensure_store(f"sqlite:///{db}")
     return db
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    """One SQLite MLflow store per test module (creating a store costs seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch, mlflow_uri):
+    """The module's MLflow store and a private working directory (relative outputs land here): the sweeps' tests."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -21,8 +21,11 @@ from pathlib import Path
 import optuna
 import pytest
 
-from sweeps import dashboard, runner, tune
+from sweeps import dashboard, tune
+from sweeps.settings import Settings
 from sweeps.spaces import load_space
+from sweeps.storage import default_storage, open_storage
+from sweeps.study import study_labels
 
 pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is not installed (pip install -e '.[dashboard]')")
 
@@ -48,7 +51,7 @@ def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dashboard")
     space, storage = tmp / "lr.yaml", tmp / "studies" / "t.log"
     space.write_text(LR_SPACE)
-    study = optuna.create_study(study_name="t", storage=runner.open_storage(str(storage)), direction="maximize")
+    study = optuna.create_study(study_name="t", storage=open_storage(str(storage)), direction="maximize")
     for lr in LRS:
         study.enqueue_trial({"train.lr": lr})
     with pytest.MonkeyPatch.context() as mp:
@@ -129,7 +132,7 @@ def test_every_invocation_relabels_the_study(sweep, tmp_path):
     shutil.copyfile(journal, storage)
     args = tune_args(space, storage, tmp_path / "out") + ["--pruner", "none", "--n-trials", "0"]
     assert tune.main(args) == 0  # no trial: only the outputs
-    study = optuna.load_study(study_name="t", storage=runner.open_storage(str(storage)))
+    study = optuna.load_study(study_name="t", storage=open_storage(str(storage)))
     assert study.metric_names == ["val_acc"] and len(study.trials) == 3
     assert study.user_attrs["pruning"].startswith("none; step = seed_index * 3 + round")
     assert study.user_attrs["base"].split() == ["model=mlp", "partition=iid", "partition.num_clients=4",
@@ -139,10 +142,10 @@ def test_every_invocation_relabels_the_study(sweep, tmp_path):
 
 def test_labels_of_a_conditional_space_and_of_two_objectives():
     space = load_space("cross")
-    settings = runner.Settings(space=str(space.path), overrides=["train.rounds=30"], seeds=[1, 2, 3],
-                               objectives=["acc", "uplink"], study_name="c", storage="x.log", rounds=30,
-                               final_window=3)
-    labels = runner.study_labels(settings, space)
+    settings = Settings(space=str(space.path), overrides=["train.rounds=30"], seeds=[1, 2, 3],
+                        objectives=["acc", "uplink"], study_name="c", storage="x.log", rounds=30,
+                        final_window=3)
+    labels = study_labels(settings, space)
     assert labels["objective"] == (
         "val_acc (maximize): validation accuracy (fraction; 20% of the training set held out), mean of the last 3 "
         "evaluation(s), mean over seeds 1..3; uplink (minimize): cumulative uplink floats per client after the "
@@ -155,7 +158,7 @@ def test_labels_of_a_conditional_space_and_of_two_objectives():
     assert labels["pruning"].startswith("none: multi-objective studies cannot prune")
     assert labels["base"].split()[-2:] == ["train.rounds=30", "dataset.validation_fraction=0.2"]
     settings.objectives, settings.pruner = ["acc"], "median"
-    assert runner.study_labels(settings, space)["pruning"].startswith(
+    assert study_labels(settings, space)["pruning"].startswith(
         "median: stops a trial whose best val_acc so far is below the median of the COMPLETE trials at the same "
         "step, from step 10 on once 5 trials are COMPLETE; step = seed_index * 30 + round")
 
@@ -188,12 +191,12 @@ def test_the_default_storage_is_the_journal_tune_writes(tmp_path, monkeypatch, c
     studies = tmp_path / "sweeps" / "studies"
     with pytest.raises(dashboard.DashboardError, match="no sweep storage in .* yet: run a sweep first"):
         dashboard.resolve_storage()
-    assert dashboard.resolve_storage(study="fedbug") == runner.default_storage("fedbug") == str(studies /
-                                                                                                "fedbug.log")
+    assert dashboard.resolve_storage(study="fedbug") == default_storage("fedbug") == str(studies /
+                                                                                         "fedbug.log")
     assert dashboard.main(["--study", "lr"]) == 2
     assert capsys.readouterr().err.strip().endswith("python sweeps/tune.py --space lr --n-trials 20")
     studies.mkdir(parents=True)
-    optuna.create_study(study_name="a", storage=runner.open_storage(str(studies / "a.log")))
+    optuna.create_study(study_name="a", storage=open_storage(str(studies / "a.log")))
     assert dashboard.resolve_storage() == str(studies / "a.log")  # the only one
     (studies / "b.log").touch()
     with pytest.raises(dashboard.DashboardError, match=r"2 studies in .* \(a, b\): choose one with make dashboard "
@@ -209,7 +212,7 @@ def test_a_port_in_use_is_one_line(sweep):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(dashboard.DashboardError, match=f"port {port} on 127.0.0.1 is in use: .* PORT={port + 1}"):
-            dashboard.make_server(dashboard.make_app(runner.open_storage(str(sweep[1]))), "127.0.0.1", port)
+            dashboard.make_server(dashboard.make_app(open_storage(str(sweep[1]))), "127.0.0.1", port)
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

@@ -562,7 +562,7 @@ def test_the_trial_heartbeat_starts_the_outage_clock():
     trial computes and has not used the storage itself)."""
     from types import SimpleNamespace
 
-    from sweeps import runner
+    from sweeps.storage import heartbeat
 
     errors = []
 
@@ -574,7 +574,7 @@ def test_the_trial_heartbeat_starts_the_outage_clock():
             raise ConnectionError("server closed the connection")
 
     study = SimpleNamespace(_storage=Storage())
-    with runner.heartbeat(study, SimpleNamespace(_trial_id=1, number=0), errors.append):
+    with heartbeat(study, SimpleNamespace(_trial_id=1, number=0), errors.append):
         deadline = time.monotonic() + 5
         while not errors and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -622,7 +622,7 @@ def test_a_storage_that_refuses_mid_sweep_reads_as_lost_whatever_the_timing(monk
     """A sweep's storage answered before wait_for_storage is called: whether the failing call held a pooled
     connection (server closed it) or opened a new one (refused) is timing, so both read as a lost connection."""
     from fl_core.store import storefail, storewait
-    from sweeps import runner
+    from sweeps.storage import wait_for_storage
 
     url = "postgresql+psycopg://fl:s3cret@127.0.0.1:1/optuna"
     monkeypatch.setattr(storewait, "wait_until_back", lambda u: (False, 3.0))
@@ -630,7 +630,7 @@ def test_a_storage_that_refuses_mid_sweep_reads_as_lost_whatever_the_timing(monk
     for cause in (storefail.REFUSED, "lost its connection (server closed the connection unexpectedly)"):
         failure = envfail.EnvironmentFailure("Optuna storage x", cause, "check it", store=url)
         with pytest.raises(envfail.EnvironmentFailure) as got:
-            runner.wait_for_storage(settings, failure)
+            wait_for_storage(settings, failure)
         assert got.value.cause.startswith("lost its connection (") and "did not answer again within" in got.value.cause
     assert storefail.after_answering("does not answer (timeout expired)") == "does not answer (timeout expired)"
 
@@ -794,20 +794,21 @@ def test_a_trial_whose_heartbeat_stopped_is_marked_fail_by_any_process(postgres)
     import optuna
     import psycopg
 
-    from sweeps import runner
+    from sweeps.storage import HEARTBEAT_REASON, fail_silent_trials, open_storage
+    from sweeps.study import quiet_optuna
 
     url = postgres.create_database("beats")
-    runner.quiet_optuna()  # (Optuna warns that heartbeats are meant for Study.optimize: the sweep beats them itself)
-    study = optuna.create_study(study_name="b", storage=runner.open_storage(url))
+    quiet_optuna()  # (Optuna warns that heartbeats are meant for Study.optimize: the sweep beats them itself)
+    study = optuna.create_study(study_name="b", storage=open_storage(url))
     lost, alive = study.ask(), study.ask()
     for trial in (lost, alive):
         study._storage.record_heartbeat(trial._trial_id)
     with psycopg.connect(host="127.0.0.1", port=postgres.port, user="postgres", dbname="beats", autocommit=True) as c:
         c.execute("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '60 seconds' WHERE trial_id = %s",
                   (lost._trial_id,))
-    assert runner.fail_silent_trials(study) == [lost.number]
+    assert fail_silent_trials(study) == [lost.number]
     states = {t.number: (t.state.name, t.user_attrs.get("reason")) for t in study.get_trials()}
-    assert states == {lost.number: ("FAIL", runner.HEARTBEAT_REASON), alive.number: ("RUNNING", None)}
+    assert states == {lost.number: ("FAIL", HEARTBEAT_REASON), alive.number: ("RUNNING", None)}
 
 
 def test_a_commit_that_failed_on_a_stopped_server_leaves_no_stall_mark(postgres):
@@ -820,12 +821,13 @@ def test_a_commit_that_failed_on_a_stopped_server_leaves_no_stall_mark(postgres)
     import optuna
 
     from fl_core.store import storewait
-    from sweeps import runner
+    from sweeps.storage import open_storage
+    from sweeps.study import quiet_optuna
 
     url = postgres.create_database("commit_fails")
     storewait.install()
-    runner.quiet_optuna()
-    study = optuna.create_study(study_name="c", storage=runner.open_storage(url))
+    quiet_optuna()
+    study = optuna.create_study(study_name="c", storage=open_storage(url))
     trial = study.ask()
     postgres.halt()
     try:

@@ -116,7 +116,7 @@ def test_gpu_check_runs_in_a_bare_image_with_only_the_kit(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["kit"].startswith("kit: 3 wheels from") and data["kit"].endswith("(no index)")
-    assert [p["name"] for p in data["parts"]] == ["agreement", "speed", "population", "vit"]
+    assert [p["name"] for p in data["parts"]] == ["agreement", "speed", "population", "trials", "vit"]
     assert all(p["ok"] for p in data["parts"]), data["parts"]
     assert [r["stack"] for r in data["agreement"]] == [s[0] for s in gpu_check.AGREE_STACKS]
     assert all(r["within"] and r["rel_l2"] <= r["rtol"] for r in data["agreement"])
@@ -125,6 +125,8 @@ def test_gpu_check_runs_in_a_bare_image_with_only_the_kit(tmp_path):
     pop = {r["row"]: r for r in data["population"]}
     assert set(pop) == {"population", "vectorized, one after another", "sequential, one after another"}
     assert pop["population"]["max_rel_l2"] <= 1e-5 and pop["vectorized, one after another"]["max_rel_l2"] <= 1e-4
+    trials = {r["row"]: r for r in data["trials"]}  # a sweep's batch: 4 eta_l values (--quick) in one pass
+    assert trials["population"]["max_rel_l2"] <= 1e-5 and trials["population"]["vs_sequential"] > 0
     vit = {r["executor"]: r for r in data["vit"]}
     assert vit["sequential"]["model"] == vit["vectorized"]["model"] == "vit_tiny"
     assert vit["vectorized"]["estimate_mib"] > 0 and vit["vectorized"]["clients_at_once"] >= 1

@@ -28,7 +28,8 @@ import optuna
 import pytest
 
 from pg import PostgresServer, find_bin_dir, free_port
-from sweeps import runner, tune
+from sweeps import tune
+from sweeps.storage import StorageError, open_storage, setup_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINES, TRIALS_EACH = 4, 10
@@ -179,7 +180,7 @@ def _run_all(commands: List[List[str]], env: Dict[str, str], logs: List[Path], t
 @pytest.mark.slow
 def test_four_machines_run_one_study_through_postgres_and_one_tracking_server(postgres, mlflow_server, tmp_path):
     """4 workers start the same command together on a new database (Optuna creates its tables, the study, the
-    MLflow experiment and the parent run once, under runner.setup_lock); 10 trials each: 40 trials numbered
+    MLflow experiment and the parent run once, under setup_lock); 10 trials each: 40 trials numbered
     0..39, each exactly one MLflow run on the server, under one parent run. Then ``--n-trials 0`` on one of them
     tests the best configuration and ends the parent run."""
     from mlflow.tracking import MlflowClient
@@ -195,7 +196,7 @@ def test_four_machines_run_one_study_through_postgres_and_one_tracking_server(po
     print(f"{MACHINES} workers x {TRIALS_EACH} trials: {time.monotonic() - t0:.1f} s")
     assert codes == [0] * MACHINES, "\n".join(f"{log.name}: {_tail(log)}" for log in logs)
 
-    study = optuna.load_study(study_name=STUDY, storage=runner.open_storage(storage))
+    study = optuna.load_study(study_name=STUDY, storage=open_storage(storage))
     trials = study.get_trials(deepcopy=False)
     n = MACHINES * TRIALS_EACH
     assert len(trials) == n
@@ -248,17 +249,17 @@ def test_four_machines_run_one_study_through_postgres_and_one_tracking_server(po
 def test_the_setup_lock_has_one_holder_at_a_time_and_a_bounded_wait(postgres):
     url = postgres.create_database("locks")
     waits: List[str] = []
-    with runner.setup_lock(url) as how:
+    with setup_lock(url) as how:
         assert how == "advisory"
         t0 = time.monotonic()
-        with pytest.raises(runner.StorageError) as err:
-            with runner.setup_lock(url, timeout_s=0.5, poll_s=0.05, on_wait=waits.append):
+        with pytest.raises(StorageError) as err:
+            with setup_lock(url, timeout_s=0.5, poll_s=0.05, on_wait=waits.append):
                 pytest.fail("a second holder got the lock")
         assert 0.5 <= time.monotonic() - t0 < 5
         assert str(err.value) == (f"--storage {url}: another process held the study-setup lock for 0.5 s "
                                   "(a sweep stuck while it starts?)")
         assert waits == [f"another process is setting up a study in {url}: waiting for it (at most 0.5 s)"]
-    with runner.setup_lock(url, timeout_s=0.5) as how:  # released at the end of the block
+    with setup_lock(url, timeout_s=0.5) as how:  # released at the end of the block
         assert how == "advisory"
     assert len(waits) == 1
 
@@ -266,20 +267,20 @@ def test_the_setup_lock_has_one_holder_at_a_time_and_a_bounded_wait(postgres):
 def test_a_killed_holder_releases_the_setup_lock(postgres):
     """The advisory lock belongs to the holder's connection: the server drops it when the process dies."""
     url = postgres.create_database("killed")
-    code = ("import time; from sweeps import runner\n"
-            f"with runner.setup_lock({url!r}, timeout_s=30):\n"
+    code = ("import time; from sweeps.storage import setup_lock\n"
+            f"with setup_lock({url!r}, timeout_s=30):\n"
             "    print('held', flush=True); time.sleep(600)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stdout=subprocess.PIPE, text=True)
     try:
         assert select.select([holder.stdout], [], [], 60)[0], "the holder did not report in 60 s"
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(runner.StorageError, match="held the study-setup lock"):
-            with runner.setup_lock(url, timeout_s=0.3):
+        with pytest.raises(StorageError, match="held the study-setup lock"):
+            with setup_lock(url, timeout_s=0.3):
                 pass
         holder.kill()
         holder.wait(timeout=30)
-        with runner.setup_lock(url, timeout_s=30) as how:
+        with setup_lock(url, timeout_s=30) as how:
             assert how == "advisory"
     finally:
         _stop(holder, 5)

@@ -85,10 +85,10 @@ def test_mask_imports_no_sqlalchemy_at_module_load():
 
 
 def test_the_sweeps_show_the_storage_through_mask():
-    from sweeps import runner
+    from sweeps.storage import shown_storage
 
     url = "postgresql+psycopg://u:S3c/ret@127.0.0.1:1/x"
-    assert runner.shown_storage(url) == mask(url) == "postgresql+psycopg://u:***@127.0.0.1:1/x"
+    assert shown_storage(url) == mask(url) == "postgresql+psycopg://u:***@127.0.0.1:1/x"
 
 
 def test_the_identity_of_a_store_ignores_a_raw_password():
@@ -126,10 +126,10 @@ def test_the_failure_of_a_database_does_not_quote_its_password():
 
 
 def test_a_storage_error_does_not_quote_the_password():
-    from sweeps import runner
+    from sweeps.storage import storage_error
 
     url = "postgresql://u:S3c/ret@h/db"
-    err = runner.storage_error(url, ValueError(f"cannot parse {url!r}; host 'ret@h'"))
+    err = storage_error(url, ValueError(f"cannot parse {url!r}; host 'ret@h'"))
     assert _hidden(str(err), "S3c", "ret"), str(err)
     assert str(err).startswith("--storage postgresql://u:***@h/db: cannot open the storage (ValueError: ")
 
@@ -156,7 +156,7 @@ def test_tune_never_prints_the_password_of_its_storage(tmp_path, storage, secret
 
 
 def _settings(storage: str):
-    from sweeps.runner import Settings
+    from sweeps.settings import Settings
 
     return Settings(space="lr", overrides=[], seeds=[1], objectives=["acc"], study_name="s", storage=storage,
                     experiment="e", parent_run_id="r1")

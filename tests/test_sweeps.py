@@ -19,7 +19,10 @@ import pytest
 import torch
 import yaml
 
-from sweeps import outputs, runner, tune
+from sweeps import outputs, tune
+from sweeps.settings import HOST, Settings
+from sweeps.storage import STALE_REASON, StorageError, open_storage, setup_lock
+from sweeps.trials import TrialRunner
 from sweeps.spaces import (FIXED_KEYS, VALIDATION, check_space, load_space, merge_overrides, overrides_mapping,
                            space_names, space_path, SpaceError)
 
@@ -35,21 +38,9 @@ params:
 """
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-
-
-@pytest.fixture
-def sandbox(tmp_path, monkeypatch, mlflow_uri):
-    """The module's MLflow store and a private working directory (relative outputs land here)."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
 
 def _study(storage: Path, name: str):
-    return optuna.load_study(study_name=name, storage=runner.open_storage(str(storage)))
+    return optuna.load_study(study_name=name, storage=open_storage(str(storage)))
 
 
 def _runs(study_name: str, role: str):
@@ -195,23 +186,23 @@ def test_the_setup_lock_of_a_file_storage_has_one_holder_at_a_time(tmp_path, kin
         db.parent.mkdir()
     spec = str(db) if kind == "journal" else f"sqlite:///{db}"
     waits = []
-    with runner.setup_lock(spec) as how:
+    with setup_lock(spec) as how:
         assert how == "file" and (db.parent / f"{db.name}.setup.lock").exists()
-        with pytest.raises(runner.StorageError) as err:
-            with runner.setup_lock(spec, timeout_s=0.3, on_wait=waits.append):
+        with pytest.raises(StorageError) as err:
+            with setup_lock(spec, timeout_s=0.3, on_wait=waits.append):
                 pytest.fail("a second holder got the lock")
         assert str(err.value) == (f"--storage {spec}: another process held the study-setup lock for 0.3 s "
                                   "(a sweep stuck while it starts?)")
         assert waits == [f"another process is setting up a study in {spec}: waiting for it (at most 0.3 s)"]
-    with runner.setup_lock(spec, timeout_s=0.3) as how:  # released at the end of the block
+    with setup_lock(spec, timeout_s=0.3) as how:  # released at the end of the block
         assert how == "file"
-    with runner.setup_lock("sqlite://") as how:  # in memory: one process, nothing to lock
+    with setup_lock("sqlite://") as how:  # in memory: one process, nothing to lock
         assert how == "none"
 
 
 def test_overrides_precedence_and_conditional_sampling():
-    run = runner.TrialRunner(runner.Settings(space=str(space_path("cross")), overrides=["train.rounds=7"],
-                                             seeds=[1], objectives=["acc"], study_name="x", storage="unused"))
+    run = TrialRunner(Settings(space=str(space_path("cross")), overrides=["train.rounds=7"],
+                               seeds=[1], objectives=["acc"], study_name="x", storage="unused"))
     trial = optuna.trial.FixedTrial({"algorithm": "fedbug", "train.lr": 0.125,
                                      "algorithm.fedbug.gu_percentage": 0.3})
     ovs = run.experiment_overrides(trial)
@@ -278,7 +269,7 @@ def test_study_prunes_survives_divergence_resumes_and_its_best_yaml_reproduces(s
 
     space, storage, out = sandbox / "lr.yaml", sandbox / "studies" / "t.log", sandbox / "out"
     space.write_text(LR_SPACE)
-    study = optuna.create_study(study_name="t", storage=runner.open_storage(str(storage)), direction="maximize")
+    study = optuna.create_study(study_name="t", storage=open_storage(str(storage)), direction="maximize")
     for lr in (1e-5, 1e6, 0.1):  # far too small (pruned), diverging (non-finite loss), good
         study.enqueue_trial({"train.lr": lr})
     # options after the overrides (parse_intermixed_args); the results of the pipeline runs below land in sandbox
@@ -386,11 +377,11 @@ def test_infeasible_settings_are_pruned_and_other_training_errors_fail_the_trial
     space, storage = sandbox / "bug.yaml", sandbox / "i.log"
     space.write_text("base: [algorithm=fedbug, algorithm.fedbug.schedule=code, " + ", ".join(TINY) + "]\n"
                      "params: {algorithm.fedbug.gu_percentage: {type: float, low: 0.0, high: 1.0}}\n")
-    study = optuna.create_study(study_name="i", storage=runner.open_storage(str(storage)), direction="maximize")
+    study = optuna.create_study(study_name="i", storage=open_storage(str(storage)), direction="maximize")
     for p in (0.01, 1.0, 1.0):  # code schedule: P * K_i = 0.17 < M = 3 units of the MLP; then a valid P (twice)
         study.enqueue_trial({"algorithm.fedbug.gu_percentage": p})
     args = _args(space, storage, "i", sandbox / "out", "--n-trials", "3", "--pruner", "none", "--no-test",
-                 "--no-mlflow")
+                 "--no-mlflow", "--batch", "1")  # one trial at a time (a batch: tests/test_sweeps_batch.py)
     assert tune.main(args) == 0  # the study goes on after a failed trial
     trials = _study(storage, "i").trials
     assert [t.state.name for t in trials] == ["PRUNED", "FAIL", "COMPLETE"]
@@ -404,7 +395,7 @@ def test_infeasible_settings_are_pruned_and_other_training_errors_fail_the_trial
 
 def test_an_error_outside_the_trials_still_writes_the_outputs(sandbox, monkeypatch, capsys):
     calls = {"n": 0}
-    real = runner.TrialRunner.experiment_overrides
+    real = TrialRunner.experiment_overrides
 
     def sample_then_crash(self, trial):
         calls["n"] += 1
@@ -412,10 +403,10 @@ def test_an_error_outside_the_trials_still_writes_the_outputs(sandbox, monkeypat
             raise RuntimeError("sampler exploded")
         return real(self, trial)
 
-    monkeypatch.setattr(runner.TrialRunner, "experiment_overrides", sample_then_crash)
+    monkeypatch.setattr(TrialRunner, "experiment_overrides", sample_then_crash)
     space, storage, out = sandbox / "lr.yaml", sandbox / "e.log", sandbox / "out"
     space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-2").replace("1.0e+6", "0.2"))
-    assert tune.main(_args(space, storage, "e", out, "--n-trials", "3", "--pruner", "none")) == 1
+    assert tune.main(_args(space, storage, "e", out, "--n-trials", "3", "--pruner", "none", "--batch", "1")) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err  # a bug keeps its traceback, then one line (once "error: error: RuntimeError: ...")
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
@@ -439,7 +430,7 @@ def test_ctrl_c_ends_the_running_trial_and_keeps_the_study(sandbox, monkeypatch)
     _patch_build(monkeypatch, interrupt)
     space, storage, out = sandbox / "lr.yaml", sandbox / "c.log", sandbox / "out"
     space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-2").replace("1.0e+6", "0.2"))
-    args = _args(space, storage, "c", out, "--n-trials", "3", "--pruner", "none", "--sampler-seed", "0")
+    args = _args(space, storage, "c", out, "--n-trials", "3", "--pruner", "none", "--sampler-seed", "0", "--batch", "1")
     assert tune.main(args) == tune.EXIT_INTERRUPTED
     trials = _study(storage, "c").trials
     assert [t.state.name for t in trials] == ["COMPLETE", "FAIL"]
@@ -454,10 +445,10 @@ def test_ctrl_c_ends_the_running_trial_and_keeps_the_study(sandbox, monkeypatch)
 def test_trials_left_running_by_a_dead_process_are_marked_stale(sandbox, capsys):
     space, storage = sandbox / "lr.yaml", sandbox / "st.log"
     space.write_text(LR_SPACE)
-    study = optuna.create_study(study_name="st", storage=runner.open_storage(str(storage)), direction="maximize")
+    study = optuna.create_study(study_name="st", storage=open_storage(str(storage)), direction="maximize")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    owners = [(runner.HOST, dead.pid), (runner.HOST, os.getpid()), ("another-machine", dead.pid)]
+    owners = [(HOST, dead.pid), (HOST, os.getpid()), ("another-machine", dead.pid)]
     for host, pid in owners:  # killed here, still running here, running elsewhere
         t = study.ask()
         t.set_user_attr("host", host)
@@ -468,7 +459,7 @@ def test_trials_left_running_by_a_dead_process_are_marked_stale(sandbox, capsys)
     assert tune.main(args) == 0  # default for a journal file: on
     trials = _study(storage, "st").trials
     assert [t.state.name for t in trials] == ["FAIL", "RUNNING", "RUNNING"]
-    assert trials[0].user_attrs["reason"] == runner.STALE_REASON
+    assert trials[0].user_attrs["reason"] == STALE_REASON
     assert "trial(s) 0 were left RUNNING" in capsys.readouterr().err
 
 
@@ -493,7 +484,7 @@ def test_the_parent_run_stays_running_while_trials_of_other_machines_run(sandbox
     MLflow parent run RUNNING; the one that finishes when none runs ends it."""
     space, storage = sandbox / "lr.yaml", sandbox / "m.log"
     space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-3").replace("1.0e+6", "0.5"))
-    study = optuna.create_study(study_name="m", storage=runner.open_storage(str(storage)), direction="maximize")
+    study = optuna.create_study(study_name="m", storage=open_storage(str(storage)), direction="maximize")
     elsewhere = study.ask()  # a trial another machine runs (--fail-stale leaves it alone)
     elsewhere.set_user_attr("host", "another-machine")
     elsewhere.set_user_attr("pid", 1)

@@ -19,7 +19,12 @@ from pathlib import Path
 import optuna
 import pytest
 
-from sweeps import runner, tune
+from fl_core.store.tracking import ORPHAN_REASON
+from sweeps import tune
+from sweeps.settings import HOST
+from sweeps.storage import end_orphaned_runs, open_storage, owner_tags
+from sweeps.study import make_pruner
+from sweeps.workers import EXIT_PARENT_GONE
 
 ROOT = Path(__file__).resolve().parent.parent
 LR_SPACE = """\
@@ -59,7 +64,7 @@ def _wait_for(condition, timeout: float) -> bool:
 PARENT = textwrap.dedent("""\
     import multiprocessing as mp, os, sys, threading
     sys.path.insert(0, {root!r})
-    from sweeps.runner import die_with_parent
+    from sweeps.workers import die_with_parent
 
     def child(parent_pid, use_prctl, conn):
         conn.send(die_with_parent(parent_pid, poll_s=0.05, use_prctl=use_prctl))
@@ -101,18 +106,13 @@ def test_a_worker_dies_when_its_parent_is_killed(tmp_path, mode):
 
 def test_a_worker_whose_parent_is_already_gone_exits_at_once():
     # the parent id given is not this process's parent: as if the parent died before the signal was armed
-    code = ("import os, sys; sys.path.insert(0, %r); from sweeps.runner import die_with_parent; "
+    code = ("import os, sys; sys.path.insert(0, %r); from sweeps.workers import die_with_parent; "
             "die_with_parent(os.getppid() + 1); print('still running')" % str(ROOT))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, text=True, timeout=60)
-    assert res.returncode == runner.EXIT_PARENT_GONE and "still running" not in res.stdout
+    assert res.returncode == EXIT_PARENT_GONE and "still running" not in res.stdout
 
 
 # --------------------------------------------------------------------------- orphaned MLflow runs
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"  # one store: creating one costs seconds
 
 
 @pytest.fixture
@@ -133,10 +133,10 @@ def _dead_pid() -> int:
 
 def test_runs_of_dead_processes_of_this_host_are_ended_as_orphans(mlflow_store):
     client, exp = mlflow_store
-    dead, me = _dead_pid(), runner.owner_tags()
-    assert me["fl.host"] == runner.HOST and me["fl.pid"] == str(os.getpid()) and float(me["fl.proc_start"]) > 0
+    dead, me = _dead_pid(), owner_tags()
+    assert me["fl.host"] == HOST and me["fl.pid"] == str(os.getpid()) and float(me["fl.proc_start"]) > 0
     owners = {
-        "dead": {"fl.host": runner.HOST, "fl.pid": str(dead), "fl.proc_start": ""},  # start unknown: run start
+        "dead": {"fl.host": HOST, "fl.pid": str(dead), "fl.proc_start": ""},  # start unknown: run start
         "reused": {**me, "fl.proc_start": f"{float(me['fl.proc_start']) - 600:.2f}"},  # pid now a newer process
         "live": me,
         "other_host": {"fl.host": "another-machine", "fl.pid": str(dead), "fl.proc_start": ""},
@@ -146,7 +146,7 @@ def test_runs_of_dead_processes_of_this_host_are_ended_as_orphans(mlflow_store):
     finished = client.create_run(exp, run_name="finished", tags=owners["dead"]).info.run_id
     client.set_terminated(finished, status="FINISHED")
 
-    ended = runner.end_orphaned_runs(client, exp)
+    ended = end_orphaned_runs(client, exp)
 
     assert sorted(ended) == sorted([ids["dead"], ids["reused"]])
     runs = {name: client.get_run(run_id) for name, run_id in {**ids, "finished": finished}.items()}
@@ -156,7 +156,7 @@ def test_runs_of_dead_processes_of_this_host_are_ended_as_orphans(mlflow_store):
     for name in ("live", "other_host", "untagged"):
         assert runs[name].info.status == "RUNNING" and "fl.end_reason" not in runs[name].data.tags
     assert runs["finished"].info.status == "FINISHED" and "fl.end_reason" not in runs["finished"].data.tags
-    assert runner.end_orphaned_runs(client, exp) == []  # nothing left to end
+    assert end_orphaned_runs(client, exp) == []  # nothing left to end
 
 
 def test_the_next_invocation_ends_orphans_and_reuses_the_study_parent_run(tmp_path, mlflow_store, monkeypatch,
@@ -170,9 +170,9 @@ def test_the_next_invocation_ends_orphans_and_reuses_the_study_parent_run(tmp_pa
     args = ["--space", str(space), "--storage", str(storage), "--study-name", "o", "--out", str(tmp_path / "out"),
             "--quiet", "--pruner", "none", "--sampler-seed", "0", "--experiment", client.get_experiment(exp).name]
     assert tune.main(args + ["--n-trials", "1"]) == 0
-    study = optuna.load_study(study_name="o", storage=runner.open_storage(str(storage)))
+    study = optuna.load_study(study_name="o", storage=open_storage(str(storage)))
     parent = study.user_attrs["mlflow_parent_run_id"]
-    killed = {"fl.host": runner.HOST, "fl.pid": str(_dead_pid()), "fl.proc_start": ""}
+    killed = {"fl.host": HOST, "fl.pid": str(_dead_pid()), "fl.proc_start": ""}
     client.update_run(parent, status="RUNNING")  # as a SIGKILL leaves it
     for k, v in killed.items():
         client.set_tag(parent, k, v)
@@ -187,14 +187,14 @@ def test_the_next_invocation_ends_orphans_and_reuses_the_study_parent_run(tmp_pa
         "note: ended 2 MLflow run(s) left RUNNING on this machine by a process that is gone "
         "(status KILLED, tag fl.end_reason)"]
     lost_run = client.get_run(lost)
-    assert lost_run.info.status == "KILLED" and lost_run.data.tags["fl.end_reason"] == runner.ORPHAN_REASON
+    assert lost_run.info.status == "KILLED" and lost_run.data.tags["fl.end_reason"] == ORPHAN_REASON
     reused = client.get_run(parent)  # the same parent, reopened by this process and ended normally
     assert reused.info.status == "FINISHED" and "fl.end_reason" not in reused.data.tags
     runs = client.search_runs([exp], "tags.optuna_study = 'o'")
     assert sorted(r.data.tags["sweep_role"] for r in runs) == ["best_test", "study", "trial", "trial", "trial"]
     mine = [r for r in runs if r.info.run_id != lost]
-    assert all(r.data.tags["fl.host"] == runner.HOST and r.data.tags["fl.pid"] == str(os.getpid())
-               and r.data.tags["fl.proc_start"] == runner.owner_tags()["fl.proc_start"] for r in mine)
+    assert all(r.data.tags["fl.host"] == HOST and r.data.tags["fl.pid"] == str(os.getpid())
+               and r.data.tags["fl.proc_start"] == owner_tags()["fl.proc_start"] for r in mine)
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["mlflow_parent_run_id"] == parent
 
 
@@ -253,7 +253,7 @@ def test_the_pruning_warm_up_covers_seed_1_rounds_below_a_third_only(kind):
     """R = 12 rounds, 2 seeds: steps 1..12 (seed 1), 13..24 (seed 2). Warm-up: steps < R // 3 = 4,
     i.e. seed 1's rounds 1-3; a hopeless trial is pruned at step 4 at the latest, seed 2 has no warm-up."""
     rounds, seeds = 12, 2
-    study = optuna.create_study(direction="maximize", pruner=runner.make_pruner(kind, rounds, seeds, False))
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(kind, rounds, seeds, False))
     for _ in range(5):  # median: 5 COMPLETE trials first
         t = study.ask()
         for step in range(1, rounds * seeds + 1):

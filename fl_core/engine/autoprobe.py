@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithms.base import RoundContext
-from ..config import to_container
+from ..config import drop_keys, replica_keys, to_container
 from ..data.sampling import sample_clients
 from ..params import ParamSpec, flatten_params
 from . import gcpause
@@ -287,10 +287,11 @@ def workload_key(cfg, model: torch.nn.Module, data: ClientData, kwargs: Dict, re
     the torch thread count, the data's dtype and sample shape, every client's size, the ``dataset``, ``model`` and
     ``algorithm`` sections, the executors' local-step settings (``kwargs`` less the seed), the sampler and
     participation, ``engine.max_parallel_clients``, ``engine.kernels``, the model's parameter count and the replicas
-    that train together (``replicas``, a population). Not the
-    seed, the learning rate or the number of rounds: they change which clients round 1 samples, not what a round
+    that train together (``replicas``, a population). Not the keys a replica carries
+    (:func:`fl_core.config.replica_keys`: eta_l, the rules' tuned parameters), the
+    seed or the number of rounds: they change which clients round 1 samples, not what a round
     of this workload costs."""
-    c = to_container(cfg)
+    c = drop_keys(to_container(cfg), replica_keys())  # a replica's own values do not change what a round costs
     sizes = hashlib.sha256(json.dumps([int(ix.numel()) for ix in data.indices]).encode()).hexdigest()
     blob = {"device": str(next(model.parameters()).device), "threads": torch.get_num_threads(),
             "dtype": str(data.x.dtype), "shape": list(data.x.shape[1:]), "num_classes": data.num_classes,

@@ -225,9 +225,7 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
     t = cfg.train
     algo = build_algorithm(cfg.algorithm, spec, model, momentum=float(t.momentum), optimizer=str(t.optimizer))
     distributed = cfg.engine.executor == "distributed"
-    kwargs = dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
-                  momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
-                  crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
+    kwargs = executor_kwargs(cfg)
     state_bytes = diskstate.client_state_bytes(algo, spec.d, dtype)  # the rule's declared state, nothing allocated
     store, store_reason = diskstate.choose(cfg.engine.client_state, partition.num_clients, state_bytes)
     rank, ranks = 0, 1  # engine.executor=distributed: each of torchrun's ranks trains a share; rank 0 holds the store
@@ -270,6 +268,28 @@ def build_simulator(cfg, ds, partition, *, device: torch.device = torch.device("
 
 
 SHARED_SECTIONS = ("algorithm", "model", "dataset", "partition")  # what a population's replicas share (replica_key)
+
+
+def executor_kwargs(cfg) -> dict:
+    """The keyword arguments every executor of ``cfg``'s run is built with (the local-step settings of ``train``
+    and the seed)."""
+    t = cfg.train
+    return dict(batch_size=t.batch_size, local_epochs=t.local_epochs, weight_decay=t.weight_decay,
+                momentum=float(t.momentum), grad_clip=t.grad_clip, seed=int(cfg.seed), augmentation=t.augmentation,
+                crop_padding=t.crop_padding, local_steps=t.local_steps, optimizer=str(t.optimizer))
+
+
+def population_timing(cfg, sim: Simulator, replicas: int) -> ExecutorTiming:
+    """``engine.executor=auto``'s timing probe for a population of ``replicas`` replicas like ``sim`` (:func:`build_simulator`
+    with ``replicas``; measured once per workload and process, :func:`.autoprobe.cached_timing`): the predicted round
+    of all of them on each executor.
+
+    Raises:
+        whatever the probe raises (:func:`.autoprobe.time_executors`).
+    """
+    kwargs, data = executor_kwargs(cfg), sim.executor.data
+    return autoprobe.cached_timing(autoprobe.workload_key(cfg, sim.model, data, kwargs, replicas),
+                                   lambda: time_executors(cfg, sim.model, sim.algo, data, kwargs, replicas=replicas))
 
 
 def replica_key(cfg) -> str:

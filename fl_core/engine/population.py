@@ -11,7 +11,7 @@ its separate run up to float rounding, and a replica resumed from its checkpoint
 different rounds after a kill catch up first: a pass takes only the replicas at the lowest round).
 
 A replica whose loss becomes non-finite, or whose rule finds its setting infeasible once running
-(``InfeasibleSetting``, e.g. FedBug's code schedule with P * K_i < M for that replica's P), ends FAILED alone; the others
+(``InfeasibleSetting``: a setting of that replica that its rule cannot run), ends FAILED alone; the others
 go on. The caller may stop replicas between passes and add new ones (:class:`Steer`: a sweep's pruner and the trials
 that refill its batch). Replicas that cannot share a pass
 (another executor, a rule stack or model that differs: :func:`can_share`) run one after another, each with
