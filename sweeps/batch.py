@@ -23,8 +23,9 @@ A worker with ``--batch K`` > 1 (:class:`BatchLoop`):
 
 Nothing is left RUNNING: Ctrl-C, an error outside a trial's training or an environment failure tells every trial of
 the worker that is not finished FAIL with the reason (``skip_if_finished``), its MLflow run KILLED or FAILED; the
-storage lost and back within ``FL_DB_RETRY_S`` costs the trials in progress (FAIL, "storage lost: ...") and the
-sweep goes on, as with one trial at a time (:func:`sweeps.runner.optimize`).
+storage lost and back within ``FL_DB_RETRY_S`` costs the trial whose call it interrupted (FAIL, "storage lost:
+...": what reached the storage is not known; the other trials of the pass go on), or every trial in progress when
+it interrupted anything else, and the sweep goes on, as with one trial at a time (:func:`sweeps.runner.optimize`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Slot:
         configured: its config and rule stack were recorded (:meth:`TrialRunner.on_config`).
         trained: one of its seeds has ended a round.
         beat: its heartbeat while it is asked and not told (:func:`sweeps.storage.heartbeat`).
+        lost: the storage's failure that interrupted one of its reports (it ends FAIL "storage lost"), or None.
     """
 
     st: Started
@@ -82,6 +84,7 @@ class Slot:
     configured: bool = False
     trained: bool = False
     beat: Any = None
+    lost: Optional[envfail.EnvironmentFailure] = None
 
     @property
     def number(self) -> int:
@@ -98,13 +101,23 @@ class _SlotObserver(Observer):
 
     def built(self, run) -> None:
         if not self.slot.configured:
-            self.loop.runner.on_config(self.slot.st, to_container(run.cfg), run.sim.algo.describe())
             self.slot.configured = True
+            try:
+                self.loop.runner.on_config(self.slot.st, to_container(run.cfg), run.sim.algo.describe())
+            except Exception as err:
+                if not self.loop.lost_in(self.slot, err):
+                    raise
 
     def round(self, seed: int, r: int, row: Dict[str, float]) -> None:
         i = self.index[seed]
         self.slot.trained = True
-        if self.loop.runner.report(self.slot.st, i, r, row) is not None and self.slot.verdict is None:
+        try:
+            step = self.loop.runner.report(self.slot.st, i, r, row)
+        except Exception as err:
+            if not self.loop.lost_in(self.slot, err):
+                raise
+            return
+        if step is not None and self.slot.verdict is None:
             self.slot.fresh = (i, r, row)
 
     def finished(self, run) -> None:
@@ -115,7 +128,12 @@ class _SlotObserver(Observer):
         if run.failure is not None and not isinstance(run.failure, RunStopped) and slot.verdict is None:
             slot.verdict = (failure_outcome(run.failure), "KILLED")  # diverged or infeasible: its other seeds stop
         if len(slot.runs) == len(self.index):
-            self.loop.settle(slot)
+            try:
+                self.loop.settle(slot)
+            except Exception as err:
+                if not self.loop.lost_in(slot, err):
+                    raise
+                self.loop.settle(slot)  # now FAIL "storage lost"
 
 
 class BatchLoop:
@@ -304,6 +322,12 @@ class BatchLoop:
         """Every seed of ``slot`` has ended: tell its outcome (its verdict, else COMPLETE from its seeds)."""
         if slot.number not in self.live:
             return
+        if slot.lost is not None:  # as in _storage_lost: its MLflow run ends FAILED with the environment failure
+            self.runner.end_run(slot.st.logger, slot.lost)
+            self.runner.forget(slot.st)
+            storage_call(self.s, functools.partial(slot.st.trial.set_user_attr, "reason", slot.verdict[0].reason))
+            self._told(slot, slot.verdict[0])
+            return
         if slot.verdict is not None:
             self._end(slot, *slot.verdict)
             return
@@ -327,6 +351,25 @@ class BatchLoop:
         if slot.beat is not None:
             slot.beat.__exit__(None, None, None)
             slot.beat = None
+
+    def lost_in(self, slot: Slot, err: BaseException) -> bool:
+        """``err`` came out of a call for ``slot`` (its config recorded, a round reported, its end told): when it is
+        the storage's failure and the storage answers again within ``FL_DB_RETRY_S``, that trial alone ends FAIL
+        "storage lost: ..." (what reached the storage before it went away is not known; its replicas stop, its MLflow
+        run ends FAILED), one line says so, the others go on: True. False when ``err`` is not the storage's.
+
+        Raises:
+            fl_core.store.envfail.EnvironmentFailure: the storage did not answer again in time."""
+        failure = storage_failure(err, self.s)
+        if failure is None:
+            return False
+        waited = wait_for_storage(self.s, failure)
+        cause = storefail.after_answering(failure.cause)
+        if slot.lost is None:
+            slot.verdict, slot.lost = (Outcome("FAIL", reason=f"storage lost: {cause}"), "FAILED"), failure
+        print(f"note: {self.who}trial {slot.number} ended FAIL: the Optuna storage {cause}; it answered again after "
+              f"{waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
+        return True
 
     def _storage_lost(self, failure: envfail.EnvironmentFailure) -> None:
         """The storage failed and answers again within ``FL_DB_RETRY_S`` (:func:`wait_for_storage` raises

@@ -59,8 +59,7 @@ def ensure_parent_run(study, settings: Settings, space: Space, tracking) -> Opti
                                      "base_overrides": " ".join(space.base), "overrides": " ".join(settings.overrides),
                                      "validation_fraction": VALIDATION_FRACTION})
         study.set_user_attr("mlflow_parent_run_id", run_id)
-    tags = {"sampler": settings.sampler, "pruner": settings.pruner, "batch": str(settings.batch),
-            "storage": shown_storage(settings.storage)}
+    tags = {"sampler": settings.sampler, "pruner": settings.pruner, "storage": shown_storage(settings.storage)}
     for k, v in tags.items():
         tracking.client.set_tag(run_id, k, v)
     return run_id

@@ -175,15 +175,18 @@ def _main(argv: Optional[List[str]]) -> int:
     out = Path(args.out) if args.out else project_root() / "sweeps" / "results" / settings.study_name
     _check_out(out)
     kwargs, cache = _sampler_and_data(settings, space, base_cfg)
-    why = _resolve_batch(args, settings, space, cache)
+    executor = _batch_executor(args, space)
     study, tracking = _set_up(args, settings, space, kwargs)
-    if not args.quiet:
-        print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
-              f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())}); --batch "
-              f"{settings.batch} ({why})", file=sys.stderr)
-    previous_threads = set_threads(settings.threads)
+    previous_threads = set_threads(settings.threads)  # the probes of --batch auto time the trials' threads
     forget = storewait.on_stall(lambda failure: _end_parent_on(failure, settings, tracking))
     try:
+        why = _resolve_batch(args, settings, space, cache, executor)  # after the storage: its errors come first
+        if tracking is not None and settings.parent_run_id:
+            tracking.client.set_tag(settings.parent_run_id, "batch", str(settings.batch))
+        if not args.quiet:
+            print(f"study {settings.study_name!r}: {len(study.trials)} trial(s) so far in "
+                  f"{shown_storage(settings.storage)}; space {space.name} ({', '.join(space.keys())}); --batch "
+                  f"{settings.batch} ({why})", file=sys.stderr)
         status, error, failure = _run_trials(args, study, settings, tracking, cache)
         if failure is not None:  # one line (per worker), no outputs: the storage or MLflow may be what failed
             _end_parent_on(failure, settings, tracking)
@@ -197,23 +200,30 @@ def _main(argv: Optional[List[str]]) -> int:
     return {"finished": 0, "interrupted": EXIT_INTERRUPTED}.get(status, 1)
 
 
-def _resolve_batch(args: argparse.Namespace, settings: Settings, space, cache) -> str:
-    """``settings.batch`` from ``--batch`` (``auto``: :func:`sweeps.batch.auto_batch`) and why, in words. K > 1 with
-    an executor that cannot train a population named in the overrides or the space's base: one line, exit 2."""
+def _batch_executor(args: argparse.Namespace, space) -> Optional[str]:
+    """The ``engine.executor`` the overrides or the space's base name (None: none). ``--batch`` K > 1 with one that
+    cannot train a population: one line, exit 2, before anything runs."""
     from pipeline.common import fail
 
-    executors = [o.split("=", 1)[1] for o in [*space.base, *args.overrides] if override_key(o) == "engine.executor"]
-    if args.batch_k is None:
-        if executors and executors[-1] not in ("auto", "vectorized"):
-            settings.batch = 1
-            return f"auto: 1, engine.executor={executors[-1]} trains one trial at a time"
-        settings.batch, why = auto_batch(space, settings, cache, -(-args.n_trials // args.workers))
-        return why
-    if args.batch_k > 1 and executors and executors[-1] not in ("auto", "vectorized"):
-        fail(f"--batch {args.batch_k} trains trials together on the vectorised executor; engine.executor="
-             f"{executors[-1]} trains them one at a time: drop it (the batch uses engine.executor=auto) or use --batch 1")
-    settings.batch = args.batch_k
-    return "one trial at a time" if args.batch_k == 1 else "as given"
+    named = [o.split("=", 1)[1] for o in [*space.base, *args.overrides] if override_key(o) == "engine.executor"]
+    executor = named[-1] if named else None
+    if args.batch_k is not None and args.batch_k > 1 and executor not in (None, "auto", "vectorized"):
+        fail(f"--batch {args.batch_k} trains trials together on the vectorised executor; engine.executor={executor} "
+             "trains them one at a time: drop it (the batch uses engine.executor=auto) or use --batch 1")
+    return executor
+
+
+def _resolve_batch(args: argparse.Namespace, settings: Settings, space, cache, executor: Optional[str]) -> str:
+    """``settings.batch`` from ``--batch`` (``auto``: :func:`sweeps.batch.auto_batch`, K at most the trials a worker
+    runs) and why, in words."""
+    if args.batch_k is not None:
+        settings.batch = args.batch_k
+        return "one trial at a time" if args.batch_k == 1 else "as given"
+    if executor not in (None, "auto", "vectorized"):
+        settings.batch = 1
+        return f"auto: 1, engine.executor={executor} trains one trial at a time"
+    settings.batch, why = auto_batch(space, settings, cache, -(-args.n_trials // args.workers))
+    return why
 
 
 def _check_out(out: Path) -> None:

@@ -73,6 +73,7 @@ def test_the_readme_snippet_runs(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # ~14 s: three in-memory runs and a CLI run
 def test_on_round_reports_every_round_of_every_seed_and_progress_can_be_off(tmp_path, monkeypatch, capsys):
     """on_round(seed, round, row) sees each trained round once, with the row the history holds, in memory and when
     writing; progress=False prints no bar, progress=True one on stderr when it is a terminal."""

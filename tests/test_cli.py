@@ -174,6 +174,7 @@ def test_model_that_does_not_fit_the_data_fails_before_anything_is_written(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # nine fl-train subprocesses (about 20 s)
 def test_bad_inputs_leave_an_earlier_good_run_untouched(tmp_path):
     """Bad configs, a model that does not fit, and a second writer change no file of a finished run."""
     good = ["train.rounds=2", "partition.num_clients=4", "train.local_epochs=1", "train.batch_size=64", "seed=1",
@@ -216,6 +217,7 @@ def test_cfg_info_and_hydra_help_as_in_hydra(tmp_path, capsys, monkeypatch):
     assert err.value.code == 2 and "did you mean train.rounds" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~16 s: four runs of the CLI
 def test_a_name_holding_another_configs_results_is_refused_unless_overwrite(tmp_path):
     """Rerunning a name with another config exits 2 with one line (name=... or --overwrite) and changes no file;
     with --overwrite the new config's results replace the old ones; the same config again does nothing."""

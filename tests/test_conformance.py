@@ -158,8 +158,14 @@ def test_base_resumed_equals_uninterrupted(base, tmp_path):
 
 # --------------------------------------------------------------------------- wrappers over every base
 
-@pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("wrapper", WRAPPERS)
+def _half(rows, cols):
+    """(row, col) pairs of the matrix: those with an even index sum run in the fast suite, the others with the slow
+    tests (each row still meets half the columns, each column half the rows; the whole matrix runs in CI)."""
+    return [pytest.param(r, c, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+            for i, r in enumerate(rows) for j, c in enumerate(cols)]
+
+
+@pytest.mark.parametrize("wrapper,base", _half(WRAPPERS, BASES))
 def test_wrapper_over_every_base(wrapper, base, tmp_path):
     rule = registry.get(wrapper)
     stack = _stack(base, wrapper, rule.neutral)
@@ -176,8 +182,7 @@ def test_wrapper_over_every_base(wrapper, base, tmp_path):
 
 # --------------------------------------------------------------------------- server optimisers over every base
 
-@pytest.mark.parametrize("base", WITH_PSEUDO_GRADIENT)
-@pytest.mark.parametrize("opt", SERVER_OPTS)
+@pytest.mark.parametrize("opt,base", _half(SERVER_OPTS, WITH_PSEUDO_GRADIENT))
 def test_server_optimiser_over_every_base(opt, base, tmp_path):
     rule = registry.get(opt)
     stack = _stack(base, server_opt=opt)

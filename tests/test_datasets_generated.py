@@ -344,6 +344,7 @@ def _tree_digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # a DVC grid prepared and trained (about 18 s)
 def test_a_grid_of_variants_is_prepared_once_and_training_writes_no_data(tmp_path, monkeypatch):
     """The prepare and partition stages cache every variant of the grid; the train stages only read them (a
     train stage that rewrote ``data/`` would change the prepare stage's output and make every ``dvc repro`` start

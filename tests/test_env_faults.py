@@ -248,10 +248,10 @@ def _assert_as_uninterrupted(tmp: Path, uninterrupted) -> None:
 @pytest.mark.parametrize("fault,where", [
     ("checkpoint_write@3:ENOSPC", "checkpoint folder checkpoints is out of space (no space left on device writing "
                                   "exp/"),  # seed 1, round 3: seed_1.pt holds round 2
-    ("outputs_write@6:ENOSPC", "results folder results is out of space (no space left on device writing "
-                               ".exp.staging/models/"),  # seed 1's model, after its completion record
-    ("outputs_write@16:ENOSPC", "results folder results is out of space (no space left on device writing "
-                                ".exp.staging/.metrics.json"),  # both seeds done, the outputs being staged
+    pytest.param("outputs_write@6:ENOSPC", "results folder results is out of space (no space left on device writing "
+                 ".exp.staging/models/", marks=pytest.mark.slow),  # seed 1's model, after its completion record
+    pytest.param("outputs_write@16:ENOSPC", "results folder results is out of space (no space left on device writing "
+                 ".exp.staging/.metrics.json", marks=pytest.mark.slow),  # both seeds done, the outputs being staged
 ])
 def test_disk_full_is_one_line_and_the_rerun_loses_nothing(tmp_path, monkeypatch, capsys, empty_store,
                                                             uninterrupted, fault, where):

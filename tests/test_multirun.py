@@ -79,6 +79,7 @@ def test_seed_list_without_m_is_one_experiment(tmp_path):
     assert not (tmp_path / "outputs").exists()  # no Hydra run folder for a single run
 
 
+@pytest.mark.slow  # ~12 s: four jobs (test_swept_values_name_the_jobs runs -m in the fast suite)
 def test_multirun_runs_one_experiment_per_combination_with_all_seeds(tmp_path):
     proc = _run(["-m", "algorithm=fedavg,fedprox", "seed=1,2"] + TINY, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -153,6 +154,7 @@ GRID_POP = ["algorithm=fedprox", "engine.executor=vectorized", "train.rounds=2",
             "train.participation=0.5", "engine.progress=false", "engine.checkpoint_every=0", "tracking.log_model=false"]
 
 
+@pytest.mark.slow  # fl-train -m and each job alone (about 20 s; the engine's populations: tests/test_population.py)
 def test_a_grid_over_mu_trains_as_one_population_with_each_jobs_own_numbers(tmp_path, monkeypatch):
     """``-m algorithm.fedprox.mu=0,0.1 seed=1,2`` on the vectorised executor: the 2 jobs' 4 runs train in one pass per
     round; each job's files equal, byte for byte, those of the job run alone with its seeds apart (float32), and each

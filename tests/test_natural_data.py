@@ -483,6 +483,7 @@ def test_the_uncapped_split_can_be_asked_for_directly():
 # --------------------------------------------------------------------------- studies/natural without the files
 
 
+@pytest.mark.slow  # the study's dvc repro in a subprocess (about 13 s)
 def test_the_natural_study_stops_in_one_line_naming_what_to_put_where(tmp_path, monkeypatch, capsys):
     """What `cd studies/natural && dvc repro` runs first (its prepare stage), with the study's params and a data/raw
     that holds nothing: exit status 2 and one line on stderr naming the files and where they are published."""

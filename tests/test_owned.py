@@ -145,7 +145,8 @@ def test_a_foreign_attempt_folder_is_refused(tmp_path):
 # ------------------------------------------------------------------ any error: nothing RUNNING, no staging
 
 
-@pytest.mark.parametrize("point", ["before_first_checkpoint", "after_record", "between_seeds", "after_outputs"])
+@pytest.mark.parametrize("point", ["before_first_checkpoint", pytest.param("after_record", marks=pytest.mark.slow),
+                                   pytest.param("between_seeds", marks=pytest.mark.slow), "after_outputs"])
 def test_an_error_anywhere_ends_the_runs_and_removes_staging_and_the_rerun_completes(tmp_path, monkeypatch, point,
                                                                                   empty_store):
     from mlflow.tracking import MlflowClient

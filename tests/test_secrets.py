@@ -139,8 +139,8 @@ def test_a_storage_error_does_not_quote_the_password():
 
 @pytest.mark.parametrize("storage,secret", [
     ("postgresql+psycopg://u:S3c/ret@127.0.0.1:1/x", ("S3c", "ret")),
-    ("postgresql+psycopg://u@127.0.0.1:1/x?password=S3cret", ("S3cret",)),
-    ("postgresql+psycopg://u:p@ss@127.0.0.1:1/x", ("p@ss", "ss@")),
+    pytest.param("postgresql+psycopg://u@127.0.0.1:1/x?password=S3cret", ("S3cret",), marks=pytest.mark.slow),
+    pytest.param("postgresql+psycopg://u:p@ss@127.0.0.1:1/x", ("p@ss", "ss@"), marks=pytest.mark.slow),
 ])
 def test_tune_never_prints_the_password_of_its_storage(tmp_path, storage, secret):
     """Port 1: nothing listens, the storage fails at once: one line, exit status 2 (docs/sweeps.md), no password."""

@@ -21,7 +21,9 @@ def _composed(grid, name, seed=1):
     return compose(grid.overrides(name, seed), user=grid.experiments[name])
 
 
-@pytest.mark.parametrize("study", STUDIES)
+# mnist1d and synthetic have the most experiments (9-14 s): with the slow tests
+@pytest.mark.parametrize("study", [pytest.param(s, marks=pytest.mark.slow) if s in ("mnist1d", "synthetic") else s
+                                   for s in STUDIES])
 def test_every_experiment_of_the_study_composes(study):
     grid = load_grid(ROOT / "studies" / study / "params.yaml")
     seed = grid.seeds[0]

@@ -236,7 +236,9 @@ def test_commands_use_paths_from_the_project_root(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- acceptance: every shipped space
 
 
-@pytest.mark.parametrize("name", space_names())
+# fedbug_units trains ResNet-18 (about 20 s): with the slow tests
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "fedbug_units" else n
+                                  for n in space_names()])
 def test_every_shipped_space_runs_a_tiny_study(sandbox, name):
     """Default sampler (TPE) and pruner (median), 3 trials, 2 rounds of 2 local steps on 3 clients."""
     out = sandbox / "out"

@@ -248,6 +248,46 @@ def test_an_error_in_a_populations_training_fails_its_trials_and_the_study_goes_
     assert "trial 0: error: ValueError: boom (at " in capsys.readouterr().err
 
 
+def test_a_storage_lost_in_one_trials_report_costs_that_trial_alone(sandbox, monkeypatch, capsys, populations):
+    """The storage fails while trial 1 reports round 2 and answers again (a PostgreSQL restart: tests/test_env_faults.py
+    runs the real one): trial 1 ends FAIL "storage lost" with its MLflow run FAILED, its replica stops, one note says
+    so, and the two other trials of the population complete."""
+    from fl_core.store import envfail
+    from sweeps import batch
+
+    class Lost(Exception):
+        pass
+
+    failure = envfail.EnvironmentFailure("Optuna storage x", "lost its connection (terminating connection)",
+                                         "check it", store="x")
+    monkeypatch.setattr(batch, "storage_failure", lambda err, s: failure if isinstance(err, Lost) else None)
+    monkeypatch.setattr(batch, "wait_for_storage", lambda s, f: 1.0)
+    real = TrialRunner.report
+
+    def report(self, st, i, r, row):
+        if st.trial.number == 1 and r == 2:
+            raise Lost("terminating connection")
+        return real(self, st, i, r, row)
+
+    monkeypatch.setattr(TrialRunner, "report", report)
+    space, storage = sandbox / "lr.yaml", sandbox / "s.log"
+    space.write_text(LR)
+    args = _args(space, storage, "s", sandbox / "out", "--n-trials", "3", "--batch", "3", "--pruner", "none",
+                 "--no-test", "engine.executor=vectorized")
+    assert tune.main(args) == 0
+    trials = _study(storage, "s").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert trials[1].user_attrs["reason"] == "storage lost: lost its connection (terminating connection)"
+    assert sorted(trials[1].intermediate_values) == [1] and sorted(trials[0].intermediate_values) == [1, 2, 3]
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: trial")]
+    assert notes == ["note: trial 1 ended FAIL: the Optuna storage lost its connection (terminating connection); it "
+                     "answered again after 1 s and the sweep goes on"]
+    _, children = _runs("s", "trial")
+    status = {int(r.data.tags["optuna_trial"]): r.info.status for r in children}
+    assert status == {0: "FINISHED", 1: "FAILED", 2: "FINISHED"}
+    assert populations == [(3, True, 3)]
+
+
 def test_ctrl_c_in_a_batch_fails_every_unfinished_trial(sandbox, monkeypatch):
     def interrupt(build, r):
         if build == 2 and r == 2:
@@ -288,6 +328,7 @@ def test_an_error_outside_the_training_fails_every_trial_of_the_batch(sandbox, m
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow  # two spawned workers (about 20 s; one at a time: tests/test_sweeps.py)
 def test_two_workers_with_batches_share_the_storage_without_duplicate_trials(sandbox):
     space, storage = sandbox / "lr.yaml", sandbox / "w.log"
     space.write_text(LR)

@@ -329,6 +329,7 @@ def test_fl_train_vit_tiny_preset_two_rounds(tmp_path):
     assert float(last["comm_up_floats"]) < 2 * (max(107_328, 100_096) + 6_500) + 1
 
 
+@pytest.mark.slow  # fl-train in a subprocess (about 8 s)
 def test_fl_train_weights_error_is_one_line(tmp_path):
     missing = tmp_path / "nowhere.pth"
     proc = _train(_tiny_cifar100(tmp_path) + ["partition.num_clients=2", f"model.weights={missing}"], tmp_path)
@@ -358,6 +359,7 @@ def test_fl_train_vit_b_16_pretrained_one_local_step(tmp_path, saved_b16):
     assert len(same - moved) == 8 and len(moved) == 4  # 4 blocks of 2 layers untouched, 2 blocks updated
 
 
+@pytest.mark.slow  # ViT-B/16 weights written and read (about 10 s)
 def test_a_run_starts_from_the_pretrained_network(tmp_path, saved_b16):
     """The simulator's seeded initialisation (the layers' resets, then the model's init_parameters) keeps the file's
     tensors: model.weights is not accepted and then overwritten."""
