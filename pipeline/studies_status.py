@@ -6,10 +6,13 @@ its stages would run again, and reads the last measured refresh of the study fro
 ``make study-refresh STUDY=<s>`` runs that ``dvc repro`` timed and appends a row; the newest row per study counts). Prints one Markdown table row per
 study::
 
-    | study | stages | stale | last refresh | committed report |
+    | study | stages | changed | not built here | last refresh | committed report |
 
-``stale`` counts the stages DVC would run (``train@<experiment>`` one each); ``committed report`` says whether
-``studies/<s>/results/report.md`` is in git. Exit status 0 whatever the state (it reports, it does not check);
+``changed`` counts the stages DVC would run because something they are made from changed (``train@<experiment>`` one
+each): the code, a parameter, the command, or an output that git holds; ``not built here`` counts the other stages DVC
+would run, whose only difference is an output or a dependency that is absent and that git does not hold (the study's
+data folders and per-row results on a fresh clone: they are rebuilt, nothing changed) (:func:`classify`);
+``committed report`` says whether ``studies/<s>/results/report.md`` is in git. Exit status 0 whatever the state (it reports, it does not check);
 2 when DVC cannot be run (one line).
 
     python -m pipeline.studies_status            # every study
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from fl_core.store import procs
 
@@ -51,9 +54,9 @@ def dvc_command() -> List[str]:
     return [found]
 
 
-def stale_stages(folder: Path) -> Dict[str, List[str]]:
-    """``{stage: [what changed, ...]}`` for the stages of ``folder/dvc.yaml`` (not of a ``dvc.yaml`` in a subfolder)
-    that ``dvc status`` says would run again (``{}``: up to date).
+def stale_entries(folder: Path) -> Dict[str, list]:
+    """``{stage: its dvc status --json entries}`` for the stages of ``folder/dvc.yaml`` (not of a ``dvc.yaml`` in a
+    subfolder) that ``dvc status`` says would run again (``{}``: up to date).
 
     Raises:
         RuntimeError: DVC failed (its last line).
@@ -63,14 +66,45 @@ def stale_stages(folder: Path) -> Dict[str, List[str]]:
     if res.returncode != 0:
         tail = (res.stderr or res.stdout).strip().splitlines()
         raise RuntimeError(f"dvc status in {folder.relative_to(ROOT)}: {tail[-1] if tail else res.returncode}")
-    status = json.loads(res.stdout or "{}")
-    out: Dict[str, List[str]] = {}
-    for stage, entries in status.items():
-        kinds = []
-        for entry in entries:
-            kinds.extend(entry.keys() if isinstance(entry, dict) else [str(entry)])
-        out[stage] = sorted(set(kinds))
-    return out
+    return json.loads(res.stdout or "{}")
+
+
+CHANGED, NOT_BUILT = "changed", "not built"
+
+
+def classify(changes: List[dict], tracked: Callable[[str], bool]) -> Optional[str]:
+    """Why a stage would run again, from its ``dvc status --json`` entries: :data:`CHANGED` (a dependency modified or
+    new, a parameter, the command, an output modified, or absent while git holds it), :data:`NOT_BUILT` (only
+    outputs and dependencies that are absent and that git does not hold, ``tracked(path)`` False: regenerable), None
+    (nothing).
+
+    ``changes`` looks like ``[{"changed deps": {"code/fl_core": "modified", "data/prepared": "deleted"}},
+    {"changed outs": {"results/x/runs.csv": "not in cache"}}, "always changed"]``; a parameter file's entry holds a
+    dict of its changed keys."""
+    why = None
+    for entry in changes:
+        if not isinstance(entry, dict):
+            return CHANGED  # "always changed", "changed command"
+        for kind, paths in entry.items():
+            if kind not in ("changed deps", "changed outs") or not isinstance(paths, dict):
+                return CHANGED
+            for path, state in paths.items():
+                absent = state in ("deleted", "not in cache")
+                if isinstance(state, dict) or not absent or tracked(path):
+                    return CHANGED
+                why = NOT_BUILT
+    return why
+
+
+def git_files(folder: Path) -> Callable[[str], bool]:
+    """Whether a path relative to ``folder`` is held by git (a file, or a folder holding one)."""
+    res = subprocess.run(["git", "ls-files", "-z", "."], cwd=folder, capture_output=True, check=False)
+    files = [f for f in res.stdout.decode().split("\0") if f] if res.returncode == 0 else []
+    held = set(files)
+    for f in files:  # and every folder above a held file
+        parts = Path(f).parts
+        held.update(str(Path(*parts[:i])) for i in range(1, len(parts)))
+    return lambda path: os.path.normpath(path) in held
 
 
 def stage_count(folder: Path) -> int:
@@ -180,15 +214,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 2
             return max(refresh(folder) for folder in folders)
         times = refresh_times()
-        print("| study | stages | stale | last refresh (wall / CPU, machine, date, commit) | committed report |")
-        print("|---|---:|---:|---|---|")
+        print("| study | stages | changed | not built here | last refresh (wall / CPU, machine, date, commit) | "
+              "committed report |")
+        print("|---|---:|---:|---:|---|---|")
         for folder in folders:
-            stale = stale_stages(folder)
+            tracked = git_files(folder)
+            why = [classify(changes, tracked) for changes in stale_entries(folder).values()]
             t = times.get(folder.name)
             last = (f"{t['wall_min']} / {t['cpu_min']} min, {t['machine']}, {t['date']}, {t['commit']}"
                     if t else "never measured")
             report = "yes" if committed(folder / "results" / "report.md") else "no"
-            print(f"| {folder.name} | {stage_count(folder)} | {len(stale)} | {last} | {report} |")
+            print(f"| {folder.name} | {stage_count(folder)} | {why.count(CHANGED)} | {why.count(NOT_BUILT)} | {last} | "
+                  f"{report} |")
     except (FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

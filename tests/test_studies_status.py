@@ -43,3 +43,26 @@ def test_a_refreshed_report_names_where_it_was_produced_and_dvc_keeps_it_up_to_d
         "> Produced on machine Y, commit def5678.\n\n# Report\n"
     status = subprocess.run([*dvc, "status"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
     assert "up to date" in status, status
+
+
+def test_a_stage_whose_only_difference_is_what_git_does_not_hold_is_not_built_not_changed():
+    """classify: absent outputs and data folders that git does not hold are rebuilt, nothing changed (a fresh clone);
+    the code, a parameter, the command or a committed output make the stage changed."""
+    held = {"results/report.md"}.__contains__
+    absent_data = {"changed deps": {"data/prepared": "deleted"}}
+    absent_outs = {"changed outs": {"results/a/runs.csv": "deleted", "results/a/models": "not in cache"}}
+    assert st.classify([], held) is None
+    assert st.classify([absent_data, absent_outs], held) == st.NOT_BUILT
+    assert st.classify([{"changed deps": {"code/fl_core": "modified", "data/prepared": "deleted"}}], held) == st.CHANGED
+    assert st.classify([{"changed deps": {"code/fl_core/new.py": "new"}}], held) == st.CHANGED
+    assert st.classify([{"changed deps": {"params.yaml": {"experiments.a": "modified"}}}], held) == st.CHANGED
+    assert st.classify([absent_data, "changed command"], held) == st.CHANGED
+    assert st.classify(["always changed"], held) == st.CHANGED
+    assert st.classify([{"changed outs": {"results/report.md": "deleted"}}], held) == st.CHANGED  # git holds it
+    assert st.classify([{"changed outs": {"results/a/runs.csv": "modified"}}], held) == st.CHANGED
+
+
+def test_git_files_holds_the_files_and_the_folders_above_them():
+    held = st.git_files(st.STUDIES / "theory")
+    assert held("results/report.md") and held("results") and held("params.yaml") and held("./results/report.md")
+    assert not held("data/prepared") and not held("results/fedavg_k1/runs.csv")
