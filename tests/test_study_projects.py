@@ -21,9 +21,8 @@ DVC = Path(sys.executable).parent / "dvc"
 
 
 def _deps(dvc_yaml: Path):
-    for name, stage in yaml.safe_load(dvc_yaml.read_text())["stages"].items():
-        stage = stage.get("do", stage)
-        for dep in stage.get("deps", []):
+    for name, entry in yaml.safe_load(dvc_yaml.read_text())["stages"].items():
+        for dep in entry.get("do", entry).get("deps", []):
             yield name, dep if isinstance(dep, str) else next(iter(dep))
 
 

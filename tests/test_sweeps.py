@@ -465,6 +465,7 @@ def test_trials_left_running_by_a_dead_process_are_marked_stale(sandbox, capsys)
     assert "trial(s) 0 were left RUNNING" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~18 s: two spawned workers (tests/test_postgres.py runs four machines, also slow)
 def test_two_workers_share_one_storage_without_duplicate_trials(sandbox, capfd):
     space, storage = sandbox / "lr.yaml", sandbox / "w.log"
     space.write_text(LR_SPACE.replace("1.0e-6", "1.0e-3").replace("1.0e+6", "0.5"))

@@ -311,6 +311,7 @@ def _tiny_cifar100(tmp_path):
             "engine.progress=false", "tracking.enabled=false", "seed=1", "name=vit"]
 
 
+@pytest.mark.slow  # ~10 s: the CLI on the ViT preset (test_presets runs its round in the fast suite)
 def test_fl_train_vit_tiny_preset_two_rounds(tmp_path):
     proc = _train(_tiny_cifar100(tmp_path) + ["model=vit_tiny", "partition.num_clients=4", "train.rounds=2",
                                                "train.participation=0.5"], tmp_path)
