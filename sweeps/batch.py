@@ -322,11 +322,8 @@ class BatchLoop:
         """Every seed of ``slot`` has ended: tell its outcome (its verdict, else COMPLETE from its seeds)."""
         if slot.number not in self.live:
             return
-        if slot.lost is not None:  # as in _storage_lost: its MLflow run ends FAILED with the environment failure
-            self.runner.end_run(slot.st.logger, slot.lost)
-            self.runner.forget(slot.st)
-            storage_call(self.s, functools.partial(slot.st.trial.set_user_attr, "reason", slot.verdict[0].reason))
-            self._told(slot, slot.verdict[0])
+        if slot.lost is not None:
+            self._end_lost(slot, slot.lost, slot.verdict[0])
             return
         if slot.verdict is not None:
             self._end(slot, *slot.verdict)
@@ -380,13 +377,18 @@ class BatchLoop:
         outcome = Outcome("FAIL", reason=f"storage lost: {cause}")
         ended = sorted(self.live)
         for slot in [self.live[n] for n in ended]:
-            self.runner.end_run(slot.st.logger, failure)
-            self.runner.forget(slot.st)
-            storage_call(self.s, functools.partial(slot.st.trial.set_user_attr, "reason", outcome.reason))
-            self._told(slot, outcome)
+            self._end_lost(slot, failure, outcome)
         self.pending, self.group = [], []
         print(f"note: {self.who}trial(s) {', '.join(map(str, ended))} ended FAIL: the Optuna storage {cause}; it "
               f"answered again after {waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
+
+    def _end_lost(self, slot: Slot, failure: envfail.EnvironmentFailure, outcome: Outcome) -> None:
+        """End ``slot`` FAIL "storage lost" after the storage answered again: its MLflow run FAILED with the
+        environment failure, its ``reason`` recorded, the storage told."""
+        self.runner.end_run(slot.st.logger, failure)
+        self.runner.forget(slot.st)
+        storage_call(self.s, functools.partial(slot.st.trial.set_user_attr, "reason", outcome.reason))
+        self._told(slot, outcome)
 
     def _end_all(self, reason: str, status: str, failure: Optional[BaseException] = None) -> None:
         """Every trial not told yet ends FAIL with ``reason``: its MLflow run closed with ``status`` (FAILED with the
