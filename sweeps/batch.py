@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fl_core.config import ConfigError, to_container
-from fl_core.store import envfail, storefail
+from fl_core.store import envfail, faults, storefail
 from pipeline.experiment import ExperimentRunner, Observer, Part, Steer, train_population
 
 from .spaces import merge_overrides
@@ -264,6 +264,7 @@ class BatchLoop:
     def _steer(self, parts: List[Part], key: str) -> Optional[Steer]:
         """Between two passes: ask the pruner about the trials with a new report (shuffled), stop the replicas of
         the trials that end early, refill the freed slots."""
+        faults.point("between_passes")
         asking = [s for s in self.group if s.fresh is not None and s.verdict is None and s.number in self.live]
         self.rng.shuffle(asking)
         for slot in asking:

@@ -199,7 +199,7 @@ def test_pruning_stops_the_replicas_of_a_trial_and_refills_its_slot(sandbox, pop
     space, storage = sandbox / "lr.yaml", sandbox / "p.log"
     space.write_text(LR.replace("train.rounds=3", "train.rounds=6"))
     args = _args(space, storage, "p", sandbox / "out", "--n-trials", "6", "--batch", "3", "--pruner",
-                 "threshold:0.999", "--no-test", "--no-mlflow")
+                 "threshold:0.999", "--no-test", "--no-mlflow", "engine.executor=vectorized")
     assert tune.main(args) == 0
     trials = _study(storage, "p").trials
     assert [t.state.name for t in trials] == ["PRUNED"] * 6
@@ -306,6 +306,34 @@ def test_ctrl_c_in_a_batch_fails_every_unfinished_trial(sandbox, monkeypatch):
     assert sorted((int(r.data.tags["optuna_trial"]), r.info.status) for r in children) == [
         (0, "KILLED"), (1, "KILLED"), (2, "KILLED")]
     assert json.loads((out / "summary.json").read_text())["interrupted"]
+
+
+@pytest.mark.slow  # ~30 s: two sweep processes
+def test_a_worker_killed_between_two_passes_leaves_each_trial_once_after_the_rerun(sandbox):
+    """SIGKILL at the named point between_passes (its second hit: after round 2 of 3 of a batch of 2): both trials
+    stay RUNNING in the storage; the next invocation (--fail-stale: a dead process of this machine) fails them, ends
+    their MLflow runs as orphans (KILLED) and trains two more: each trial exactly once, one MLflow run each, none
+    RUNNING."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    space, storage = sandbox / "lr.yaml", sandbox / "k.log"
+    space.write_text(LR)
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "sweeps" / "tune.py"),
+           *_args(space, storage, "k", sandbox / "out", "--batch", "2", "--pruner", "none", "--no-test",
+                  "engine.executor=vectorized")]
+    killed = subprocess.run([*cmd, "--n-trials", "4"], env={**os.environ, "FL_FAULT": "between_passes@2"},
+                            capture_output=True, text=True, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert _states(storage, "k") == ["RUNNING", "RUNNING"]
+    rerun = subprocess.run([*cmd, "--n-trials", "2", "--fail-stale"], capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _states(storage, "k") == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
+    _, runs = _runs("k", "trial")
+    assert sorted((int(r.data.tags["optuna_trial"]), r.info.status) for r in runs) == [
+        (0, "KILLED"), (1, "KILLED"), (2, "FINISHED"), (3, "FINISHED")]
 
 
 def test_an_error_outside_the_training_fails_every_trial_of_the_batch(sandbox, monkeypatch, capsys):

@@ -55,6 +55,12 @@ WORKER_POINTS: Dict[str, str] = {
     "worker_task": "a worker rank of engine.executor=distributed received a round's clients, not yet trained them",
 }
 
+#: Points that only a sweep with ``--batch`` K > 1 reaches (tests/test_sweeps_batch.py kills there).
+SWEEP_POINTS: Dict[str, str] = {
+    "between_passes": "a sweep's batch of trials finished a pass of its population, the pruner not yet asked and no "
+                      "trial of the pass told",
+}
+
 #: Points where a write can fail, for ``FL_FAULT=POINT:ENOSPC`` and the like (``checkpoint_write`` above is one too;
 #: benchmarks/env_faults.py and tests/test_env_faults.py). The kill campaign does not visit them: some are reached
 #: only by the data stages.
@@ -67,7 +73,8 @@ WRITE_POINTS: Dict[str, str] = {
     "partition_write": "a partition's partition.npz (data_dir/partitions/<key>/) is written to its temporary file",
 }
 
-__doc__ += "\n".join(f"\n- ``{k}``: {v}." for k, v in {**POINTS, **WORKER_POINTS, **WRITE_POINTS}.items())
+__doc__ += "\n".join(f"\n- ``{k}``: {v}." for k, v in {**POINTS, **WORKER_POINTS, **SWEEP_POINTS,
+                                                                  **WRITE_POINTS}.items())
 
 _hits: Dict[str, int] = {}
 
@@ -80,7 +87,7 @@ def point(name: str, path: Optional[object] = None) -> None:
     """Mark the named point; act (module docstring) if ``FL_FAULT`` selects this hit of it.
 
     Args:
-        name: a key of :data:`POINTS`, :data:`WORKER_POINTS` or :data:`WRITE_POINTS`.
+        name: a key of :data:`POINTS`, :data:`WORKER_POINTS`, :data:`SWEEP_POINTS` or :data:`WRITE_POINTS`.
         path: the file or folder being written there (the ``filename`` of an injected ``OSError``).
 
     Raises:
@@ -88,7 +95,7 @@ def point(name: str, path: Optional[object] = None) -> None:
         OSError: ``FL_FAULT`` selects this hit with an errno action (``POINT:ENOSPC``).
         InjectedError: ``FL_FAULT`` selects this hit with ``ERROR``.
     """
-    if name not in POINTS and name not in WORKER_POINTS and name not in WRITE_POINTS:
+    if not any(name in points for points in (POINTS, WORKER_POINTS, SWEEP_POINTS, WRITE_POINTS)):
         raise KeyError(f"unknown fault point {name!r}")
     spec = os.environ.get(ENV)
     if not spec:
