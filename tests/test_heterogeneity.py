@@ -381,7 +381,8 @@ ADAM_REFUSED = {
 }
 
 
-@pytest.mark.parametrize("base", BASES)
+# every other base runs with the slow tests (all of them in CI); tests/test_conformance.py covers each base fast
+@pytest.mark.parametrize("base", [pytest.param(b, marks=pytest.mark.slow) if i % 2 else b for i, b in enumerate(BASES)])
 def test_every_base_with_adam_sequential_equals_vectorized_or_refuses(base):
     if base in ADAM_REFUSED:
         with pytest.raises(ConfigError, match=ADAM_REFUSED[base]):

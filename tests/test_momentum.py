@@ -184,7 +184,8 @@ def test_momentum_zero_is_the_plain_path_bit_for_bit():
 # --------------------------------------------------------------------------- every base, both executors
 
 
-@pytest.mark.parametrize("base", BASES)
+# every other base runs with the slow tests (all of them in CI); tests/test_conformance.py covers each base fast
+@pytest.mark.parametrize("base", [pytest.param(b, marks=pytest.mark.slow) if i % 2 else b for i, b in enumerate(BASES)])
 def test_every_base_with_momentum_sequential_equals_vectorized(base):
     if base in REFUSED:
         with pytest.raises(ConfigError, match=REFUSED[base]):

@@ -45,7 +45,8 @@ def _seeds(*extra):
     return [tuple(extra) + (f"seed={s}",) for s in SEEDS]
 
 
-@pytest.mark.parametrize("base", BASES)
+# every other base runs with the slow tests (all of them in CI); tests/test_conformance.py covers each base fast
+@pytest.mark.parametrize("base", [pytest.param(b, marks=pytest.mark.slow) if i % 2 else b for i, b in enumerate(BASES)])
 def test_the_seeds_of_every_base_as_one_population_equal_their_separate_runs(base):
     stack = _stack(base, extra=UNEQUAL)
     if not _sim(stack).algo.vectorizable:
