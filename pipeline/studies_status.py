@@ -126,13 +126,6 @@ def refresh_times(path: Path = REFRESH_TIMES) -> Dict[str, Dict[str, str]]:
     return rows
 
 
-def committed(path: Path) -> bool:
-    """Whether ``path`` is tracked by git."""
-    res = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))], cwd=ROOT, check=False,
-                         capture_output=True, text=True)
-    return res.returncode == 0
-
-
 def studies(names: Optional[List[str]] = None) -> List[Path]:
     """The study folders (those holding a ``dvc.yaml``), or the named ones.
 
@@ -223,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             t = times.get(folder.name)
             last = (f"{t['wall_min']} / {t['cpu_min']} min, {t['machine']}, {t['date']}, {t['commit']}"
                     if t else "never measured")
-            report = "yes" if committed(folder / "results" / "report.md") else "no"
+            report = "yes" if tracked("results/report.md") else "no"
             print(f"| {folder.name} | {stage_count(folder)} | {why.count(CHANGED)} | {why.count(NOT_BUILT)} | {last} | "
                   f"{report} |")
     except (FileNotFoundError, RuntimeError) as err:

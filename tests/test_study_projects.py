@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import studies_status
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p.parent for p in (ROOT / "studies").glob("*/dvc.yaml"))
 CODE = ("fl_core", "pipeline", "conf")
@@ -26,17 +28,12 @@ def _deps(dvc_yaml: Path):
             yield name, dep if isinstance(dep, str) else next(iter(dep))
 
 
-def _tracked(path: Path) -> bool:
-    res = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))], cwd=ROOT,
-                         capture_output=True, check=False)
-    return res.returncode == 0
-
-
 @pytest.mark.parametrize("study", STUDIES, ids=[s.name for s in STUDIES])
 def test_every_study_is_a_dvc_project_whose_code_deps_lie_inside_it(study):
     assert (study / ".dvc" / "config").is_file() and (study / ".dvcignore").is_file()
     if (ROOT / ".git").exists():
-        assert _tracked(study / ".dvc" / "config") and _tracked(study / ".dvcignore")
+        held = studies_status.git_files(study)
+        assert held(".dvc/config") and held(".dvcignore")
     ignored = (study / ".dvcignore").read_text().splitlines()
     assert "__pycache__/" in ignored and "*.pyc" in ignored
     for name in CODE:
