@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import functools
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fl_core.config import ConfigError, to_container
-from fl_core.store import envfail, faults, storefail
+from fl_core.store import envfail, faults
 from pipeline.experiment import ExperimentRunner, Observer, Part, Steer, train_population
 
 from .spaces import merge_overrides
-from .storage import (fail_silent_trials, heartbeat, note_outage, storage_call, storage_failure,
-                      wait_for_storage)
+from .storage import fail_silent_trials, heartbeat, note_outage, storage_back, storage_call, storage_failure
 from .trials import (InfeasibleConfig, Outcome, Started, TrialRunner, error_reason, failure_outcome,
                      resolve_trial, seeds_result, tell_outcome, trial_line)
 
@@ -361,27 +359,21 @@ class BatchLoop:
         failure = storage_failure(err, self.s)
         if failure is None:
             return False
-        waited = wait_for_storage(self.s, failure)
-        cause = storefail.after_answering(failure.cause)
+        reason = storage_back(self.s, failure, f"{self.who}trial {slot.number}")
         if slot.lost is None:
-            slot.verdict, slot.lost = (Outcome("FAIL", reason=f"storage lost: {cause}"), "FAILED"), failure
-        print(f"note: {self.who}trial {slot.number} ended FAIL: the Optuna storage {cause}; it answered again after "
-              f"{waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
+            slot.verdict, slot.lost = (Outcome("FAIL", reason=reason), "FAILED"), failure
         return True
 
     def _storage_lost(self, failure: envfail.EnvironmentFailure) -> None:
         """The storage failed and answers again within ``FL_DB_RETRY_S`` (:func:`wait_for_storage` raises
         otherwise): every trial in progress or waiting ends FAIL "storage lost: ..." (its MLflow run FAILED), one
         line says so, and the sweep goes on."""
-        waited = wait_for_storage(self.s, failure)
-        cause = storefail.after_answering(failure.cause)
-        outcome = Outcome("FAIL", reason=f"storage lost: {cause}")
         ended = sorted(self.live)
+        outcome = Outcome("FAIL", reason=storage_back(self.s, failure,
+                                                      f"{self.who}trial(s) {', '.join(map(str, ended))}"))
         for slot in [self.live[n] for n in ended]:
             self._end_lost(slot, failure, outcome)
         self.pending, self.group = [], []
-        print(f"note: {self.who}trial(s) {', '.join(map(str, ended))} ended FAIL: the Optuna storage {cause}; it "
-              f"answered again after {waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
 
     def _end_lost(self, slot: Slot, failure: envfail.EnvironmentFailure, outcome: Outcome) -> None:
         """End ``slot`` FAIL "storage lost" after the storage answered again: its MLflow run FAILED with the

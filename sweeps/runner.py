@@ -33,10 +33,10 @@ import sys
 import time
 from typing import Callable, Optional
 
-from fl_core.store import envfail, storefail
+from fl_core.store import envfail
 
 from .batch import optimize_batch
-from .storage import fail_silent_trials, heartbeat, note_outage, storage_call, storage_failure, wait_for_storage
+from .storage import fail_silent_trials, heartbeat, note_outage, storage_back, storage_call, storage_failure
 from .trials import Outcome, TrialRunner, error_reason, tell_outcome, trial_line
 
 
@@ -90,12 +90,8 @@ def optimize(study, runner: TrialRunner, n_trials: int, on_trial: Optional[Calla
                 failure = storage_failure(err, settings)
                 if failure is None:
                     raise
-                waited = wait_for_storage(settings, failure)
-                cause = storefail.after_answering(failure.cause)
-                outcome = Outcome("FAIL", reason=f"storage lost: {cause}")
+                outcome = Outcome("FAIL", reason=storage_back(settings, failure, f"{who}trial {trial.number}"))
                 storage_call(settings, functools.partial(trial.set_user_attr, "reason", outcome.reason))
-                print(f"note: {who}trial {trial.number} ended FAIL: the Optuna storage {cause}; it answered "
-                      f"again after {waited:.0f} s and the sweep goes on", file=sys.stderr, flush=True)
             tell_outcome(study, trial, outcome, settings, who)
             line = trial_line(trial.number, outcome, trial.params, time.perf_counter() - t0, runner.worker)
             trial = None

@@ -4,6 +4,7 @@ storage failure costs (waiting for it to answer again, :func:`storage_call`)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -394,6 +395,21 @@ def wait_for_storage(settings: Settings, failure: envfail.EnvironmentFailure) ->
                                          f"{storewait.retry_s():g} s ({storewait.RETRY_ENV})", failure.action,
                                          store=failure.store) from None
     return waited
+
+
+def storage_back(settings: Settings, failure: envfail.EnvironmentFailure, ended: str) -> str:
+    """After ``failure`` of the storage: wait until it answers again (:func:`wait_for_storage`), say so in one line
+    on stderr (``note: <ended> ended FAIL: the Optuna storage <cause>; it answered again after N s and the sweep goes
+    on``, ``ended`` naming the trials it costs, e.g. ``w1 trial 3``) and return their reason ``storage lost: <cause>``.
+
+    Raises:
+        fl_core.store.envfail.EnvironmentFailure: it does not answer within ``FL_DB_RETRY_S``.
+    """
+    waited = wait_for_storage(settings, failure)
+    cause = storefail.after_answering(failure.cause)
+    print(f"note: {ended} ended FAIL: the Optuna storage {cause}; it answered again after {waited:.0f} s and the sweep "
+          "goes on", file=sys.stderr, flush=True)
+    return f"storage lost: {cause}"
 
 
 def storage_call(settings: Settings, fn: Callable[[], Any]) -> Any:

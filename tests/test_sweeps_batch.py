@@ -254,6 +254,7 @@ def test_a_storage_lost_in_one_trials_report_costs_that_trial_alone(sandbox, mon
     so, and the two other trials of the population complete."""
     from fl_core.store import envfail
     from sweeps import batch
+    from sweeps import storage as storage_module
 
     class Lost(Exception):
         pass
@@ -261,7 +262,7 @@ def test_a_storage_lost_in_one_trials_report_costs_that_trial_alone(sandbox, mon
     failure = envfail.EnvironmentFailure("Optuna storage x", "lost its connection (terminating connection)",
                                          "check it", store="x")
     monkeypatch.setattr(batch, "storage_failure", lambda err, s: failure if isinstance(err, Lost) else None)
-    monkeypatch.setattr(batch, "wait_for_storage", lambda s, f: 1.0)
+    monkeypatch.setattr(storage_module, "wait_for_storage", lambda s, f: 1.0)
     real = TrialRunner.report
 
     def report(self, st, i, r, row):
