@@ -253,6 +253,135 @@ def report_deps(grid: Grid, results_dir: str = "results") -> List[str]:
             for f in ("metrics.json", "experiment.json", "runs.csv")]
 
 
+TRAIN_BEGIN = "# BEGIN grid train"
+TRAIN_END = "# END grid train"
+ROWS = "{rows}"  # where a train stage's command names its rows (``--grid A,B``)
+
+
+def train_groups(grid: Grid) -> List[List[str]]:
+    """The experiments of ``grid`` grouped into the rows that can share a pass, in order of each group's first row:
+    rows whose first seed's configs have the same population key (:func:`pipeline.multirun.population_groups`: the
+    vectorised executor with ``engine.population`` on, the same data, partition, model, rule stack and local-step
+    settings; they differ in the seed or in keys a replica carries, :func:`fl_core.config.replica_keys`) form one
+    group; every other row a group of its own. (As :func:`pipeline.multirun.population_groups` groups the jobs of
+    ``fl-train -m``, with each row composed as its grid stage composes it.)
+
+    Raises:
+        ConfigError: a row's overrides do not compose (naming the row and the key).
+    """
+    from fl_core.config import compose
+
+    from .multirun import population_key
+
+    groups: List[List[str]] = []
+    by_key: Dict[str, List[str]] = {}
+    for name in grid.experiments:
+        try:
+            cfg = compose(grid.overrides(name, grid.seeds[0]), user=grid.experiments[name])
+        except ConfigError as err:
+            raise ConfigError(f"experiments.{name}: {err}") from None
+        key = population_key(cfg)
+        if key is None or key not in by_key:
+            groups.append([name])
+            if key is not None:
+                by_key[key] = groups[-1]
+        else:
+            by_key[key].append(name)
+    return groups
+
+
+def train_stage_name(rows: List[str]) -> str:
+    """The DVC stage of ``rows``: ``train-<row>``, or ``train-<first>-and-<n>-more`` for a group."""
+    return f"train-{rows[0]}" if len(rows) == 1 else f"train-{rows[0]}-and-{len(rows) - 1}-more"
+
+
+@dataclass
+class TrainTemplate:
+    """The shape every generated train stage of a study follows, read from the first stage of its block: the command
+    with :data:`ROWS` where it names the rows, the deps, the params not of one row, and the outputs (``outs``,
+    ``metrics``, ``plots``) of one row as paths relative to ``results/<row>/`` with their options."""
+
+    cmd: str
+    deps: List[Any]
+    params: List[Any]
+    per_row: Dict[str, List[Any]]  # section -> [(path under results/<row>/, options or None)]
+    results: str = "results"
+
+    @classmethod
+    def from_stage(cls, name: str, stage: Dict, where: str) -> "TrainTemplate":
+        """The template of the generated stage ``stage`` (named ``name``, in the file ``where``).
+
+        Raises:
+            ConfigError: the command does not name its rows with ``--grid A[,B...]``, or an output of the first
+                row lies outside ``results/<row>/``.
+        """
+        import re
+
+        cmd = str(stage.get("cmd", ""))
+        m = re.search(r"--grid (\S+)", cmd)
+        if m is None:
+            raise ConfigError(f"{where}: stage {name}: its cmd must name the rows with --grid A[,B...]")
+        first = m.group(1).split(",")[0]
+        per_row: Dict[str, List[Any]] = {}
+        for section in ("outs", "metrics", "plots"):
+            for entry in stage.get(section) or []:
+                path, opts = (entry, None) if isinstance(entry, str) else next(iter(entry.items()))
+                prefix = f"results/{first}/"
+                if not str(path).startswith(prefix):
+                    if str(path).startswith("results/"):
+                        continue  # another row of the group
+                    raise ConfigError(f"{where}: stage {name}: output {path} lies outside results/<row>/")
+                per_row.setdefault(section, []).append((str(path)[len(prefix):], opts))
+        params = [p for p in stage.get("params") or [] if not (isinstance(p, str) and p.startswith("experiments."))]
+        return cls(cmd[: m.start(1)] + ROWS + cmd[m.end(1):], list(stage.get("deps") or []), params, per_row)
+
+    def stage(self, rows: List[str]) -> Dict:
+        """The DVC stage that trains ``rows``."""
+        out: Dict[str, Any] = {"cmd": self.cmd.replace(ROWS, ",".join(rows)), "deps": list(self.deps),
+                               "params": list(self.params) + [f"experiments.{r}" for r in rows]}
+        for section, entries in self.per_row.items():
+            out[section] = [f"{self.results}/{r}/{path}" if opts is None else {f"{self.results}/{r}/{path}": opts}
+                            for r in rows for path, opts in entries]
+        return out
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Every stage spelled out (no ``&id`` anchors for the options the stages share)."""
+
+    def ignore_aliases(self, data):  # noqa: ARG002
+        return True
+
+
+def train_block(lines: List[str], grid: Grid, where: str) -> Optional[List[str]]:
+    """``lines`` of a dvc.yaml with the stages between ``# BEGIN grid train`` and ``# END grid train`` generated
+    from ``grid`` (:func:`train_groups`), each after the shape of the block's first stage (:class:`TrainTemplate`);
+    None when the markers are absent.
+
+    Raises:
+        ConfigError: the block holds no stage, or its first stage is not a train stage of this shape.
+    """
+    try:
+        b = next(i for i, l in enumerate(lines) if l.strip().startswith(TRAIN_BEGIN))
+        e = next(i for i, l in enumerate(lines) if l.strip().startswith(TRAIN_END))
+    except StopIteration:
+        return None
+    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
+    block = yaml.safe_load("".join(l[len(indent):] if l.startswith(indent) else l for l in lines[b + 1:e])) or {}
+    if not isinstance(block, dict) or not block:
+        raise ConfigError(f"{where}: the '{TRAIN_BEGIN}' block holds no stage to follow (write one train stage "
+                          f"with --grid <row> in it)")
+    name, first = next(iter(block.items()))
+    template = TrainTemplate.from_stage(name, first, where)
+    stages = {train_stage_name(rows): template.stage(rows) for rows in train_groups(grid)}
+    text = yaml.dump(stages, Dumper=_NoAliases, sort_keys=False, default_flow_style=None, width=120)
+    body = []
+    for i, line in enumerate(text.splitlines()):
+        if i and not line.startswith(" "):
+            body.append("\n")  # a blank line between two stages
+        body.append(f"{indent}{line}\n")
+    return lines[: b + 1] + body + lines[e:]
+
+
 def _replace_block(lines: List[str], begin: str, end: str, items: List[str]) -> Optional[List[str]]:
     """``lines`` with the list items between the ``begin`` and ``end`` marker lines replaced by ``items``
     (indented as the begin marker); None when the markers are absent."""
@@ -268,9 +397,10 @@ def _replace_block(lines: List[str], begin: str, end: str, items: List[str]) -> 
 def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
     """Rewrite the generated blocks of ``dvc_yaml`` from ``grid``; True if the file changed.
 
-    Two blocks exist: the report stage's deps (``# BEGIN grid deps``: every experiment's result files,
-    in the studies' pipelines) and the fields of the overlay chart (``# BEGIN grid plots``: one line
-    per experiment, in the project's pipeline).
+    Three blocks exist: the train stages (``# BEGIN grid train``, in the studies' pipelines: one stage per group of
+    rows that can share a pass, :func:`train_block`), the report stage's deps (``# BEGIN grid deps``: every
+    experiment's result files, in the studies' pipelines) and the fields of the overlay chart
+    (``# BEGIN grid plots``: one line per experiment, in the project's pipeline).
 
     Raises:
         ConfigError: ``dvc_yaml`` is missing, unreadable or cannot be written, or has neither block
@@ -278,15 +408,18 @@ def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:
     """
     text = _read_text(dvc_yaml, "the DVC pipeline")
     lines = text.splitlines(keepends=True)
-    found = False
+    generated = train_block(lines, grid, str(dvc_yaml))
+    found = generated is not None
+    lines = generated if found else lines
     for begin, end, items in ((BEGIN_MARK, END_MARK, report_deps(grid)),
                               (PLOTS_BEGIN, PLOTS_END, list(grid.experiments))):
         replaced = _replace_block(lines, begin, end, items)
         if replaced is not None:
             lines, found = replaced, True
     if not found:
-        raise ConfigError(f"{dvc_yaml}: no generated block (the '{BEGIN_MARK}' / '{END_MARK}' markers of the "
-                          f"report deps or the '{PLOTS_BEGIN}' / '{PLOTS_END}' markers of the plots)")
+        raise ConfigError(f"{dvc_yaml}: no generated block (the '{TRAIN_BEGIN}' / '{TRAIN_END}' markers of the "
+                          f"train stages, '{BEGIN_MARK}' / '{END_MARK}' of the report deps or '{PLOTS_BEGIN}' / "
+                          f"'{PLOTS_END}' of the plots)")
     new = "".join(lines)
     if new != text:
         try:

@@ -8,8 +8,8 @@ study::
 
     | study | stages | changed | not built here | last refresh | committed report |
 
-``changed`` counts the stages DVC would run because something they are made from changed (``train@<experiment>`` one
-each): the code, a parameter, the command, or an output that git holds; ``not built here`` counts the other stages DVC
+``changed`` counts the stages DVC would run because something they are made from changed (``train-<experiment>`` one
+each, or one per group of rows): the code, a parameter, the command, or an output that git holds; ``not built here`` counts the other stages DVC
 would run, whose only difference is an output or a dependency that is absent and that git does not hold (the study's
 data folders and per-row results on a fresh clone: they are rebuilt, nothing changed) (:func:`classify`);
 ``committed report`` says whether ``studies/<s>/results/report.md`` is in git. Exit status 0 whatever the state (it reports, it does not check);

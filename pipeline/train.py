@@ -10,6 +10,11 @@ DVC train stage (every seed of one experiment of ``params.yaml``)::
 
     python -m pipeline.train --grid fedbug20_dir
 
+A study's stage that holds several rows of its grid (``python -m pipeline.grid sync-dvc`` groups the rows that can
+share a pass) names them all, and they train as one population, each with the outputs it gets alone::
+
+    python -m pipeline.train --grid fedbug10_iid,fedbug20_iid,fedbug40_iid --params params.yaml
+
 Outputs in ``results/<name>/``: ``metrics.json`` (the numbers: mean +- std over seeds, ``status``, the
 seeds), ``experiment.json`` (what ran: algorithm, partition, fingerprint, failures, per-seed summaries), ``rounds.csv`` (per-round
 mean over seeds), ``runs.csv`` (every seed and round), ``curves.png`` / ``.pdf``, ``config.yaml``,
@@ -82,6 +87,8 @@ def usage() -> str:
 
     return f"""usage: python -m pipeline.train [KEY=VALUE ...]      one experiment from Hydra overrides
        python -m pipeline.train --grid NAME [--params FILE]   experiment NAME of params.yaml (all seeds)
+       python -m pipeline.train --grid A,B,... [--params FILE]   several experiments of params.yaml, as one
+                                                         population where they can share a pass (a study's stage)
        python -m pipeline.train --cfg [job|hydra|all] [KEY=VALUE ...]   print the composed config and exit
        python -m pipeline.train --info [KEY=VALUE ...]   the config search path, chosen groups and config
        python -m pipeline.train --hydra-help             the override grammar (key=value, group=option, +, ~)
@@ -931,13 +938,16 @@ def _job_error(err: BaseException) -> int:
     return 1
 
 
-def _grid_configs(argv: List[str]) -> List:
-    """The composed configs (one per seed) of ``--grid NAME [--params FILE]``; exits 2 (:func:`fail`) for a
-    missing name or file, or any further argument."""
+def _grid_configs(argv: List[str]) -> List[List]:
+    """Per experiment of ``--grid NAME[,NAME...] [--params FILE]``, its composed configs (one per seed); exits 2
+    (:func:`fail`) for a missing name or file, a name given twice, or any further argument."""
     from .grid import load_grid
 
     if len(argv) < 2:
         fail("--grid needs an experiment name")
+    names = argv[1].split(",")
+    if "" in names or len(set(names)) < len(names):
+        fail(f"--grid {argv[1]}: a comma-separated list of distinct experiment names of params.yaml")
     params = Path("params.yaml")
     rest = argv[2:]
     if rest[:1] == ["--params"]:
@@ -948,7 +958,36 @@ def _grid_configs(argv: List[str]) -> List:
     if rest:
         fail(f"unexpected argument {rest[0]!r} after --grid NAME (grid runs take their settings "
              "from params.yaml)")
-    return load_grid(params).compose_all(argv[1])
+    grid = load_grid(params)
+    groups = [grid.compose_all(n) for n in names]
+    if len(groups) > 1 and any(g[0].engine.executor == "distributed" for g in groups):
+        fail(f"--grid {argv[1]}: engine.executor=distributed trains one experiment a command (give one name)")
+    return groups
+
+
+def _train_rows(groups: List[List]) -> int:
+    """``--grid A,B,...``: the experiments of a DVC stage that holds several rows of the grid
+    (:func:`pipeline.grid.train_groups`), trained as one population where they can share a pass
+    (:func:`run_experiments`); each row's outputs are those it gets alone.
+
+    Returns:
+        The worst row's exit status as ``--grid NAME`` gives it (0: done, a row whose seeds failed included; 2 a
+        row's bad input or busy experiment; 3 an environment failure; 130 interrupted: every row resumes with the
+        same command).
+    """
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        results = run_experiments(groups, replace=True, adhoc=False)
+    except Interrupted as err:
+        print(f"interrupted at round {err.round}; run the same command again to resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted before training started", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return max(_job_error(res) if isinstance(res, BaseException) else _outcome(res, cfgs[0], grid=True)
+               for cfgs, res in zip(groups, results))
 
 
 def _override_configs(argv: List[str]) -> List:
@@ -1125,7 +1164,11 @@ def _main(argv: List[str], from_command_line: bool) -> int:
     argv = [a for a in argv if a not in ("--info", "--overwrite")]
     grid = bool(argv) and argv[0] == "--grid"
     try:
-        cfgs = _grid_configs(argv) if grid else _override_configs(argv)
+        groups = _grid_configs(argv) if grid else [_override_configs(argv)]
+        if len(groups) > 1 and not (show_cfg or show_info):
+            _restart_for_portable_kernels([c for g in groups for c in g], from_command_line)
+            return _train_rows(groups)
+        cfgs = groups[0]
         if show_cfg or show_info:
             print(_describe(cfgs[0], argv if not grid else [], show_cfg or "job", info=show_info))
             return 0

@@ -124,7 +124,7 @@ def test_sync_dvc_errors_are_one_line(tmp_path):
         sync_dvc(tmp_path / "dvc.yaml", g)
     assert str(err.value) == f"{tmp_path / 'dvc.yaml'}: file not found (the DVC pipeline)"
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    with pytest.raises(ConfigError, match=r"dvc\.yaml: no generated block \(the '# BEGIN grid deps'"):
+    with pytest.raises(ConfigError, match=r"dvc\.yaml: no generated block \(the '# BEGIN grid train'"):
         sync_dvc(tmp_path / "dvc.yaml", g)
     (tmp_path / "dvc.yaml").write_text(DVC)
     assert sync_dvc(tmp_path / "dvc.yaml", g) is True

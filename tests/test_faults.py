@@ -238,8 +238,8 @@ LR_GRID = ["-m", "train.lr=0.05,0.1", "name=g${train.lr}", "seed=1,2", "algorith
 LR_NAMES = ("g0.05", "g0.1")
 
 
-def _grid_models(tmp: Path) -> dict:
-    return {(n, s): torch.load(tmp / "results" / n / "models" / f"seed_{s}.pt") for n in LR_NAMES for s in SEEDS}
+def _grid_models(tmp: Path, names=LR_NAMES) -> dict:
+    return {(n, s): torch.load(tmp / "results" / n / "models" / f"seed_{s}.pt") for n in names for s in SEEDS}
 
 
 @pytest.fixture(scope="module")
@@ -261,13 +261,19 @@ def test_a_kill_inside_a_grid_population_leaves_one_clean_run_per_experiment(tmp
     tmp = _project(tmp_path, store=empty_store)
     assert _forked(tmp, LR_GRID, fault) == -signal.SIGKILL, fault
     assert _in_process(tmp, LR_GRID, monkeypatch) == 0
-    got = _grid_models(tmp)
-    for key, ref in grid_reference.items():
+    _assert_clean_rows(tmp, grid_reference)
+
+
+def _assert_clean_rows(tmp: Path, reference: dict, names=LR_NAMES) -> None:
+    """Each experiment of ``names`` ends with the ``reference`` models, one MLflow parent with one FINISHED child
+    per seed, each round logged once, and nothing left behind."""
+    got = _grid_models(tmp, names)
+    for key, ref in reference.items():
         assert got[key].keys() == ref.keys()
         assert all(torch.equal(got[key][k], ref[k]) for k in ref), key
     client, runs = _mlflow_state(tmp)
     parents = {r.data.tags["fl.experiment"]: r for r in runs if r.data.tags.get("fl.role") == "parent"}
-    assert sorted(parents) == sorted(LR_NAMES) and len(runs) == len(LR_NAMES) * (1 + len(SEEDS))
+    assert sorted(parents) == sorted(names) and len(runs) == len(names) * (1 + len(SEEDS))
     assert {r.info.status for r in runs} == {"FINISHED"}
     for parent in parents.values():
         kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
@@ -275,10 +281,42 @@ def test_a_kill_inside_a_grid_population_leaves_one_clean_run_per_experiment(tmp
         for k in kids:
             steps = [m.step for m in client.get_metric_history(k.info.run_id, "test/acc")]
             assert sorted(steps) == list(range(1, ROUNDS + 1))
-    for name in LR_NAMES:
+    for name in names:
         assert json.loads((tmp / "results" / name / "metrics.json").read_text())["status"] == "ok"
         assert not (tmp / "checkpoints" / name).exists()
     assert [p for p in tmp.rglob("*") if p.name.endswith((".tmp", ".prev", ".staging", ".old", ".removed"))] == []
+
+
+# a study's grouped DVC stage (python -m pipeline.grid sync-dvc): two rows of params.yaml that differ in eta_l, trained
+# by one `--grid lr005,lr01` as one population of 4 replicas
+ROW_NAMES = ("lr005", "lr01")
+ROWS_GRID = {**POPULATION, "experiments": {name: {"algorithm": "scaffold", "partition": "dirichlet", "train.lr": lr}
+                                           for name, lr in zip(ROW_NAMES, (0.05, 0.1))}}
+ROWS = ["--grid", ",".join(ROW_NAMES)]
+
+
+@pytest.fixture(scope="module")
+def rows_reference(tmp_path_factory, empty_store):
+    """Final models of each row of ``ROWS_GRID`` trained alone (``--grid lr005``, then ``--grid lr01``)."""
+    tmp = _project(tmp_path_factory.mktemp("rows_alone"), ROWS_GRID, store=empty_store)
+    for name in ROW_NAMES:
+        assert _forked(tmp, ["--grid", name]) == 0
+    return _grid_models(tmp, ROW_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["checkpoint_write@6", "after_record@3", "after_outputs"])
+def test_a_kill_inside_a_grouped_grid_stage_leaves_each_row_once(tmp_path, fault, rows_reference, monkeypatch,
+                                                                  empty_store):
+    """A kill inside ``--grid lr005,lr01`` (replicas at rounds 2 and 1; three of four runs recorded; one row
+    published): the same command again ends every row with the models it gets trained alone, one MLflow parent with
+    one FINISHED child per seed, each round once, nothing left behind."""
+    tmp = _project(tmp_path, ROWS_GRID, store=empty_store)
+    assert _forked(tmp, ROWS, fault) == -signal.SIGKILL, fault
+    assert _in_process(tmp, ROWS, monkeypatch) == 0
+    _assert_clean_rows(tmp, rows_reference, ROW_NAMES)
+    assert _in_process(tmp, ROWS, monkeypatch) == 0  # complete: nothing trained again
+    _assert_clean_rows(tmp, rows_reference, ROW_NAMES)
 
 
 @pytest.mark.slow
