@@ -65,7 +65,7 @@ dashboard: $(STAMP)
 # the paper studies (studies/<s>/): which are stale against the code (dvc status), their last measured refresh
 # (studies/refresh_times.csv) and whether their report is committed; study-refresh runs one study's dvc repro, timed
 studies-status: $(STAMP)
-	@$(PY) -m pipeline.studies_status $(STUDY)
+	@$(PY) -m pipeline.studies_status $(if $(VERIFY),--verify) $(STUDY)
 
 study-refresh: $(STAMP)
 	@test -n "$(STUDY)" || { echo "error: name the study: make study-refresh STUDY=fedbug" >&2; exit 2; }

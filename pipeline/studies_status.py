@@ -18,6 +18,13 @@ data folders and per-row results on a fresh clone: they are rebuilt, nothing cha
     python -m pipeline.studies_status            # every study
     python -m pipeline.studies_status fedbug     # one
     python -m pipeline.studies_status --refresh fedbug   # dvc repro there, timed into refresh_times.csv
+    python -m pipeline.studies_status --verify   # and rerun every row's first rounds against the fingerprint
+
+A study that reads local data files (not bundled or generated) and cannot find them says so under the table, with
+the data source's line (where the files go) and the one command that refreshes it once they are there
+(:func:`needs_data`). ``--verify`` adds a column: every row's first rounds trained again on this code and compared
+with the study's committed ``results/fingerprint.json`` (:mod:`pipeline.fingerprint`, tolerance-based): ``current``
+when every row agrees, else the rows that changed.
 """
 
 from __future__ import annotations
@@ -143,6 +150,51 @@ def studies(names: Optional[List[str]] = None) -> List[Path]:
     return out
 
 
+READ_FREE = ("digits", "synthetic", "mnist1d", "quadratic")  # bundled or generated: no local files needed
+
+
+def needs_data(folder: Path) -> Optional[str]:
+    """Why the study in ``folder`` cannot run here, or None: a dataset of its grid that is read from local files
+    (not bundled or generated) whose files are absent; the data source's own one-line message (where the files go).
+    Nothing is written; a study whose ``data/prepared`` holds a prepared dataset is taken as able to run."""
+    import yaml
+
+    from fl_core.config import ConfigError, compose
+    from fl_core.data import DataSourceError
+    from fl_core.data.access import dataset_for
+
+    from .grid import load_grid
+
+    if (folder / "data" / "prepared").is_dir() and any((folder / "data" / "prepared").iterdir()):
+        return None
+    raw = yaml.safe_load((folder / "params.yaml").read_text()) or {}
+    if not isinstance(raw.get("dataset"), dict) or raw["dataset"].get("name") in READ_FREE:
+        if not any(str(k).startswith("dataset") for ov in (raw.get("experiments") or {}).values() for k in ov):
+            return None
+    grid = load_grid(folder / "params.yaml")
+    names = list(grid.experiments)
+    rows = [names[0]] + [n for n in names[1:] if any(o.startswith("dataset") for o in grid.experiments[n])]
+    here = Path.cwd()
+    os.chdir(folder)  # the study's relative data paths
+    try:
+        seen = set()
+        for name in rows:
+            try:
+                cfg = compose(grid.overrides(name, grid.seeds[0]), user=grid.experiments[name])
+            except ConfigError:
+                continue  # a bad row is the stage's to report
+            if cfg.dataset.name in READ_FREE or cfg.dataset.name in seen:
+                continue
+            seen.add(cfg.dataset.name)
+            try:
+                dataset_for(cfg, write_cache=False)
+            except DataSourceError as err:
+                return str(err).splitlines()[0]
+    finally:
+        os.chdir(here)
+    return None
+
+
 def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     """``dvc repro`` in ``folder`` (the project's environment first on PATH, as ``make repro`` runs it), timed: wall
     and CPU minutes (the children's user + system time) appended to ``studies/refresh_times.csv`` with the machine,
@@ -155,6 +207,10 @@ def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         return code
+    from .fingerprint import write as write_fingerprint
+
+    written = write_fingerprint(folder)
+    print(f"{folder.name}: fingerprint of every row's first rounds in {written.relative_to(ROOT)}")
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, check=False,
                             text=True).stdout.strip() or "?"
@@ -191,12 +247,40 @@ def stamp_report(folder: Path, produced: str, env: Optional[dict] = None) -> Non
                    capture_output=True)
 
 
+def verify_rows(folder: Path) -> str:
+    """The verify column of ``folder``: ``current (n rows)``, ``changed: k of n rows (<row>: <first difference>)``,
+    or why it cannot be said (no fingerprint, local data files needed); one line per changed row on stderr."""
+    from fl_core.data import DataSourceError
+
+    from . import fingerprint
+
+    problem = needs_data(folder)
+    if problem is not None:
+        return "needs local data files (below)"
+    try:
+        checks = fingerprint.verify(folder, progress=lambda row: print(f"  {folder.name}: {row} ...", end="\r",
+                                                                        file=sys.stderr, flush=True))
+    except FileNotFoundError:
+        return f"no fingerprint (make study-refresh STUDY={folder.name} writes one)"
+    except DataSourceError as err:
+        return f"needs local data files ({str(err).splitlines()[0]})"
+    print(" " * 60, end="\r", file=sys.stderr)
+    changed = [c for c in checks if c.status == fingerprint.CHANGED]
+    for c in changed:
+        print(f"{folder.name}: {c.row}: {c.detail}", file=sys.stderr)
+    if not changed:
+        return f"current ({len(checks)} rows)"
+    return f"changed: {len(changed)} of {len(checks)} rows ({changed[0].row}: {changed[0].detail})"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.studies_status",
                                 description="Which paper study is stale against the code, and its refresh time.")
     p.add_argument("study", nargs="*", help="study folder names under studies/ (default: all)")
-    p.add_argument("--refresh", action="store_true", help="run `dvc repro` in each named study, timed, and record "
-                   "the time in studies/refresh_times.csv")
+    p.add_argument("--refresh", action="store_true", help="run `dvc repro` in each named study, timed, record the "
+                   "time in studies/refresh_times.csv and write the study's fingerprint (results/fingerprint.json)")
+    p.add_argument("--verify", action="store_true", help="train the first rounds of every row again and compare "
+                   "them with the study's committed fingerprint: current / changed per study (a few minutes)")
     args = p.parse_args(argv)
     try:
         folders = studies(args.study)
@@ -207,9 +291,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 2
             return max(refresh(folder) for folder in folders)
         times = refresh_times()
+        verify = " verified on this code (first rounds of every row) |" if args.verify else ""
         print("| study | stages | changed | not built here | last refresh (wall / CPU, machine, date, commit) | "
-              "committed report |")
-        print("|---|---:|---:|---:|---|---|")
+              f"committed report |{verify}")
+        print("|---|---:|---:|---:|---|---|" + ("---|" if args.verify else ""))
+        notes = []
         for folder in folders:
             tracked = git_files(folder)
             why = [classify(changes, tracked) for changes in stale_entries(folder).values()]
@@ -217,8 +303,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             last = (f"{t['wall_min']} / {t['cpu_min']} min, {t['machine']}, {t['date']}, {t['commit']}"
                     if t else "never measured")
             report = "yes" if tracked("results/report.md") else "no"
-            print(f"| {folder.name} | {stage_count(folder)} | {why.count(CHANGED)} | {why.count(NOT_BUILT)} | {last} | "
-                  f"{report} |")
+            built = str(why.count(NOT_BUILT))
+            if why.count(NOT_BUILT) or why.count(CHANGED):
+                missing = needs_data(folder)
+                if missing is not None:
+                    built += " (needs local data files)"
+                    notes.append(f"{folder.name}: needs local data files: {missing}\n  once they are there: "
+                                 f"make study-refresh STUDY={folder.name}")
+            cells = f"| {folder.name} | {stage_count(folder)} | {why.count(CHANGED)} | {built} | {last} | {report} |"
+            if args.verify:
+                cells += f" {verify_rows(folder)} |"
+            print(cells, flush=True)
+        for note in notes:
+            print(note)
     except (FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
