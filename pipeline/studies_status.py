@@ -258,13 +258,15 @@ def verify_rows(folder: Path) -> str:
     if problem is not None:
         return "needs local data files (below)"
     try:
-        checks = fingerprint.verify(folder, progress=lambda row: print(f"  {folder.name}: {row} ...", end="\r",
-                                                                        file=sys.stderr, flush=True))
+        tell = sys.stderr.isatty()  # the row in training, on a terminal only
+        checks = fingerprint.verify(folder, progress=lambda row: tell and print(
+            f"  {folder.name}: {row} ...".ljust(60), end="\r", file=sys.stderr, flush=True))
     except FileNotFoundError:
         return f"no fingerprint (make study-refresh STUDY={folder.name} writes one)"
     except DataSourceError as err:
         return f"needs local data files ({str(err).splitlines()[0]})"
-    print(" " * 60, end="\r", file=sys.stderr)
+    if tell:
+        print(" " * 60, end="\r", file=sys.stderr)
     changed = [c for c in checks if c.status == fingerprint.CHANGED]
     for c in changed:
         print(f"{folder.name}: {c.row}: {c.detail}", file=sys.stderr)
