@@ -271,23 +271,17 @@ def train_groups(grid: Grid) -> List[List[str]]:
     """
     from fl_core.config import compose
 
-    from .multirun import population_key
+    from .multirun import group_by_key, population_key
 
-    groups: List[List[str]] = []
-    by_key: Dict[str, List[str]] = {}
-    for name in grid.experiments:
+    names = list(grid.experiments)
+    keys = []
+    for name in names:
         try:
             cfg = compose(grid.overrides(name, grid.seeds[0]), user=grid.experiments[name])
         except ConfigError as err:
             raise ConfigError(f"experiments.{name}: {err}") from None
-        key = population_key(cfg)
-        if key is None or key not in by_key:
-            groups.append([name])
-            if key is not None:
-                by_key[key] = groups[-1]
-        else:
-            by_key[key].append(name)
-    return groups
+        keys.append(population_key(cfg))
+    return [[names[i] for i in group] for group in group_by_key(keys)]
 
 
 def train_stage_name(rows: List[str]) -> str:
@@ -360,12 +354,10 @@ def train_block(lines: List[str], grid: Grid, where: str) -> Optional[List[str]]
     Raises:
         ConfigError: the block holds no stage, or its first stage is not a train stage of this shape.
     """
-    try:
-        b = next(i for i, l in enumerate(lines) if l.strip().startswith(TRAIN_BEGIN))
-        e = next(i for i, l in enumerate(lines) if l.strip().startswith(TRAIN_END))
-    except StopIteration:
+    bounds = _block(lines, TRAIN_BEGIN, TRAIN_END)
+    if bounds is None:
         return None
-    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
+    b, e, indent = bounds
     block = yaml.safe_load("".join(l[len(indent):] if l.startswith(indent) else l for l in lines[b + 1:e])) or {}
     if not isinstance(block, dict) or not block:
         raise ConfigError(f"{where}: the '{TRAIN_BEGIN}' block holds no stage to follow (write one train stage "
@@ -385,13 +377,22 @@ def train_block(lines: List[str], grid: Grid, where: str) -> Optional[List[str]]
 def _replace_block(lines: List[str], begin: str, end: str, items: List[str]) -> Optional[List[str]]:
     """``lines`` with the list items between the ``begin`` and ``end`` marker lines replaced by ``items``
     (indented as the begin marker); None when the markers are absent."""
+    bounds = _block(lines, begin, end)
+    if bounds is None:
+        return None
+    b, e, indent = bounds
+    return lines[: b + 1] + [f"{indent}- {x}\n" for x in items] + lines[e:]
+
+
+def _block(lines: List[str], begin: str, end: str) -> Optional[tuple]:
+    """(the ``begin`` marker's line, the ``end`` marker's line, the begin marker's indentation), or None when a
+    marker is absent."""
     try:
         b = next(i for i, l in enumerate(lines) if l.strip().startswith(begin))
         e = next(i for i, l in enumerate(lines) if l.strip().startswith(end))
     except StopIteration:
         return None
-    indent = lines[b][: len(lines[b]) - len(lines[b].lstrip())]
-    return lines[: b + 1] + [f"{indent}- {x}\n" for x in items] + lines[e:]
+    return b, e, lines[b][: len(lines[b]) - len(lines[b].lstrip())]
 
 
 def sync_dvc(dvc_yaml: Path, grid: Grid) -> bool:

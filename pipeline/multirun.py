@@ -354,10 +354,16 @@ def population_groups(jobs: Sequence[Sequence[str]], seeds: Optional[List[int]])
     group of its own."""
     from fl_core.config import compose
 
+    return group_by_key([population_key(compose(list(job) + seed_override(seeds[:1] if seeds else None)))
+                         for job in jobs])
+
+
+def group_by_key(keys: Sequence[Optional[str]]) -> List[List[int]]:
+    """The positions of ``keys`` grouped by equal key, in order of each group's first position; a None key is a group
+    of its own (``["a", None, "a"]`` -> ``[[0, 2], [1]]``)."""
     groups: List[List[int]] = []
     by_key: dict = {}
-    for num, job in enumerate(jobs):
-        key = population_key(compose(list(job) + seed_override(seeds[:1] if seeds else None)))
+    for num, key in enumerate(keys):
         if key is None or key not in by_key:
             groups.append([num])
             if key is not None:
