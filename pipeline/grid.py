@@ -67,6 +67,8 @@ class Grid:
     shared: List[str]  # overrides from the shared sections
     experiments: Dict[str, List[str]]  # name -> its own overrides
     layouts: List[Path] = field(default_factory=list)  # report.layouts: the study's table layouts (Python files)
+    # first-seed configs composed so far, by experiment (check_shared reads the others' from here)
+    _first: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def overrides(self, name: str, seed: int) -> List[str]:
         """All overrides of experiment ``name`` for ``seed`` (shared first, the experiment's after; a config
@@ -97,6 +99,7 @@ class Grid:
                 cfgs.append(compose(self.overrides(name, s), user=self.experiments[name]))
             except ConfigError as err:
                 raise ConfigError(f"experiments.{name}: {err}") from None
+        self._first[name] = cfgs[0]
         self.check_shared(name, cfgs[0])
         return cfgs
 
@@ -115,7 +118,9 @@ class Grid:
                 return
             if other == name:
                 continue
-            other_cfg = compose(self.overrides(other, self.seeds[0]), user=[])
+            other_cfg = self._first.get(other)
+            if other_cfg is None:
+                other_cfg = self._first[other] = compose(self.overrides(other, self.seeds[0]), user=[])
             unused = {k: why for k, why in unused.items() if k in inactive_keys(other_cfg, [k])}
         if unused:
             key, why = next(iter(unused.items()))
