@@ -66,9 +66,12 @@ def plain_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: in
 
 
 def run_plain(ds, clients: List[np.ndarray], seed: int, rounds: int, drop_last: bool, fixed_order: bool,
-              uniform: bool, same_draws: bool = False) -> tuple:
+              uniform: bool, same_draws: bool = False, decorrelate: bool = False) -> tuple:
     """The plain loop; with ``same_draws`` it takes the project's random draws (the initial model's seed, each round's
-    clients, each client's batches: fl_core's seeding, sampling and batch schedule) and nothing else of it."""
+    clients, each client's batches: fl_core's seeding, sampling and batch schedule) and nothing else of it. Without it
+    the initial model is drawn by ``torch.manual_seed(seed)`` and the batch orders by a generator seeded with the
+    same ``seed`` (the two streams replay the same Mersenne Twister numbers), unless ``decorrelate`` seeds the batch
+    generator and the client sampler with seed + 10,000 and seed + 20,000."""
     from fl_core.models import build_model
 
     cfg = _cfg(rounds, 0, seed)
@@ -83,8 +86,8 @@ def run_plain(ds, clients: List[np.ndarray], seed: int, rounds: int, drop_last: 
     model = build_model(cfg.model, "mnist1d", tuple(ds.x_train.shape[1:]), ds.num_classes)
     x, y = ds.x_train.float(), ds.y_train
     xt, yt = ds.x_test.float(), ds.y_test
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed + (20_000 if decorrelate else 0))
+    gen = torch.Generator().manual_seed(seed + (10_000 if decorrelate else 0))
     orders = {i: torch.randperm(len(c), generator=gen) for i, c in enumerate(clients)} if fixed_order else None
     local = copy.deepcopy(model)
     flat = torch.nn.utils.parameters_to_vector
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-order", action="store_true")
     ap.add_argument("--weights", choices=("size", "uniform"), default="size")
     ap.add_argument("--tie-seeds", action="store_true")
+    ap.add_argument("--decorrelate", action="store_true", help="--impl plain: seed the batch orders and the client "
+                    "sampling apart from the initial model's seed (seed + 10,000, seed + 20,000)")
     ap.add_argument("--same-draws", action="store_true", help="--impl plain: the project's initial model, clients "
                     "and batches (fl_core's seeding, sampling and batch schedule); the model's digest then equals "
                     "--impl engine --executor sequential's")
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
         return 0
     variant = "+".join([args.partition + "-partition"] + [n for n, on in (
         ("drop-last", args.drop_last), ("fixed-order", args.fixed_order), ("uniform", args.weights == "uniform"),
-        ("tie-seeds", args.tie_seeds), ("same-draws", args.same_draws)) if on])
+        ("tie-seeds", args.tie_seeds), ("same-draws", args.same_draws), ("decorrelate", args.decorrelate)) if on])
     for p in args.partition_seeds:
         for s in args.seeds:
             pseed = s if args.tie_seeds else p
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
             else:
                 clients = plain_partition(ds.y_train.numpy(), 100, 0.1, pseed)
             last, mean5, dig = run_plain(ds, clients, s, args.rounds, args.drop_last, args.fixed_order,
-                                         args.weights == "uniform", args.same_draws)
+                                         args.weights == "uniform", args.same_draws, args.decorrelate)
             print(f"plain,{variant},{pseed},{s},{last:.4f},{mean5:.4f},{dig}", flush=True)
     return 0
 
