@@ -116,8 +116,7 @@ def _inside(folder: Path) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def verify(folder: Path, rows: Optional[List[str]] = None,
-           progress=None) -> List[RowCheck]:
+def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> List[RowCheck]:
     """Train the first :data:`ROUNDS` rounds of every row of the study in ``folder`` (or of ``rows``) and compare
     them with its committed ``results/fingerprint.json``.
 
@@ -134,13 +133,13 @@ def verify(folder: Path, rows: Optional[List[str]] = None,
     """
     from fl_core.config import compose
 
-    from .experiment import ExperimentRunner, OnRound
     from fl_core.experiment import resolve
+
+    from .experiment import ExperimentRunner, OnRound
 
     path = folder / "results" / FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path.relative_to(folder.parent.parent) if folder.parent.parent in path.parents else path}:"
-                                f" no fingerprint (make study-refresh STUDY={folder.name} writes it)")
+        raise FileNotFoundError(f"{path}: no fingerprint (make study-refresh STUDY={folder.name} writes it)")
     committed = json.loads(path.read_text())
     seed = int(committed["seed"])
     grid = load_grid(folder / "params.yaml")
