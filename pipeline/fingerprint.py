@@ -3,8 +3,9 @@
 ``make study-refresh`` writes ``studies/<s>/results/fingerprint.json`` after the study's ``dvc repro``: per row of
 its grid (``params.yaml``), the first seed's first :data:`ROUNDS` rounds of ``train_loss``, ``test_loss`` and
 ``test_acc`` as ``results/<row>/runs.csv`` holds them. ``make studies-status VERIFY=1``
-(``python -m pipeline.studies_status --verify``) trains those first rounds again on the current code, every row in
-this process (one seed, the full config, stopped after round :data:`ROUNDS`; nothing written, nothing tracked),
+(``python -m pipeline.studies_status --verify``) trains those first rounds again on the current code, in this process
+and as the study's stages train them (the rows of a stage and their seeds as one population; the full config,
+stopped once every row's first seed has its round :data:`ROUNDS`; nothing written, nothing tracked),
 and compares: a row is *current* when every number is within the tolerance (:data:`LOSS_RTOL` relative on the
 losses, :data:`ACC_ATOL` on the accuracy: a few test samples; the fingerprint is not compared bit for bit, since
 float sums differ between CPU kinds, docs/reliability.md), else *changed* with the first difference named. A study
@@ -117,11 +118,13 @@ def _inside(folder: Path) -> Iterator[None]:
 
 
 def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> List[RowCheck]:
-    """Train the first :data:`ROUNDS` rounds of every row of the study in ``folder`` (or of ``rows``) and compare
-    them with its committed ``results/fingerprint.json``.
+    """Train the first :data:`ROUNDS` rounds of every row of the study in ``folder`` (or of ``rows``) as its DVC stage
+    trains them (the rows of one stage and all their seeds as one population where they share a pass,
+    :func:`pipeline.grid.train_groups`; a float32 replica's numbers may depend on the population it is in) and
+    compare the fingerprint's seed with the study's committed ``results/fingerprint.json``.
 
     Args:
-        progress: called as ``progress(row)`` before each row.
+        progress: called as ``progress(row)`` before each stage's rows (its first row).
 
     Returns:
         One :class:`RowCheck` per row of the grid (``changed`` also for a row the fingerprint lacks).
@@ -132,10 +135,10 @@ def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> Lis
             data files).
     """
     from fl_core.config import compose
-
     from fl_core.experiment import resolve
 
-    from .experiment import ExperimentRunner, OnRound
+    from .experiment import ExperimentRunner, OnRound, Part, train_together
+    from .grid import train_groups
 
     path = folder / "results" / FILE
     if not path.is_file():
@@ -143,36 +146,46 @@ def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> Lis
     committed = json.loads(path.read_text())
     seed = int(committed["seed"])
     grid = load_grid(folder / "params.yaml")
-    out = []
+    wanted = rows or list(grid.experiments)
+    out: Dict[str, RowCheck] = {}
     with _inside(folder):
-        for name in rows or list(grid.experiments):
-            want = committed["rows"].get(name)
-            if not want:
-                out.append(RowCheck(name, CHANGED, "not in the fingerprint"))
+        for group in train_groups(grid):
+            names = [n for n in group if n in wanted and committed["rows"].get(n)]
+            out.update({n: RowCheck(n, CHANGED, "not in the fingerprint") for n in group
+                        if n in wanted and not committed["rows"].get(n)})
+            if not names:
                 continue
             if progress is not None:
-                progress(name)
-            over = grid.overrides(name, seed) + ["engine.progress=false", "tracking.enabled=false",
-                                                 "engine.checkpoint_every=0"]
-            try:
-                cfg = compose(over, user=grid.experiments[name])
-            except ConfigError as err:
-                raise ConfigError(f"experiments.{name}: {err}") from None
-            got: Dict[int, Dict[str, float]] = {}
-            last = max(r["round"] for r in want)
+                progress(names[0])
+            last = max(r["round"] for n in names for r in committed["rows"][n])
+            got: Dict[str, Dict[int, Dict[str, float]]] = {n: {} for n in names}
+            parts = []
+            for name in names:
+                cfgs = []
+                for s in grid.seeds:
+                    over = grid.overrides(name, s) + ["engine.progress=false", "tracking.enabled=false",
+                                                      "engine.checkpoint_every=0"]
+                    try:
+                        cfgs.append(compose(over, user=grid.experiments[name]))
+                    except ConfigError as err:
+                        raise ConfigError(f"experiments.{name}: {err}") from None
 
-            def heard(s, r, row, got=got, last=last):
-                got[r] = {k: float(row[k]) for k in KEYS if row.get(k) is not None}
-                if r >= last:
-                    raise _Enough
+                def heard(s, r, row, name=name):
+                    if s == seed:
+                        got[name][r] = {k: float(row[k]) for k in KEYS if row.get(k) is not None}
+                    if all(last in rounds for rounds in got.values()):
+                        raise _Enough  # every row's fingerprint seed has its rounds: the rest is not compared
 
+                parts.append(Part(ExperimentRunner(resolve(cfgs)), cfgs, [OnRound(heard)]))
             try:
-                ExperimentRunner(resolve([cfg])).train(None, [OnRound(heard)], together=False)
+                train_together(parts)
             except _Enough:
                 pass
-            problem = next((d for d in (differs(got.get(w["round"], {}), w) for w in want) if d), None)
-            out.append(RowCheck(name, CHANGED if problem else CURRENT, problem or ""))
-    return out
+            for name in names:
+                want = committed["rows"][name]
+                problem = next((d for d in (differs(got[name].get(w["round"], {}), w) for w in want) if d), None)
+                out[name] = RowCheck(name, CHANGED if problem else CURRENT, problem or "")
+    return [out[n] for n in wanted if n in out]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

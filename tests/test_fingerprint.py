@@ -89,3 +89,28 @@ def test_a_study_that_reads_absent_local_files_says_where_they_go(tmp_path, monk
     assert why is not None and "nowhere" in why and "\n" not in why
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(GRID, sort_keys=False))  # the bundled digits
     assert studies_status.needs_data(tmp_path) is None
+
+
+def test_rows_of_one_population_are_verified_as_their_stage_trains_them(tmp_path, monkeypatch):
+    """Two rows that share a pass (eta_l differs; the vectorised executor): the refresh trained them as one population
+    of 4 replicas, and so does the verify run (one pass of 4), which finds both current."""
+    import os
+
+    from fl_core.engine import population
+    from pipeline.train import main
+
+    grid = {**GRID, "engine": {**GRID["engine"], "executor": "vectorized"}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    here = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["--grid", "plain,fast"]) == 0
+    finally:
+        os.chdir(here)
+    assert fingerprint.main([str(tmp_path)]) == 0
+    passes = []
+    lock_step = population._lock_step
+    monkeypatch.setattr(population, "_lock_step", lambda sims, *a: passes.append(len(sims)) or lock_step(sims, *a))
+    checks = fingerprint.verify(tmp_path)
+    assert [(c.row, c.status) for c in checks] == [("plain", "current"), ("fast", "current")]
+    assert passes == [4]
