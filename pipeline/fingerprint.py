@@ -170,7 +170,7 @@ def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> Lis
                     except ConfigError as err:
                         raise ConfigError(f"experiments.{name}: {err}") from None
 
-                def heard(s, r, row, name=name):
+                def heard(s, r, row, name=name, got=got, last=last):
                     if s == seed:
                         got[name][r] = {k: float(row[k]) for k in KEYS if row.get(k) is not None}
                     if all(last in rounds for rounds in got.values()):
