@@ -104,7 +104,7 @@ def differs(got: Dict[str, float], want: Dict[str, float]) -> Optional[str]:
 
 
 @contextmanager
-def _inside(folder: Path) -> Iterator[None]:
+def inside(folder: Path) -> Iterator[None]:
     """Run in ``folder`` (a study's relative data and results paths) with one torch thread, then come back."""
     import torch
 
@@ -148,7 +148,7 @@ def verify(folder: Path, rows: Optional[List[str]] = None, progress=None) -> Lis
     grid = load_grid(folder / "params.yaml")
     wanted = rows or list(grid.experiments)
     out: Dict[str, RowCheck] = {}
-    with _inside(folder):
+    with inside(folder):
         for group in train_groups(grid):
             names = [n for n in group if n in wanted and committed["rows"].get(n)]
             out.update({n: RowCheck(n, CHANGED, "not in the fingerprint") for n in group

@@ -174,9 +174,9 @@ def needs_data(folder: Path) -> Optional[str]:
     grid = load_grid(folder / "params.yaml")
     names = list(grid.experiments)
     rows = [names[0]] + [n for n in names[1:] if any(o.startswith("dataset") for o in grid.experiments[n])]
-    here = Path.cwd()
-    os.chdir(folder)  # the study's relative data paths
-    try:
+    from .fingerprint import inside
+
+    with inside(folder):  # the study's relative data paths
         seen = set()
         for name in rows:
             try:
@@ -190,8 +190,6 @@ def needs_data(folder: Path) -> Optional[str]:
                 dataset_for(cfg, write_cache=False)
             except DataSourceError as err:
                 return str(err).splitlines()[0]
-    finally:
-        os.chdir(here)
     return None
 
 
@@ -247,15 +245,14 @@ def stamp_report(folder: Path, produced: str, env: Optional[dict] = None) -> Non
                    capture_output=True)
 
 
-def verify_rows(folder: Path) -> str:
+def verify_rows(folder: Path, missing: Optional[str]) -> str:
     """The verify column of ``folder``: ``current (n rows)``, ``changed: k of n rows (<row>: <first difference>)``,
     or why it cannot be said (no fingerprint, local data files needed); one line per changed row on stderr."""
     from fl_core.data import DataSourceError
 
     from . import fingerprint
 
-    problem = needs_data(folder)
-    if problem is not None:
+    if missing is not None:  # needs_data(folder)
         return "needs local data files (below)"
     try:
         tell = sys.stderr.isatty()  # the row in training, on a terminal only
@@ -306,15 +303,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     if t else "never measured")
             report = "yes" if tracked("results/report.md") else "no"
             built = str(why.count(NOT_BUILT))
-            if why.count(NOT_BUILT) or why.count(CHANGED):
-                missing = needs_data(folder)
-                if missing is not None:
-                    built += " (needs local data files)"
-                    notes.append(f"{folder.name}: needs local data files: {missing}\n  once they are there: "
-                                 f"make study-refresh STUDY={folder.name}")
+            missing = needs_data(folder) if (why.count(NOT_BUILT) or why.count(CHANGED) or args.verify) else None
+            if missing is not None:
+                built += " (needs local data files)"
+                notes.append(f"{folder.name}: needs local data files: {missing}\n  once they are there: "
+                             f"make study-refresh STUDY={folder.name}")
             cells = f"| {folder.name} | {stage_count(folder)} | {why.count(CHANGED)} | {built} | {last} | {report} |"
             if args.verify:
-                cells += f" {verify_rows(folder)} |"
+                cells += f" {verify_rows(folder, missing)} |"
             print(cells, flush=True)
         for note in notes:
             print(note)
