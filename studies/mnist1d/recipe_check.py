@@ -14,7 +14,8 @@ with the training seed, as a loop with one ``seed`` does, instead of partition s
 Prints one CSV line per run: impl, variant, partition seed, training seed, final accuracy (last round), the mean
 of the last 5 rounds (fractions) and a digest of the final model. ``--same-draws`` gives the plain loop the project's
 random draws (initial model, clients, batches) and nothing else: its digest then equals the project's sequential
-executor's, bit for bit. Usage (from the project root)::
+executor's, bit for bit; ``--draws`` takes one or two of the three (``init``, ``sampling``, ``batches``) to find
+which stream a difference comes from. Usage (from the project root)::
 
     .venv/bin/python studies/mnist1d/recipe_check.py --impl plain --partition project --partition-seeds 0 1 2 \\
         --seeds 1 2 3 >> studies/mnist1d/results/recipe_check.csv
@@ -65,24 +66,25 @@ def plain_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: in
             return [np.array(sorted(x), dtype=np.int64) for x in idx]
 
 
+STREAMS = ("init", "sampling", "batches")  # the project's random draws the plain loop can take, one at a time
+
+
 def run_plain(ds, clients: List[np.ndarray], seed: int, rounds: int, drop_last: bool, fixed_order: bool,
-              uniform: bool, same_draws: bool = False, decorrelate: bool = False) -> tuple:
-    """The plain loop; with ``same_draws`` it takes the project's random draws (the initial model's seed, each round's
-    clients, each client's batches: fl_core's seeding, sampling and batch schedule) and nothing else of it. Without it
-    the initial model is drawn by ``torch.manual_seed(seed)`` and the batch orders by a generator seeded with the
-    same ``seed`` (the two streams replay the same Mersenne Twister numbers), unless ``decorrelate`` seeds the batch
-    generator and the client sampler with seed + 10,000 and seed + 20,000."""
+              uniform: bool, draws: tuple = (), decorrelate: bool = False) -> tuple:
+    """The plain loop; ``draws`` names the project's random draws it takes (``STREAMS``: the initial model's seed,
+    each round's clients, each client's batches: fl_core's seeding, sampling and batch schedule) and nothing else of
+    it; all three make it the project's sequential executor bit for bit. A stream it does not take is its own: the
+    initial model drawn by ``torch.manual_seed(seed)``, the clients by a NumPy generator seeded with ``seed``, the
+    batch orders by a torch generator seeded with ``seed`` (the init and batch streams then replay the same Mersenne
+    Twister numbers), unless ``decorrelate`` seeds the batch generator and the client sampler with seed + 10,000 and
+    seed + 20,000."""
+    from fl_core.data.sampling import sample_clients
+    from fl_core.engine.executors import batch_schedule
     from fl_core.models import build_model
+    from fl_core.seeding import derive_seed
 
     cfg = _cfg(rounds, 0, seed)
-    if same_draws:
-        from fl_core.data.sampling import sample_clients
-        from fl_core.engine.executors import batch_schedule
-        from fl_core.seeding import derive_seed
-
-        torch.manual_seed(derive_seed("init", seed))
-    else:
-        torch.manual_seed(seed)
+    torch.manual_seed(derive_seed("init", seed) if "init" in draws else seed)
     model = build_model(cfg.model, "mnist1d", tuple(ds.x_train.shape[1:]), ds.num_classes)
     x, y = ds.x_train.float(), ds.y_train
     xt, yt = ds.x_test.float(), ds.y_test
@@ -93,16 +95,16 @@ def run_plain(ds, clients: List[np.ndarray], seed: int, rounds: int, drop_last: 
     flat = torch.nn.utils.parameters_to_vector
     accs = []
     for r in range(1, rounds + 1):
-        chosen = (sample_clients(len(clients), 0.1, "fixed", seed, r) if same_draws
+        chosen = (sample_clients(len(clients), 0.1, "fixed", seed, r) if "sampling" in draws
                   else rng.choice(len(clients), size=10, replace=False))
         start_state = flat(model.parameters()).detach().clone()
         uploads, sizes = [], []
         for i in chosen:
-            torch.nn.utils.vector_to_parameters(start_state.clone(), local.parameters())  # a copy: SGD steps in place
+            copy_into(start_state, local)
             opt = torch.optim.SGD(local.parameters(), lr=0.05)
             idx = torch.from_numpy(clients[i])
             order = orders[i] if fixed_order else torch.randperm(len(idx), generator=gen)
-            batches = ([idx[pos] for pos in batch_schedule(seed, r, int(i), len(idx), 32, 1)] if same_draws
+            batches = ([idx[pos] for pos in batch_schedule(seed, r, int(i), len(idx), 32, 1)] if "batches" in draws
                        else [idx[order[first:first + 32]] for first in range(0, len(idx), 32)])
             for b in batches:
                 if drop_last and len(b) < 32:
@@ -117,11 +119,20 @@ def run_plain(ds, clients: List[np.ndarray], seed: int, rounds: int, drop_last: 
         # theta + sum_i w_i (theta_i - theta), the weights in float64 as the project forms them
         deltas = torch.stack(uploads) - start_state
         new = start_state + (w.to(deltas.dtype) @ deltas)
-        torch.nn.utils.vector_to_parameters(new, model.parameters())
+        copy_into(new, model)
         if r > rounds - LAST:
             with torch.no_grad():
                 accs.append(float((model(xt).argmax(1) == yt).float().mean()))
     return accs[-1], float(np.mean(accs)), digest(model.state_dict())
+
+
+def copy_into(vec: torch.Tensor, module: torch.nn.Module) -> None:
+    """Copy the flat vector ``vec`` into the module's own parameter tensors. Not
+    ``torch.nn.utils.vector_to_parameters``: that makes the parameters views into ``vec`` at its offsets, and CPU
+    kernels on such unaligned memory can round differently in the last bit (seen on a one-sample batch: 7e-9)."""
+    with torch.no_grad():
+        for p, v in zip(module.parameters(), torch.split(vec, [q.numel() for q in module.parameters()])):
+            p.copy_(v.view_as(p))
 
 
 def digest(state) -> str:
@@ -150,7 +161,10 @@ def main(argv=None) -> int:
                     "sampling apart from the initial model's seed (seed + 10,000, seed + 20,000)")
     ap.add_argument("--same-draws", action="store_true", help="--impl plain: the project's initial model, clients "
                     "and batches (fl_core's seeding, sampling and batch schedule); the model's digest then equals "
-                    "--impl engine --executor sequential's")
+                    "--impl engine --executor sequential's (= --draws init sampling batches)")
+    ap.add_argument("--draws", nargs="+", choices=STREAMS, default=[], help="--impl plain: take only these of the "
+                    "project's random draws (init: the initial model's seed; sampling: each round's clients; "
+                    "batches: each client's batch orders), the others drawn by the plain loop")
     ap.add_argument("--executor", default="vectorized", help="--impl engine: engine.executor")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -170,9 +184,11 @@ def main(argv=None) -> int:
                 print(f"engine,{args.executor},{p},{s},{acc[-1]:.4f},{acc[-LAST:].mean():.4f},"
                       f"{digest(res.models[s])}", flush=True)
         return 0
+    draws = tuple(STREAMS) if args.same_draws else tuple(d for d in STREAMS if d in args.draws)
     variant = "+".join([args.partition + "-partition"] + [n for n, on in (
         ("drop-last", args.drop_last), ("fixed-order", args.fixed_order), ("uniform", args.weights == "uniform"),
-        ("tie-seeds", args.tie_seeds), ("same-draws", args.same_draws), ("decorrelate", args.decorrelate)) if on])
+        ("tie-seeds", args.tie_seeds), ("decorrelate", args.decorrelate)) if on]
+        + (["same-draws"] if draws == STREAMS else [f"project-{d}" for d in draws]))
     for p in args.partition_seeds:
         for s in args.seeds:
             pseed = s if args.tie_seeds else p
@@ -182,7 +198,7 @@ def main(argv=None) -> int:
             else:
                 clients = plain_partition(ds.y_train.numpy(), 100, 0.1, pseed)
             last, mean5, dig = run_plain(ds, clients, s, args.rounds, args.drop_last, args.fixed_order,
-                                         args.weights == "uniform", args.same_draws, args.decorrelate)
+                                         args.weights == "uniform", draws, args.decorrelate)
             print(f"plain,{variant},{pseed},{s},{last:.4f},{mean5:.4f},{dig}", flush=True)
     return 0
 
