@@ -193,6 +193,17 @@ def needs_data(folder: Path) -> Optional[str]:
     return None
 
 
+def refresh_machine() -> str:
+    """The machine as a refresh records it: CPU and cores, and the 15-minute load average at the refresh's end (a
+    refresh runs one training process: a load well above 1 means other work shared the cores, and the wall time is
+    not comparable; the CPU time is)."""
+    try:
+        load = f", load {os.getloadavg()[2]:.1f}"
+    except OSError:  # no load average on this platform
+        load = ""
+    return f"{procs.machine()}{load}"
+
+
 def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     """``dvc repro`` in ``folder`` (the project's environment first on PATH, as ``make repro`` runs it), timed: wall
     and CPU minutes (the children's user + system time) appended to ``studies/refresh_times.csv`` with the machine,
@@ -212,14 +223,14 @@ def refresh(folder: Path, path: Path = REFRESH_TIMES) -> int:
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, check=False,
                             text=True).stdout.strip() or "?"
+    machine = refresh_machine()
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.writer(f)
         if new:
             w.writerow(REFRESH_COLUMNS)
-        w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", procs.machine(), time.strftime("%Y-%m-%d"),
-                    commit])
-    stamp_report(folder, f"{procs.machine()}, commit {commit}, {time.strftime('%Y-%m-%d')}, `make study-refresh "
+        w.writerow([folder.name, f"{wall / 60:.1f}", f"{cpu / 60:.1f}", machine, time.strftime("%Y-%m-%d"), commit])
+    stamp_report(folder, f"{machine}, commit {commit}, {time.strftime('%Y-%m-%d')}, `make study-refresh "
                          f"STUDY={folder.name}` in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU)", env)
     print(f"{folder.name}: refreshed in {wall / 60:.1f} min ({cpu / 60:.1f} min of CPU); {path.relative_to(ROOT)}")
     return 0

@@ -66,3 +66,14 @@ def test_git_files_holds_the_files_and_the_folders_above_them():
     held = st.git_files(st.STUDIES / "theory")
     assert held("results/report.md") and held("results") and held("params.yaml") and held("./results/report.md")
     assert not held("data/prepared") and not held("results/fedavg_k1/runs.csv")
+
+
+def test_a_refresh_records_the_load_beside_the_machine(monkeypatch):
+    monkeypatch.setattr(st.os, "getloadavg", lambda: (0.5, 1.0, 2.74))
+    assert st.refresh_machine() == f"{st.procs.machine()}, load 2.7"
+
+    def none():
+        raise OSError("no load average")
+
+    monkeypatch.setattr(st.os, "getloadavg", none)
+    assert st.refresh_machine() == st.procs.machine()
