@@ -57,6 +57,21 @@ PDF_METADATA = {"CreationDate": None}  # reproducible PDFs
 ACC_LABEL = "test accuracy (%)"
 
 
+@dataclass(frozen=True)
+class Measure:
+    """What the upper panels of the comparison and uplink figures draw from a curve's ``acc_*`` arrays: the axis
+    label, the factor the values are drawn with, and whether the axis is logarithmic (then it is not clipped to
+    0-100)."""
+
+    label: str = ACC_LABEL
+    scale: float = 100.0
+    log: bool = False
+
+
+ACCURACY = Measure()
+OPT_DISTANCE = Measure("distance to the optimum ||x - x*||", 1.0, True)  # a model with a known optimum
+
+
 # --------------------------------------------------------------------------- styles
 
 @dataclass(frozen=True)
@@ -253,21 +268,22 @@ def _comparison_axes(fig: Figure, n_panels: int, ncol: int, nblock: int) -> Tupl
 
 
 def _draw_curves(curves: Sequence[CurveSpec], panels: List[str], styles: Dict[str, Style], many: bool,
-                 acc_axes: List, loss_axes: List) -> Tuple[Dict[str, Line2D], float, float]:
-    """Draw every experiment's accuracy (mean line, min-max band, in %) and loss (mean line) in its panel.
+                 acc_axes: List, loss_axes: List, measure: Measure = ACCURACY) -> Tuple[Dict[str, Line2D], float, float]:
+    """Draw every experiment's accuracy (mean line, min-max band, in % for :data:`ACCURACY`) and loss (mean line) in
+    its panel.
 
-    Returns the legend handle of each method drawn and the range of the finite accuracy values drawn
-    (in %; ``inf, -inf`` when there are none)."""
+    Returns the legend handle of each method drawn and the range of the finite upper-panel values drawn
+    (``inf, -inf`` when there are none)."""
     drawn: Dict[str, Line2D] = {}
     lo, hi = math.inf, -math.inf
     for method, panel, data in curves:
         j = panels.index(panel)
         st = styles[method]
         kw = st.line_kwargs(lw=1.5 if many else 1.8)
-        ar, mean = _arr(data, "acc_round"), 100 * _arr(data, "acc_mean")
+        ar, mean = _arr(data, "acc_round"), measure.scale * _arr(data, "acc_mean")
         if len(ar) and len(ar) == len(mean):
             acc_axes[j].plot(ar, mean, label=method, **kw)
-            amin, amax = 100 * _arr(data, "acc_min"), 100 * _arr(data, "acc_max")
+            amin, amax = measure.scale * _arr(data, "acc_min"), measure.scale * _arr(data, "acc_max")
             if len(amin) == len(ar) and len(amax) == len(ar):
                 acc_axes[j].fill_between(ar, amin, amax, color=st.color, alpha=0.07 if many else 0.15, lw=0)
                 vals = np.concatenate([mean, amin, amax])
@@ -293,19 +309,28 @@ def _accuracy_limits(ax, lo: float, hi: float) -> None:
         ax.set_ylim(0, 100)
 
 
-def _label_panels(acc_axes: List, loss_axes: List, panels: List[str], ncol: int) -> None:
+def _measure_limits(ax, lo: float, hi: float, measure: Measure) -> None:
+    """The shared upper y-axis: :func:`_accuracy_limits` for accuracy, a log scale for a measure that has one."""
+    if measure.log:
+        ax.set_yscale("log")
+    else:
+        _accuracy_limits(ax, lo, hi)
+
+
+def _label_panels(acc_axes: List, loss_axes: List, panels: List[str], ncol: int,
+                  measure: Measure = ACCURACY) -> None:
     """Titles, axis labels (y only in the first column), integer round ticks, and a note in empty panels."""
     for j, (a_ax, l_ax) in enumerate(zip(acc_axes, loss_axes)):
         c = j % ncol
         a_ax.set_title(panels[j] if panels else "", fontsize=10)
         if not a_ax.lines:
-            _no_data(a_ax, "no results" if not panels else "no accuracy curves")
+            _no_data(a_ax, "no results" if not panels else f"no {measure.label.split(' (')[0]} curves")
         if not l_ax.lines and panels:
             _no_data(l_ax, "no loss curves")
         a_ax.tick_params(labelbottom=False)
         l_ax.set_xlabel("round", fontsize=9)
         if c == 0:
-            a_ax.set_ylabel(ACC_LABEL, fontsize=9)
+            a_ax.set_ylabel(measure.label, fontsize=9)
             l_ax.set_ylabel("training loss", fontsize=9)
         else:
             a_ax.tick_params(labelleft=False)
@@ -338,7 +363,8 @@ def _panel_figure(curves: Sequence[CurveSpec], max_cols: int, row_height: float,
     return methods, panels, method_styles(methods), len(methods) > 6, ncol, rows, width, _new_figure(width, height)
 
 
-def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
+def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4,
+                            measure: Measure = ACCURACY) -> Figure:
     """The comparison figure of a grid, before saving.
 
     Args:
@@ -352,6 +378,8 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
             Methods and panels keep their order of first appearance; styles follow the method order.
         title: an optional title above the panels (none by default: a draft has its caption).
         max_cols: panels per row; more partitions wrap onto further (accuracy, loss) row pairs.
+        measure: what the upper panels draw from the ``acc_*`` arrays (:data:`ACCURACY`; :data:`OPT_DISTANCE` for
+            a problem with a known optimum, the report passing each seed-mean distance as ``acc_*``).
 
     Layout: per partition a column with test accuracy (mean line, min-max band over seeds) above
     training loss (mean); every accuracy panel shares one y-axis (in %), every loss panel another,
@@ -361,17 +389,17 @@ def build_comparison_figure(curves: Sequence[CurveSpec], title: Optional[str] = 
     methods, panels, styles, many, ncol, nblock, width, fig = _panel_figure(
         curves, max_cols, 5.2, title, legend_entries=len({m for m, _, d in curves if d is not None}), pad=0.3)
     acc_axes, loss_axes = _comparison_axes(fig, len(panels), ncol, nblock)
-    drawn, lo, hi = _draw_curves(curves, panels, styles, many, acc_axes, loss_axes)
-    _accuracy_limits(acc_axes[0], lo, hi)
-    _label_panels(acc_axes, loss_axes, panels, ncol)
+    drawn, lo, hi = _draw_curves(curves, panels, styles, many, acc_axes, loss_axes, measure)
+    _measure_limits(acc_axes[0], lo, hi, measure)
+    _label_panels(acc_axes, loss_axes, panels, ncol, measure)
     return _finish(fig, methods, drawn, width, title)
 
 
 def comparison_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,
-                      max_cols: int = 4) -> List[Path]:
+                      max_cols: int = 4, measure: Measure = ACCURACY) -> List[Path]:
     """Build :func:`build_comparison_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``;
     returns the two paths."""
-    return save_figure(build_comparison_figure(curves, title=title, max_cols=max_cols), path)
+    return save_figure(build_comparison_figure(curves, title=title, max_cols=max_cols, measure=measure), path)
 
 
 # --------------------------------------------------------------------------- accuracy against uplink
@@ -379,7 +407,8 @@ def comparison_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[s
 UPLINK_LABEL = "uplink per client (d, cumulative)"
 
 
-def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4) -> Figure:
+def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None, max_cols: int = 4,
+                        measure: Measure = ACCURACY) -> Figure:
     """Test accuracy against communication, before saving: the uplink view of :func:`build_comparison_figure`.
 
     Args:
@@ -389,6 +418,7 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
             An experiment without them draws nothing.
         title: an optional title above the panels.
         max_cols: panels per row.
+        measure: what is drawn from ``acc_mean`` (:data:`ACCURACY`, or :data:`OPT_DISTANCE`).
 
     Layout: one accuracy panel per partition (shared y-axis in %), x the uplink in d (FedAvg: 1 d per round, so
     its line is its per-round curve; FedBCGD about d/N per round, compressed uploads less), one legend below.
@@ -404,7 +434,7 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
     drawn: Dict[str, Line2D] = {}
     lo, hi = math.inf, -math.inf
     for method, panel, data in curves:
-        x, y = _arr(data, "acc_up_d"), 100 * _arr(data, "acc_mean")
+        x, y = _arr(data, "acc_up_d"), measure.scale * _arr(data, "acc_mean")
         keep = np.isfinite(x) & np.isfinite(y) if len(x) == len(y) else np.zeros(0, dtype=bool)
         if not keep.any():
             continue
@@ -412,14 +442,14 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
         axes[panels.index(panel)].plot(x[keep], y[keep], label=method, **kw)
         lo, hi = min(lo, float(y[keep].min())), max(hi, float(y[keep].max()))
         drawn.setdefault(method, Line2D([], [], **{**kw, "markevery": None}))
-    _accuracy_limits(axes[0], lo, hi)
+    _measure_limits(axes[0], lo, hi, measure)
     for j, ax in enumerate(axes):
         ax.set_title(panels[j] if panels else "", fontsize=10)
         if not ax.lines:
             _no_data(ax, "no uplink counts" if panels else "no results")
         ax.set_xlabel(UPLINK_LABEL, fontsize=9)
         if j % ncol == 0:
-            ax.set_ylabel(ACC_LABEL, fontsize=9)
+            ax.set_ylabel(measure.label, fontsize=9)
         else:
             ax.tick_params(labelleft=False)
         _tidy(ax)
@@ -427,10 +457,10 @@ def build_uplink_figure(curves: Sequence[CurveSpec], title: Optional[str] = None
 
 
 def uplink_figure(curves: Sequence[CurveSpec], path: Path, title: Optional[str] = None,
-                  max_cols: int = 4) -> List[Path]:
+                  max_cols: int = 4, measure: Measure = ACCURACY) -> List[Path]:
     """Build :func:`build_uplink_figure` and write it as ``<stem>.png`` and ``<stem>.pdf``; returns the two
     paths."""
-    return save_figure(build_uplink_figure(curves, title=title, max_cols=max_cols), path)
+    return save_figure(build_uplink_figure(curves, title=title, max_cols=max_cols, measure=measure), path)
 
 
 # --------------------------------------------------------------------------- drift

@@ -59,6 +59,9 @@ DRIFT_FIGURE = "drift.png"  # beside the curves figure
 #: what the report writes beside its markdown file (a folder holding other files is not the report's to write into)
 REPORT_FILES = ("summary.csv", "test_acc.csv", "metrics.json", "curves.png", "curves.pdf", UPLINK_FIGURE, "uplink.pdf",
                 DRIFT_FIGURE, "drift.pdf")
+# a study's own files beside its report, which the report leaves as they are: the findings written by hand
+# (findings.md, findings_*.csv) and the fingerprint of its rows' first rounds (pipeline.fingerprint)
+STUDY_NOTES = ("findings.md", "findings_*.csv", "fingerprint.json")
 PM = "\u00b1"
 
 SUMMARY_COLUMNS = ["experiment", "algorithm", "algorithm_label", "partition", "partition_label", "dataset",
@@ -154,6 +157,118 @@ def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple
             cols.append(e.col_label)
         cells[(e.row_label, e.col_label)] = e
     return rows, cols, cells
+
+
+EXACT = 1e-12  # a final distance to x* below this is float64 rounding (a rule that reaches x* ends near 1e-15)
+
+
+def objective_mode(exps: List[Experiment]) -> bool:
+    """Whether the grid is a problem with a known optimum and no accuracy to report: every experiment with results
+    (but those whose every seed failed) logged the distance to the optimum (``opt_distance``: the quadratic and
+    convex problems' ``objective_metrics``) and none reached a test accuracy above 0 (the quadratic problem's model
+    predicts no label: its accuracy is 0 in every round). The report then shows the distance to x* and the
+    objective gap where it shows accuracy otherwise, and leaves the accuracy tables out."""
+    live = [e for e in exps if not e.failed]
+    return bool(live) and all("opt_distance" in e.objective for e in live) and not any(
+        (_num(e.metrics.get("best_acc_mean")) or 0) > 0 for e in exps)
+
+
+def fmt_objective(value: Optional[Tuple[float, float]]) -> str:
+    """``mean ± std`` of a final distance or gap (4 and 2 significant digits), or the dash."""
+    return DASH if value is None else f"{value[0]:.4g} {PM} {value[1]:.2g}"
+
+
+def _objective_experiments_section(exps: List[Experiment]) -> List[str]:
+    """The "All experiments" table of a problem with a known optimum (:func:`objective_mode`)."""
+    rows = []
+    for e in exps:
+        m = e.metrics
+        up, d = _num(m.get("comm_up_floats")), _num(m.get("model_d"))
+        rows.append([f"`{e.name}`", e.row_label, e.col_label,
+                     "FAILED" if e.failed else fmt_objective(e.objective.get("opt_distance")),
+                     fmt_objective(e.objective.get("objective_gap")),
+                     fmt_plain(m.get("final_train_loss_mean"), m.get("final_train_loss_std")),
+                     fmt_plain(m.get("final_test_loss_mean"), m.get("final_test_loss_std")),
+                     f"{up / d:g}d" if up is not None and d else DASH])
+    return ["## All experiments", "",
+            markdown_table(["experiment", "algorithm", "partition", "final distance to x*", "final F(x) - F(x*)",
+                            "final train loss", "final test loss", "uplink per client (d)"], rows, "lllrrrrr"),
+            ""]
+
+
+def _objective_comparison_section(exps: List[Experiment]) -> List[str]:
+    """The "Comparison" table of a problem with a known optimum: algorithm x partition, the final distance to x*,
+    the lowest per column in bold (compared at the shown precision, a distance below :data:`EXACT` as 0; no bold in
+    a column with one value)."""
+    row_labels, col_labels, cells = comparison(exps)
+
+    def shown(e: Experiment) -> Optional[float]:
+        v = e.objective.get("opt_distance")
+        # below EXACT the distance is float64 rounding: every such rule reached x* and all are bold
+        return None if v is None or e.failed else (0.0 if abs(v[0]) < EXACT else float(f"{v[0]:.4g}"))
+
+    best: Dict[str, Optional[float]] = {}
+    for c in col_labels:
+        vals = [v for r in row_labels if (r, c) in cells for v in [shown(cells[(r, c)])] if v is not None]
+        best[c] = min(vals) if len(vals) >= 2 else None
+    rows = []
+    for r in row_labels:
+        line = [r]
+        for c in col_labels:
+            e = cells.get((r, c))
+            if e is None:
+                line.append(DASH)
+                continue
+            text = "FAILED" if e.failed else fmt_objective(e.objective.get("opt_distance"))
+            line.append(f"**{text}**" if best[c] is not None and shown(e) == best[c] else text)
+        rows.append(line)
+    return ["## Comparison", "", f"Final distance to the optimum ||x - x*|| after the last round, mean {PM} std over "
+            f"seeds; the lowest per column is in bold (distances below {EXACT:g} count as 0: float64 rounding).", "",
+            markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
+            ""]
+
+
+def _objective_how_to_read_section() -> List[str]:
+    """The "How to read" notes of a problem with a known optimum."""
+    return ["## How to read", "",
+            "- *final distance to x\\**: ||x - x\\*||, the Euclidean distance of the global model after the last "
+            "round to the minimiser x\\* of the global objective F (the problem's `opt_distance`, docs/algorithms.md); "
+            "*final F(x) - F(x\\*)*: the objective gap there (`objective_gap`). Both mean \u00b1 std over seeds "
+            "(std is the sample standard deviation, ddof = 1; 0 for a single seed).",
+            "- *final train loss*: mean training loss of the participating clients in the last round (along their "
+            "local steps, so not F at the global model); *final test loss*: the global model's loss on the test set.",
+            "- *uplink per client*: floats each participating client uploaded over all rounds, in units of the model "
+            "size d (a rule that also uploads a control variate counts it).",
+            "- This model predicts no label: its test accuracy is 0 in every round, so the accuracy, "
+            "rounds-to-target and difference-to-FedAvg tables are left out (`summary.csv` keeps every column).",
+            "- Curves: the upper panels draw the distance to x\\* per round (log scale), the mean over seeds with a "
+            "band from the minimum to the maximum over seeds.",
+            ""]
+
+
+def objective_curves(exps: List[Experiment]) -> List[Experiment]:
+    """The experiments with their distance-to-optimum curves in place of the accuracy arrays (``acc_round``,
+    ``acc_mean``, ``acc_min``, ``acc_max``; the uplink at each of those rounds in ``acc_up_d``), for the figures
+    of :func:`objective_mode`; the experiments themselves are left as they are."""
+    import dataclasses
+
+    import numpy as np
+
+    out = []
+    for e in exps:
+        c = e.curves
+        if c is None or not len(c.get("opt_distance_round", ())):
+            out.append(dataclasses.replace(e, curves=None))
+            continue
+        rounds = c["opt_distance_round"]
+        up = np.full(len(rounds), np.nan)
+        if len(c.get("acc_round", ())) and "acc_up_d" in c:
+            at = dict(zip(c["acc_round"].tolist(), c["acc_up_d"].tolist()))
+            up = np.array([at.get(r, np.nan) for r in rounds.tolist()], dtype=float)
+        out.append(dataclasses.replace(e, curves={
+            **c, "acc_round": rounds, "acc_mean": c["opt_distance_mean"], "acc_min": c["opt_distance_min"],
+            "acc_max": c["opt_distance_max"], "acc_up_d": up}))
+    return out
 
 
 def reference_label() -> str:
@@ -343,7 +458,7 @@ def _common_target(ms: List[Dict]) -> Optional[float]:
 
 
 def _header_lines(grid: Grid, exps_all: List[Experiment], exps: List[Experiment], params_name: str,
-                  target: Optional[float]) -> List[str]:
+                  target: Optional[float], objective: bool = False) -> List[str]:
     """The title and the one-paragraph description of the grid (seeds, dataset, model, rounds, target)."""
     ms = [e.metrics for e in exps]
     return ["# Federated learning results", "",
@@ -353,7 +468,8 @@ def _header_lines(grid: Grid, exps_all: List[Experiment], exps: List[Experiment]
             f"model {_join_values([m.get('model') for m in ms])}, "
             f"{_join_values([m.get('rounds') for m in ms])} rounds"
             + (f", target accuracy {100 * target:g}%" if target is not None else "")
-            + f". *final* is {_final_window_text(ms)} of each seed.",
+            + (". *final* is the value after the last round of each seed." if objective
+               else f". *final* is {_final_window_text(ms)} of each seed."),
             ""]
 
 
@@ -390,7 +506,7 @@ def _comparison_section(exps: List[Experiment]) -> List[str]:
             ""]
 
 
-def _curves_section(curves_name: str) -> List[str]:
+def _curves_section(curves_name: str, objective: bool = False) -> List[str]:
     """The "Curves" section: the three figures (PNG, relative to the report: per round, against the uplink in
     ``uplink.png`` beside it, the drift measures in ``drift.png``) and links to their PDFs."""
     pdf_name = str(Path(curves_name).with_suffix(".pdf").as_posix())
@@ -398,10 +514,11 @@ def _curves_section(curves_name: str) -> List[str]:
     up_pdf = str(Path(up_name).with_suffix(".pdf").as_posix())
     drift_name = str(Path(curves_name).with_name(DRIFT_FIGURE).as_posix())
     drift_pdf = str(Path(drift_name).with_suffix(".pdf").as_posix())
-    return ["## Curves", "", f"![Test accuracy and training loss per round]({curves_name})", "",
-            "Test accuracy against the floats each participating client has uploaded (cumulative, in units of "
+    top = "Distance to the optimum" if objective else "Test accuracy"
+    return ["## Curves", "", f"![{top} and training loss per round]({curves_name})", "",
+            f"{top} against the floats each participating client has uploaded (cumulative, in units of "
             "the model size d): methods that send less per round move left.", "",
-            f"![Test accuracy against uplink per client]({up_name})", "",
+            f"![{top} against uplink per client]({up_name})", "",
             "Client drift per round (docs/algorithms.md, Drift measures): how much the clients' updates disagree "
             "(update dissimilarity, log scale; 0 when all send the same update) and their mean cosine to the update "
             "the server applies.", "",
@@ -486,15 +603,21 @@ def build_report(grid: Grid, results_dir: Path, experiments: Optional[List[Exper
     ms = [e.metrics for e in exps]
     target = _common_target(ms)
 
-    out = _header_lines(grid, exps_all, exps, params_name, target)
-    out += _experiments_section(exps, target)
-    out += _comparison_section(exps)
-    out += differences_section(exps)
+    objective = objective_mode(exps)
+    out = _header_lines(grid, exps_all, exps, params_name, None if objective else target, objective)
+    if objective:
+        out += _objective_experiments_section(exps)
+        out += _objective_comparison_section(exps)
+    else:
+        out += _experiments_section(exps, target)
+        out += _comparison_section(exps)
+        out += differences_section(exps)
     for layout in load_layouts(grid.layouts):  # the study's own tables (report.layouts of its params file)
         out += list(layout(exps))
-    out += communication_layout(exps)
-    out += _curves_section(curves_name)
-    out += _how_to_read_section(ms, target)
+    if not objective:
+        out += communication_layout(exps)
+    out += _curves_section(curves_name, objective)
+    out += _objective_how_to_read_section() if objective else _how_to_read_section(ms, target)
     out += _problem_sections(exps, missing)
     if claims:
         from .claims import claims_section, evaluate
@@ -520,24 +643,30 @@ def summary_csv(exps: List[Experiment]) -> str:
     return buf.getvalue()
 
 
-def plot_curves(exps: List[Experiment], path: Path) -> List[Path]:
+def plot_curves(exps: List[Experiment], path: Path, objective: bool = False) -> List[Path]:
     """The curves figure (:func:`pipeline.figures.comparison_figure`) as ``path`` (PNG) and a PDF beside
     it with the same stem: per partition column, test accuracy in % (mean, min-max band over seeds)
-    above training loss (mean), one line per algorithm, one legend. Returns the written paths."""
-    from .figures import comparison_figure  # matplotlib: loaded when a figure is drawn
+    above training loss (mean), one line per algorithm, one legend; with ``objective`` (:func:`objective_mode`)
+    the distance to the optimum (log scale) in place of the accuracy. Returns the written paths."""
+    from .figures import ACCURACY, OPT_DISTANCE, comparison_figure  # matplotlib: loaded when a figure is drawn
 
     exps = [e for e in exps if e.metrics is not None]
-    return comparison_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
+    exps = objective_curves(exps) if objective else exps
+    return comparison_figure([(e.row_label, e.col_label, e.curves) for e in exps], path,
+                             measure=OPT_DISTANCE if objective else ACCURACY)
 
 
-def plot_uplink(exps: List[Experiment], path: Path) -> List[Path]:
+def plot_uplink(exps: List[Experiment], path: Path, objective: bool = False) -> List[Path]:
     """The accuracy-vs-uplink figure (:func:`pipeline.figures.uplink_figure`) as ``path`` (PNG) and a PDF beside
     it: per partition column, test accuracy in % (mean over seeds) against each client's cumulative uplink in
-    units of d, one line per algorithm. Returns the written paths."""
-    from .figures import uplink_figure
+    units of d, one line per algorithm; with ``objective`` the distance to the optimum. Returns the written
+    paths."""
+    from .figures import ACCURACY, OPT_DISTANCE, uplink_figure
 
     exps = [e for e in exps if e.metrics is not None]
-    return uplink_figure([(e.row_label, e.col_label, e.curves) for e in exps], path)
+    exps = objective_curves(exps) if objective else exps
+    return uplink_figure([(e.row_label, e.col_label, e.curves) for e in exps], path,
+                         measure=OPT_DISTANCE if objective else ACCURACY)
 
 
 def plot_drift(exps: List[Experiment], path: Path) -> List[Path]:
@@ -614,14 +743,14 @@ def _main(argv: List[str]) -> int:
         return 2
     envfail.check_folder(out.parent, "report folder", "--out")  # before any figure is drawn
     try:  # the report's files go beside the experiments' folders (which it leaves as they are), nowhere foreign
-        owned.check(out.parent, owned.with_temporaries([out.name, *REPORT_FILES]) + ["*/*"],
+        owned.check(out.parent, owned.with_temporaries([out.name, *REPORT_FILES]) + [*STUDY_NOTES, "*/*"],
                     "report folder", "choose another --out")
     except owned.ForeignFolder as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     curves = out.parent / "curves.png"
-    plot_curves(done, curves)
-    plot_uplink(done, out.parent / UPLINK_FIGURE)
+    plot_curves(done, curves, objective_mode(done))
+    plot_uplink(done, out.parent / UPLINK_FIGURE, objective_mode(done))
     plot_drift(done, out.parent / DRIFT_FIGURE)
     write_text(out.parent / "summary.csv", summary_csv(done))
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))

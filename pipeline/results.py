@@ -37,6 +37,9 @@ class Experiment:
     row_label: str = ""
     col_label: str = ""
     notes: List[str] = field(default_factory=list)
+    # a model with a known optimum (``objective_metrics``: the quadratic and convex problems): the last round's
+    # ``opt_distance`` ||x - x*|| and ``objective_gap`` F(x) - F(x*), as (mean, std over seeds); empty without them
+    objective: Dict[str, Tuple[float, float]] = field(default_factory=dict)
 
     @property
     def failed(self) -> str:
@@ -89,6 +92,21 @@ def numeric_columns(rows: List[Dict[str, str]]) -> Dict[str, Dict[int, Dict[int,
     return out
 
 
+OBJECTIVE_COLUMNS = ("opt_distance", "objective_gap")  # logged by a model with a known optimum
+
+
+def final_objective(rows: List[Dict[str, str]]) -> Dict[str, Tuple[float, float]]:
+    """{column: (mean, std)} over the seeds of each :data:`OBJECTIVE_COLUMNS` column's value at the seed's last
+    round that has one (std: ddof = 1, 0 for one seed); columns absent from ``runs.csv`` rows are left out."""
+    cols = numeric_columns(rows)
+    out: Dict[str, Tuple[float, float]] = {}
+    for k in OBJECTIVE_COLUMNS:
+        finals = [per_round[max(per_round)] for per_round in cols.get(k, {}).values() if per_round]
+        if finals:
+            out[k] = (float(np.mean(finals)), float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0)
+    return out
+
+
 DRIFT_CURVES = ("drift_dissimilarity", "drift_cosine")  # the drift measures the report draws per round
 
 
@@ -99,7 +117,8 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     each round of ``acc_round``, the floats each participating client has uploaded up to and including that
     round (``comm_up_floats``, cumulative in ``runs.csv``; mean over seeds; NaN without that column). For each
     drift measure k of :data:`DRIFT_CURVES` (``tracking.drift``), ``<k>_round`` and ``<k>_mean`` (mean over the
-    seeds that measured it; empty arrays without the column). Returns None when the file is missing, empty or lacks
+    seeds that measured it; empty arrays without the column); the same, with ``<k>_min`` and ``<k>_max`` over the
+    seeds, for each column k of :data:`OBJECTIVE_COLUMNS` (a model with a known optimum). Returns None when the file is missing, empty or lacks
     the ``round`` column.
     """
     rows = read_runs_rows(path)
@@ -108,12 +127,12 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     acc: Dict[int, List[float]] = {}
     loss: Dict[int, List[float]] = {}
     up: Dict[int, Dict[int, float]] = {}  # seed -> round -> floats uploaded per client so far (cumulative)
-    drift: Dict[str, Dict[int, List[float]]] = {k: {} for k in DRIFT_CURVES}  # measure -> round -> seeds' values
+    drift: Dict[str, Dict[int, List[float]]] = {k: {} for k in DRIFT_CURVES + OBJECTIVE_COLUMNS}
     for r in rows:
         rnd = _float(r.get("round"))
         if math.isnan(rnd):
             continue
-        for k in DRIFT_CURVES:
+        for k in DRIFT_CURVES + OBJECTIVE_COLUMNS:
             v = _float(r.get(k))
             if math.isfinite(v):
                 drift[k].setdefault(int(rnd), []).append(v)
@@ -142,6 +161,8 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
         **{out: arr for k, series in drift.items() for out, arr in (
             (f"{k}_round", np.array(sorted(series), dtype=float)),
             (f"{k}_mean", np.array([np.mean(series[r]) for r in sorted(series)], dtype=float)))},
+        **{f"{k}_{stat}": np.array([fn(drift[k][r]) for r in sorted(drift[k])], dtype=float)
+           for k in OBJECTIVE_COLUMNS for stat, fn in (("min", np.min), ("max", np.max))},
     }
 
 
@@ -169,6 +190,8 @@ def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
         if exp.metrics is not None:
             try:
                 exp.curves = read_curves(d / "runs.csv")
+                rows = read_runs_rows(d / "runs.csv") if exp.curves is not None else None
+                exp.objective = final_objective(rows) if rows else {}
             except (OSError, csv.Error, UnicodeDecodeError):
                 exp.curves = None
             failed = exp.metrics.get("failed_seeds") or []

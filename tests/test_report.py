@@ -333,3 +333,98 @@ def test_a_report_folder_holding_foreign_files_is_refused(tree, capsys):
     assert len(err) == 1 and "report folder" in err[0] and "notes.md" in err[0] and "nothing was changed" in err[0]
     assert sorted(p.name for p in docs.iterdir()) == ["metrics.json", "notes.md"]
     assert (docs / "metrics.json").read_text() == "{\"mine\": 1}"
+
+
+def test_a_study_s_own_notes_beside_its_report_are_left_as_they_are(tree):
+    """findings.md, findings_*.csv and fingerprint.json (a study's own files in its results folder, the last written
+    by ``make study-refresh``) do not make the folder foreign: the report is written and they keep their bytes."""
+    from pipeline import fingerprint
+
+    _, params, results = tree
+    notes = {"findings.md": "# what we found\n", "findings_recipe.csv": "a,b\n1,2\n", fingerprint.FILE: "{}\n"}
+    for name, text in notes.items():
+        (results / name).write_text(text)
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    assert (results / "report.md").exists()
+    assert {n: (results / n).read_text() for n in notes} == notes
+
+
+QUAD_PARAMS = """\
+seeds: [1, 2]
+dataset: {name: quadratic}
+train: {rounds: 3}
+experiments:
+  fedavg_k5: {algorithm: fedavg}
+  scaffold_k5: {algorithm: scaffold}
+  feddyn_k5: {algorithm: feddyn}
+"""
+# ||x - x*|| per seed and round: FedAvg stops at its fixed point, SCAFFOLD and FedDyn reach x* (to float64 rounding)
+QUAD = {"fedavg_k5": {1: [0.5, 0.2, 0.158], 2: [0.6, 0.2, 0.158]},
+        "scaffold_k5": {1: [0.5, 1e-3, 1.6e-15], 2: [0.6, 1e-3, 1.5e-15]},
+        "feddyn_k5": {1: [0.5, 1e-2, 1.9e-15], 2: [0.6, 1e-2, 1.8e-15]}}
+
+
+def _quadratic_tree(root: Path) -> tuple:
+    results = root / "results"
+    algos = {"fedavg_k5": Description("fedavg"), "scaffold_k5": Description("scaffold"),
+             "feddyn_k5": Description("feddyn")}
+    for name, per_seed in QUAD.items():
+        d = results / name
+        d.mkdir(parents=True)
+        rows = [{"seed": s, "round": r, "train_loss": 1.5, "test_acc": 0.0, "test_loss": 3.45,
+                 "opt_distance": dist[r - 1], "objective_gap": dist[r - 1] ** 2 / 2, "comm_up_floats": 10 * r}
+                for s, dist in per_seed.items() for r in (1, 2, 3)]
+        metrics = {"experiment": name, "algorithm": algos[name], "stack": registry.described(algos[name]),
+                   "dataset": "quadratic", "partition": "quadratic-n10-m10, natural", "model": "quadratic",
+                   "rounds": 3, "target_acc": 0.9, "seeds": [1, 2], "failed_seeds": [], "final_acc_mean": 0.0,
+                   "final_acc_std": 0.0, "best_acc_mean": 0.0, "best_acc_std": 0.0, "final_train_loss_mean": 1.5,
+                   "final_train_loss_std": 0.0, "final_test_loss_mean": 3.45, "final_test_loss_std": 0.0,
+                   "comm_up_floats": 30, "model_d": 10}
+        (d / "metrics.json").write_text(json.dumps(metrics))
+        with open(d / "runs.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    params = root / "params.yaml"
+    params.write_text(QUAD_PARAMS)
+    return params, results
+
+
+def test_a_problem_with_a_known_optimum_reports_the_distance_to_it_not_an_accuracy_of_0(tmp_path):
+    """The quadratic problem's model predicts no label (accuracy 0 in every round) and logs ||x - x*||: the tables
+    show the final distance and gap (mean +- std over seeds, from runs.csv's last round), the rules that reached x*
+    (below 1e-12) all in bold, and no accuracy, target or difference-to-FedAvg table."""
+    params, results = _quadratic_tree(tmp_path)
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    md = (results / "report.md").read_text()
+    head, rows = _table(md, "## All experiments")
+    assert head[3:6] == ["final distance to x*", "final F(x) - F(x*)", "final train loss"]
+    cells = {r[0].strip("`"): r for r in rows}
+    assert cells["fedavg_k5"][3] == "0.158 \u00b1 0"
+    assert cells["scaffold_k5"][3] == f"1.55e-15 \u00b1 {statistics.stdev([1.6e-15, 1.5e-15]):.2g}"
+    assert cells["fedavg_k5"][4] == f"{0.158 ** 2 / 2:.4g} \u00b1 0"
+    assert cells["fedavg_k5"][7] == "3d"  # 30 floats per client over the run, d = 10
+    _, comp = _table(md, "## Comparison")
+    bold = {r[0]: r[1].startswith("**") for r in comp}
+    assert bold == {"FedAvg": False, "SCAFFOLD": True, "FedDyn": True}
+    for gone in ("final acc", "## Difference to", "## Accuracy and uplink", "target accuracy", "rounds to target"):
+        assert gone not in md
+    assert "![Distance to the optimum and training loss per round](curves.png)" in md
+    assert (results / "curves.png").stat().st_size > 0 and (results / "uplink.png").stat().st_size > 0
+
+
+def test_a_grid_with_accuracy_keeps_the_accuracy_tables_even_when_it_logs_the_distance(tmp_path):
+    """A convex problem whose model classifies (accuracy above 0) and logs ||x - x*|| stays an accuracy report."""
+    from pipeline.report import objective_mode
+    from pipeline.results import load_experiments
+    from pipeline.grid import load_grid
+
+    params, results = _quadratic_tree(tmp_path)
+    m = json.loads((results / "fedavg_k5" / "metrics.json").read_text())
+    exps = load_experiments(load_grid(params), results)
+    assert objective_mode(exps)
+    m["best_acc_mean"] = 0.6
+    (results / "fedavg_k5" / "metrics.json").write_text(json.dumps(m))
+    assert not objective_mode(load_experiments(load_grid(params), results))
+    assert main(["--params", str(params), "--results", str(results)]) == 0
+    assert "final acc (%)" in (results / "report.md").read_text()

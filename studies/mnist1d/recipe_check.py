@@ -18,7 +18,7 @@ executor's, bit for bit; ``--draws`` takes one or two of the three (``init``, ``
 which stream a difference comes from. Usage (from the project root)::
 
     .venv/bin/python studies/mnist1d/recipe_check.py --impl plain --partition project --partition-seeds 0 1 2 \\
-        --seeds 1 2 3 >> studies/mnist1d/results/recipe_check.csv
+        --seeds 1 2 3 >> studies/mnist1d/results/findings_recipe.csv
 """
 
 from __future__ import annotations
