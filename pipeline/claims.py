@@ -32,7 +32,12 @@ Verdict (:func:`verdict`), with [lo, hi] that interval and t the tolerance (0 wh
   ``inconclusive at N seeds``.
 * an arm without results (no metrics.json, or every seed failed): ``needs data: <needs>`` when the claim
   names the dataset it needs, else ``not run``. Arms with results but no common seed holding the metric
-  (``rounds_to_target`` when no seed of one arm reached the target): ``inconclusive at 0 seeds``.
+  (``rounds_to_target`` when no seed of either arm reached the target): ``inconclusive at 0 seeds``.
+* ``rounds_to_target`` / ``up_floats_to_target`` of a seed that never reached the target is +inf (it needed more
+  than the run): when one arm reached the target in every seed where the other never did (and no seed has finite
+  values in both), the difference is that infinity in every seed, and the verdict follows from the interval
+  [inf, inf] (a - b < 0 not reproduced when a never got there); a mix of finite and infinite differences is
+  ``inconclusive``.
 
 Errors: :func:`load_claims` raises :class:`ClaimsError` (a :class:`fl_core.config.ConfigError`) with one line
 naming the file, the claim and the key, for an unknown or missing key, a claim arm that is not an
@@ -65,6 +70,7 @@ REQUIRED = ("id", "claim", "source", "metric", "a", "expect")
 OPTIONAL = ("b", "value", "tolerance", "needs")
 
 # Per-seed metrics of the train stage's summaries (experiment.json ``per_seed``; fl_core.metrics.summarize_run).
+TO_TARGET = ("rounds_to_target", "up_floats_to_target")  # lower is better; never reached: +inf (censored)
 SEED_METRICS = tuple(SUMMARY_KEYS) + ("final_client_acc_std", "comm_up_floats", "comm_down_floats")
 # Per-seed metrics computed here from the seed's rows of runs.csv (see _run_metric).
 RUN_METRICS = ("early_acc", "oscillation", "min_test_loss", "client_loss_spread", "cos_mean", "drift_client_mean",
@@ -291,7 +297,11 @@ def metric_values(exp: Experiment, metric: str, results_dir: Path) -> Dict[str, 
     fractions, losses as logged). Summary metrics come from ``experiment.json`` (:func:`pipeline.results.seed_values`),
     the others from ``<results_dir>/<exp>/runs.csv`` (:func:`_run_metric`); seeds without a value are left out."""
     if metric in SEED_METRICS:
-        return seed_values(exp, metric)
+        vals = seed_values(exp, metric)
+        if metric in TO_TARGET:  # a finished seed that never reached the target needed more than the whole run
+            for seed in seed_values(exp, "final_acc"):
+                vals.setdefault(seed, math.inf)
+        return vals
     finished = set(seed_values(exp, "final_acc"))
     rows = read_runs_rows(Path(results_dir) / exp.name / "runs.csv")
     if rows is None:
@@ -343,6 +353,34 @@ def verdict(expect: str, n: int, lo: Optional[float], hi: Optional[float], toler
     return "reproduced" if ok else "not reproduced" if wrong else inconclusive
 
 
+def _censored(claim: Claim, a: Dict[str, float], b: Optional[Dict[str, float]]) -> Optional[Outcome]:
+    """The outcome of a to-target claim (:data:`TO_TARGET`) where a seed never reached the target (its value +inf:
+    more than the run), or None when no value is infinite. A seed where neither arm reached it says nothing and is
+    left out. When every remaining seed's difference is infinite with one sign (one arm reached the target in every
+    such seed, the other in none), the difference is that infinity in all of them: its interval [inf, inf] gives the
+    verdict as any interval does (a - b < 0 is then not reproduced when a never got there). Otherwise (some seeds
+    finite, or signs mixed) no interval can be formed: inconclusive, with a note."""
+    if claim.metric not in TO_TARGET:
+        return None
+    if claim.expect == "value":
+        diffs = list(a.values())
+    else:
+        common = sorted(set(a) & set(b), key=lambda s: (len(s), s))
+        diffs = [a[s] - b[s] for s in common if not (math.isinf(a[s]) and math.isinf(b[s]))]
+    if not any(math.isinf(d) for d in diffs):
+        return None
+    arms = claim.a if claim.b is None else f"{claim.a} vs {claim.b}"
+    late = sum(1 for d in diffs if d == math.inf)
+    note = (f"{arms}: {claim.a} never reached the target in {late} of {len(diffs)} seeds" if claim.b is None else
+            f"{claim.a} never reached the target in {late} and {claim.b} in {sum(d == -math.inf for d in diffs)} "
+            f"of the {len(diffs)} seeds where one of them did")
+    if len(diffs) >= 2 and all(d == diffs[0] for d in diffs):
+        inf = diffs[0]
+        return Outcome(claim, verdict(claim.expect, len(diffs), inf, inf, claim.tolerance, claim.value), inf, inf,
+                       inf, len(diffs), note)
+    return Outcome(claim, f"inconclusive at {_plural(len(diffs))}", n=len(diffs), note=note)
+
+
 def measure(claim: Claim, a: Optional[Dict[str, float]], b: Optional[Dict[str, float]] = None) -> Outcome:
     """Measure ``claim`` from its arms' per-seed values ({seed: value}; None: the arm has no results) and give
     the :func:`verdict`: a - b paired over the common seeds, or a alone for ``expect: value``."""
@@ -351,6 +389,12 @@ def measure(claim: Claim, a: Optional[Dict[str, float]], b: Optional[Dict[str, f
         if claim.needs:
             return Outcome(claim, f"needs data: {claim.needs}", note=f"no results for {', '.join(missing)}")
         return Outcome(claim, "not run", note=f"no results for {', '.join(missing)}")
+    if claim.metric in TO_TARGET and b is not None:  # a seed where neither arm reached the target says nothing
+        neither = {s for s in set(a) & set(b) if math.isinf(a[s]) and math.isinf(b[s])}
+        a, b = ({s: v for s, v in arm.items() if s not in neither} for arm in (a, b))
+    censored = _censored(claim, a, b)
+    if censored is not None:
+        return censored
     if claim.expect == "value":
         d = sample_stats(list(a.values())) if a else None
     else:
@@ -407,7 +451,7 @@ def _expected(c: Claim) -> str:
 
 def _effect(o: Outcome) -> str:
     c = o.claim
-    if o.mean is None:
+    if o.mean is None or math.isinf(o.mean):  # nothing measured, or a target one arm never reached (the note)
         return f"{DASH} ({o.note})" if o.note else DASH
     f, du, vu = _scale(c.metric)
     unit = vu if c.expect == "value" else du

@@ -300,3 +300,36 @@ def test_a_bad_claims_file_stops_the_report_with_exit_2(study, capsys):
     assert err == (f"error: {study / 'claims.yaml'}: claim 'prox_like_avg': b: 'fedavg_iid' is not an experiment "
                    "of the study's params.yaml")
     assert not (study / "results" / "report.md").exists()
+
+
+def test_a_target_one_arm_never_reached_is_an_infinite_difference_not_missing_data():
+    """up_floats_to_target / rounds_to_target of a seed that never reached the target is +inf: a claim that a needs
+    fewer floats than b is not reproduced when a never got there in any seed and b did in every one (the fedbcgd
+    study's FedBCGD+ paper rows), reproduced in the mirror case; seeds where neither did are left out; a mix of
+    finite and infinite differences has no interval (inconclusive)."""
+    inf = math.inf
+    never, always = {"1": inf, "2": inf, "3": inf}, {"1": 7e5, "2": 8e5, "3": 6e5}
+    fewer = _claim(metric="up_floats_to_target", expect="less")
+    o = cl.measure(fewer, never, always)
+    assert o.verdict == "not reproduced" and o.n == 3 and o.mean == inf
+    assert o.note == "a never reached the target in 3 and b in 0 of the 3 seeds where one of them did"
+    assert "never reached the target" in cl._effect(o) and "inf" not in cl._effect(o).split("(")[0]
+    assert cl.measure(fewer, always, never).verdict == "reproduced"
+    assert cl.measure(_claim(metric="rounds_to_target", expect="greater"), never, always).verdict == "reproduced"
+    # seed 3: neither arm got there; seeds 1-2 as above
+    o = cl.measure(fewer, never, {**always, "3": inf})
+    assert o.verdict == "not reproduced" and o.n == 2
+    # seed 1 finite in both: no interval from a mix of finite and infinite differences
+    o = cl.measure(fewer, {**never, "1": 5e5}, always)
+    assert o.verdict == "inconclusive at 3 seeds" and o.mean is None
+    # no seed reached it in either arm: nothing measured, as before
+    assert cl.measure(fewer, never, never).verdict == "inconclusive at 0 seeds"
+
+
+def test_to_target_values_of_an_experiment_mark_the_seeds_that_never_got_there():
+    from pipeline.results import Experiment
+
+    e = Experiment("x", [], metrics={"per_seed": {"1": {"final_acc": 0.9, "up_floats_to_target": 3e5},
+                                                  "2": {"final_acc": 0.5, "up_floats_to_target": None}}})
+    assert cl.metric_values(e, "up_floats_to_target", Path(".")) == {"1": 3e5, "2": math.inf}
+    assert cl.metric_values(e, "final_acc", Path(".")) == {"1": 0.9, "2": 0.5}
