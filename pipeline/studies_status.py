@@ -61,17 +61,25 @@ def dvc_command() -> List[str]:
     return [found]
 
 
+class StudyBusy(RuntimeError):
+    """A study whose DVC lock another command holds: its status cannot be read now (the row says so)."""
+
+
 def stale_entries(folder: Path) -> Dict[str, list]:
     """``{stage: its dvc status --json entries}`` for the stages of ``folder/dvc.yaml`` (not of a ``dvc.yaml`` in a
     subfolder) that ``dvc status`` says would run again (``{}``: up to date).
 
     Raises:
+        StudyBusy: another DVC command holds the study's lock (a ``dvc repro`` or refresh running there).
         RuntimeError: DVC failed (its last line).
     """
     res = subprocess.run([*dvc_command(), "status", "--json", "dvc.yaml"], cwd=folder, capture_output=True, text=True,
                          check=False)
     if res.returncode != 0:
-        tail = (res.stderr or res.stdout).strip().splitlines()
+        out = res.stderr or res.stdout
+        if "rwlock" in out or "Unable to acquire lock" in out:
+            raise StudyBusy(f"{folder.name}: another DVC command runs in this study (a dvc repro or study-refresh)")
+        tail = out.strip().splitlines()
         raise RuntimeError(f"dvc status in {folder.relative_to(ROOT)}: {tail[-1] if tail else res.returncode}")
     return json.loads(res.stdout or "{}")
 
@@ -308,11 +316,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         notes = []
         for folder in folders:
             tracked = git_files(folder)
-            why = [classify(changes, tracked) for changes in stale_entries(folder).values()]
             t = times.get(folder.name)
             last = (f"{t['wall_min']} / {t['cpu_min']} min, {t['machine']}, {t['date']}, {t['commit']}"
                     if t else "never measured")
             report = "yes" if tracked("results/report.md") else "no"
+            try:
+                why = [classify(changes, tracked) for changes in stale_entries(folder).values()]
+            except StudyBusy:
+                print(f"| {folder.name} | {stage_count(folder)} | busy: a DVC command runs here | | {last} | {report} |"
+                      + (" not verified while it runs |" if args.verify else ""), flush=True)
+                continue
             built = str(why.count(NOT_BUILT))
             missing = needs_data(folder) if (why.count(NOT_BUILT) or why.count(CHANGED) or args.verify) else None
             if missing is not None:

@@ -3,6 +3,8 @@ errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline import studies_status as st
@@ -77,3 +79,33 @@ def test_a_refresh_records_the_load_beside_the_machine(monkeypatch):
 
     monkeypatch.setattr(st.os, "getloadavg", none)
     assert st.refresh_machine() == st.procs.machine()
+
+
+def test_a_study_whose_dvc_lock_is_held_is_a_busy_row_not_an_error(tmp_path, monkeypatch, capsys):
+    """While a refresh runs in a study, ``dvc status`` there fails on DVC's lock: that study's row says busy and
+    the other studies are still listed (exit 0)."""
+    import subprocess
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(st, "ROOT", tmp_path)
+    monkeypatch.setattr(st, "studies", lambda names=None: [tmp_path / "a", tmp_path / "b"])
+    monkeypatch.setattr(st, "stage_count", lambda folder: 3)
+    monkeypatch.setattr(st, "git_files", lambda folder: (lambda path: True))
+    monkeypatch.setattr(st, "refresh_times", lambda path=st.REFRESH_TIMES: {})
+    monkeypatch.setattr(st, "needs_data", lambda folder: None)
+    locked = ("ERROR: Unable to acquire lock. Most likely another DVC process is running or was terminated abruptly."
+              " If there are no processes with such PIDs, you can manually remove '/x/.dvc/tmp/rwlock' and try again.")
+
+    def run(cmd, cwd=None, **kw):
+        if Path(cwd).name == "a":
+            return subprocess.CompletedProcess(cmd, 255, "", locked)
+        return subprocess.CompletedProcess(cmd, 0, "{}", "")
+
+    monkeypatch.setattr(st.subprocess, "run", run)
+    with pytest.raises(st.StudyBusy):
+        st.stale_entries(tmp_path / "a")
+    assert st.main(["a", "b"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[2:]
+    assert rows[0].startswith("| a | 3 | busy: a DVC command runs here |")
+    assert rows[1].startswith("| b | 3 | 0 | 0 | never measured |")
