@@ -121,14 +121,16 @@ def _join_values(values: Sequence) -> str:
 
 # --------------------------------------------------------------------------- report
 
-def accuracy_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str], Experiment]) -> List[List[str]]:
-    """Table rows: the row label, then final accuracy mean +- std per column; the best per column in
-    bold (compared at the shown precision, ties all bold; no bold in a column with one value)."""
-    best: Dict[str, Optional[float]] = {}
+def best_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str], Experiment],
+               value: Callable[[Experiment], Optional[float]], text: Callable[[Experiment], str],
+               best: Callable[[List[float]], float] = max) -> List[List[str]]:
+    """Table rows: the row label, then ``text(e)`` of each column's experiment (the dash for an empty cell, FAILED for
+    an experiment whose every seed failed); in bold where ``value(e)`` (the number as shown, None for none) is the
+    ``best`` of its column (ties all bold; no bold in a column with fewer than two values)."""
+    top: Dict[str, Optional[float]] = {}
     for c in cols:
-        vals = [round(100 * v, 2) for r in rows if (r, c) in cells
-                for v in [_num(cells[(r, c)].metrics.get("final_acc_mean"))] if v is not None]
-        best[c] = max(vals) if len(vals) >= 2 else None
+        vals = [v for r in rows if (r, c) in cells for v in [value(cells[(r, c)])] if v is not None]
+        top[c] = best(vals) if len(vals) >= 2 else None
     table = []
     for r in rows:
         line = [r]
@@ -137,12 +139,22 @@ def accuracy_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str]
             if e is None:
                 line.append(DASH)
                 continue
-            text = "FAILED" if e.failed else fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std"))
-            v = _num(e.metrics.get("final_acc_mean"))
-            line.append(f"**{text}**" if v is not None and best[c] is not None and round(100 * v, 2) == best[c]
-                        else text)
+            shown = "FAILED" if e.failed else text(e)
+            v = value(e)
+            line.append(f"**{shown}**" if v is not None and top[c] is not None and v == top[c] else shown)
         table.append(line)
     return table
+
+
+def accuracy_cells(rows: List[str], cols: List[str], cells: Dict[Tuple[str, str], Experiment]) -> List[List[str]]:
+    """Table rows: the row label, then final accuracy mean +- std per column; the best per column in
+    bold (compared at the shown precision, ties all bold; no bold in a column with one value)."""
+    def value(e: Experiment) -> Optional[float]:
+        v = _num(e.metrics.get("final_acc_mean"))
+        return None if v is None else round(100 * v, 2)
+
+    return best_cells(rows, cols, cells, value,
+                      lambda e: fmt_pct(e.metrics.get("final_acc_mean"), e.metrics.get("final_acc_std")))
 
 
 def comparison(exps: List[Experiment]) -> Tuple[List[str], List[str], Dict[Tuple[str, str], Experiment]]:
@@ -207,21 +219,8 @@ def _objective_comparison_section(exps: List[Experiment]) -> List[str]:
         # below EXACT the distance is float64 rounding: every such rule reached x* and all are bold
         return None if v is None or e.failed else (0.0 if abs(v[0]) < EXACT else float(f"{v[0]:.4g}"))
 
-    best: Dict[str, Optional[float]] = {}
-    for c in col_labels:
-        vals = [v for r in row_labels if (r, c) in cells for v in [shown(cells[(r, c)])] if v is not None]
-        best[c] = min(vals) if len(vals) >= 2 else None
-    rows = []
-    for r in row_labels:
-        line = [r]
-        for c in col_labels:
-            e = cells.get((r, c))
-            if e is None:
-                line.append(DASH)
-                continue
-            text = "FAILED" if e.failed else fmt_objective(e.objective.get("opt_distance"))
-            line.append(f"**{text}**" if best[c] is not None and shown(e) == best[c] else text)
-        rows.append(line)
+    rows = best_cells(row_labels, col_labels, cells, shown,
+                      lambda e: fmt_objective(e.objective.get("opt_distance")), min)
     return ["## Comparison", "", f"Final distance to the optimum ||x - x*|| after the last round, mean {PM} std over "
             f"seeds; the lowest per column is in bold (distances below {EXACT:g} count as 0: float64 rounding).", "",
             markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)),
