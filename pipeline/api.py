@@ -9,7 +9,7 @@
 ``overrides`` are the Hydra overrides of ``python -m pipeline.train`` (``conf/``). With
 ``write=False`` (the default) nothing is written and nothing is tracked: the seeds train in this
 process and the result lives in memory. With ``write=True`` the experiment runs exactly as the CLI
-runs it (``results/<name>/``, MLflow, checkpoints, resume; :func:`pipeline.train.run_experiment`).
+runs it (``results/<name>/``, MLflow, checkpoints, resume; :func:`pipeline.observer.run_experiment`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def run(overrides: Sequence[str] = (), seeds: Sequence[int] = (1, 2, 3), *, writ
     threads = torch.get_num_threads()  # the runs use engine.threads; the caller's count comes back afterwards
     try:
         if write:
-            from pipeline.train import run_experiment
+            from pipeline.observer import run_experiment
 
             summary = run_experiment(cfgs, adhoc=True, on_round=on_round)
             histories, models = _read_back(cfgs[0], summary)

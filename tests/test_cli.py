@@ -96,13 +96,13 @@ def test_the_command_trains_with_the_garbage_collector_on(tmp_path, monkeypatch)
     and switches it on before the first round trains; main with an argv list leaves it alone."""
     import gc
 
-    from pipeline import train
+    from pipeline import observer, train
 
     seen = {}
-    preflight, progress = train._Experiment._preflight, train._Progress.__call__
-    monkeypatch.setattr(train._Experiment, "_preflight",
+    preflight, progress = observer.ExperimentRun._preflight, observer._Progress.__call__
+    monkeypatch.setattr(observer.ExperimentRun, "_preflight",
                         lambda self: seen.setdefault("start-up", gc.isenabled()) is None or preflight(self))
-    monkeypatch.setattr(train._Progress, "__call__",
+    monkeypatch.setattr(observer._Progress, "__call__",
                         lambda self, r, row: seen.setdefault("training", gc.isenabled()) is None or progress(self, r, row))
     args = ["train.rounds=1", "partition.num_clients=4", "train.local_epochs=1", "seed=1", "engine.progress=false",
             "tracking.enabled=false", f"results_dir={tmp_path / 'r'}", f"engine.checkpoint_dir={tmp_path / 'c'}",
