@@ -26,6 +26,9 @@ repro: $(STAMP)
 # locations as mlflow-artifacts:/... (docs/tracking.md), served from this folder's mlartifacts/, so a moved or
 # copied project opens its own artifacts. No background job runners (MLflow's GenAI jobs, unused here).
 ui: $(STAMP)
+	@$(PY) -c "from fl_core.store.tracking import headline_url as h; u = h('fl-pipeline'); \
+		print('runs table with the headline columns (final accuracy, algorithm, partition, seed): ' + u if u \
+		else 'no runs in ./mlflow.db yet (make repro logs them)')"
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
 		--artifacts-destination $(CURDIR)/mlartifacts --serve-artifacts --host 127.0.0.1 --port 5000
 

@@ -329,3 +329,56 @@ def test_the_screenshot_script_stops_in_one_line_without_chromium(tmp_path):
         f"error: {tmp_path / 'no-chromium'} not found: install it (Debian: apt-get install -y chromium) or give "
         "--chromium PATH"]
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ the runs table
+
+
+def test_the_runs_table_opens_on_the_headline_columns_every_run_holds(project, monkeypatch):
+    """The experiment carries the saved view ``headline`` (MLflow 3's envelope, listed under the Runs tab's Saved
+    views and opened by ``?viewStateShareKey=headline``): its columns are the final accuracy over seeds (parents),
+    each seed's final accuracy (children), algorithm, partition, dataset and seed, and each names a metric or tag that
+    a run of this project holds, so none is an empty column; ``make ui`` prints the address."""
+    import json
+
+    from fl_core.store.tracking import HEADLINE_COLUMNS, NOTE, TAG_NOTE, TAG_SHARED_VIEW, headline_url
+
+    proj, _ = project
+    client, parent, children = _client(proj)
+    exp = client.get_experiment_by_name("fl-pipeline")
+    envelope = json.loads(exp.tags[TAG_SHARED_VIEW + "headline"])
+    assert envelope["name"] == "headline" and envelope["createdAt"] > 0
+    state = json.loads(envelope["state"])
+    assert state["selectedColumns"] == list(HEADLINE_COLUMNS)
+    assert state["orderByKey"] == "metrics.`final_acc_mean`" and state["orderByAsc"] is False
+    runs = [parent, *children.values()]
+    for col in HEADLINE_COLUMNS:
+        kind, name = col.split(".", 1)
+        name = name.strip("`")
+        held = [r for r in runs if name in (r.data.metrics if kind == "metrics" else r.data.tags)]
+        assert held, col
+    assert exp.tags[TAG_NOTE] == NOTE
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert headline_url("fl-pipeline", root=proj) == \
+        f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?viewStateShareKey=headline"
+    assert headline_url("no-such-experiment", root=proj) is None
+
+
+def test_an_older_experiment_gets_the_headline_view_and_keeps_its_own_description(tracking):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from fl_core.store.tracking import HEADLINE_STATE, TAG_NOTE, TAG_SHARED_VIEW, Tracking
+
+    client = MlflowClient(tracking.uri)
+    old = client.create_experiment("older", tags={TAG_NOTE: "my notes",
+                                                 TAG_SHARED_VIEW + "headline": json.dumps({"name": "headline",
+                                                                                           "state": "{}"})})
+    Tracking("older", root=tracking.root)
+    tags = client.get_experiment(old).tags
+    assert tags[TAG_NOTE] == "my notes"
+    assert json.loads(json.loads(tags[TAG_SHARED_VIEW + "headline"])["state"]) == HEADLINE_STATE
+    before = tags[TAG_SHARED_VIEW + "headline"]
+    Tracking("older", root=tracking.root)  # already the project's view: left as it is
+    assert client.get_experiment(old).tags[TAG_SHARED_VIEW + "headline"] == before

@@ -40,6 +40,7 @@ Artifacts of a SQLite store live in ``mlartifacts/`` beside ``mlflow.db``, recor
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -78,6 +79,21 @@ SQLITE_LOCKED_ACTION = "retry, or set MLFLOW_TRACKING_URI to a tracking server"
 #: model-training experiment (the UI's "Machine learning" / "Model training" kind, vs ``genai_development``)
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+
+#: the experiment's saved runs-table view (MLflow 3's UI: the Runs tab's "Saved views" menu, or the link of
+#: :func:`headline_url`): the headline columns a user would otherwise pick by hand, each run's final accuracy first
+TAG_SHARED_VIEW = "mlflow.sharedViewState."
+HEADLINE_VIEW = "headline"
+HEADLINE_COLUMNS = ("metrics.`final_acc_mean`", "metrics.`final_acc_std`", "metrics.`summary_final_acc`",
+                    "tags.`algorithm`", "tags.`partition`", "tags.`dataset`", "tags.`seed`")
+HEADLINE_STATE = {"selectedColumns": list(HEADLINE_COLUMNS), "orderByKey": "metrics.`final_acc_mean`",
+                  "orderByAsc": False}
+#: the experiment's description (shown above its runs), set when it has none
+TAG_NOTE = "mlflow.note.content"
+NOTE = ("Federated-learning runs of this project: one parent run per experiment (the summary over seeds, the seed-mean "
+        "curves), one child run per seed (every round, the final model). The headline columns (final accuracy, "
+        "algorithm, partition, dataset, seed): Runs tab > Saved views > headline, or add "
+        "`?viewStateShareKey=headline` to the runs page's address.")
 
 #: the name of a child run's MLflow model: ``mlflow.pytorch.load_model("runs:/<child run id>/model")``
 MODEL_NAME = "model"
@@ -297,6 +313,44 @@ def end_orphaned_runs(client, experiment_id: str, tags: Optional[Dict[str, str]]
     return ended
 
 
+def headline_view() -> str:
+    """The experiment tag value of the saved view :data:`HEADLINE_VIEW`: MLflow 3's saved-view envelope (``name``,
+    ``createdAt`` / ``updatedAt`` in ms, ``state``: the runs table's state as JSON, here :data:`HEADLINE_STATE`),
+    which its UI lists under "Saved views" and opens with ``?viewStateShareKey=headline``. A column whose metric,
+    param or tag no run holds stays absent from the table."""
+    now = int(time.time() * 1000)
+    return json.dumps({"name": HEADLINE_VIEW, "createdAt": now, "updatedAt": now,
+                       "state": json.dumps(HEADLINE_STATE, sort_keys=True)})
+
+
+def _is_headline_view(value: Optional[str]) -> bool:
+    """Whether an experiment's tag value is :func:`headline_view`'s (whatever its times)."""
+    try:
+        env = json.loads(value or "")
+        return env.get("name") == HEADLINE_VIEW and json.loads(env["state"]) == HEADLINE_STATE
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
+def headline_url(experiment: str, root: Optional[Path] = None, base: str = "http://127.0.0.1:5000") -> Optional[str]:
+    """The MLflow UI address of ``experiment``'s runs table in its headline view (``make ui`` prints it), or None when
+    the store (the project's, or ``MLFLOW_TRACKING_URI``) has no such experiment yet. An experiment logged before the
+    view existed gets it here (the tag :data:`TAG_SHARED_VIEW` + :data:`HEADLINE_VIEW`); nothing else is written."""
+    from mlflow.tracking import MlflowClient
+
+    _quiet_mlflow()
+    uri = tracking_uri(root or store_root())
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return None
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    if not _is_headline_view(exp.tags.get(TAG_SHARED_VIEW + HEADLINE_VIEW)):
+        client.set_experiment_tag(exp.experiment_id, TAG_SHARED_VIEW + HEADLINE_VIEW, headline_view())
+    return f"{base}/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={HEADLINE_VIEW}"
+
+
 def check_store(uri: Optional[str] = None) -> None:
     """Check, before anything is written, that the tracking store ``uri`` (default :func:`tracking_uri`) can be
     opened where this can be known without opening it: a ``sqlite:///`` store's folder exists.
@@ -388,13 +442,18 @@ class Tracking:
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
-            self.experiment_id = self.client.create_experiment(experiment,
-                                                               artifact_location=artifact_root(self.uri),
-                                                               tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+            self.experiment_id = self.client.create_experiment(
+                experiment, artifact_location=artifact_root(self.uri),
+                tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND, TAG_SHARED_VIEW + HEADLINE_VIEW: headline_view(),
+                      TAG_NOTE: NOTE})
         else:
             self.experiment_id = exp.experiment_id
             if TAG_EXPERIMENT_KIND not in exp.tags:  # an older experiment; a kind set in the UI stays
                 self.client.set_experiment_tag(self.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+            if not _is_headline_view(exp.tags.get(TAG_SHARED_VIEW + HEADLINE_VIEW)):  # absent or another column set
+                self.client.set_experiment_tag(self.experiment_id, TAG_SHARED_VIEW + HEADLINE_VIEW, headline_view())
+            if TAG_NOTE not in exp.tags:  # a description written in the UI stays
+                self.client.set_experiment_tag(self.experiment_id, TAG_NOTE, NOTE)
 
     def find_runs(self, tags: Dict[str, str], status: Optional[str] = None) -> List[Any]:
         """Runs of this experiment whose tags have the given values (newest first)."""
