@@ -404,11 +404,12 @@ def communication_layout(exps: List[Experiment]) -> List[str]:
             floats = fmt_floats_d(e.metrics)
             out.append(f"{text} ({INF if floats == DASH else floats})")
         rows.append(out)
-    target = _num(exps[0].metrics.get("target_acc")) if exps else None
+    target = _common_target([e.metrics for e in exps])
     return ["## Accuracy and uplink to target", "",
             "Final test accuracy (%), mean \u00b1 std over seeds; in brackets the cumulative uplink floats per "
             "participating client, in units of the model size d, when the test accuracy first reached "
-            + (f"{100 * target:g}%" if target is not None else "the target")
+            + (f"{100 * target:g}%" if target is not None
+               else "the experiment's target accuracy (`train.target_acc`, which differs between the experiments here)")
             + " (mean over the seeds that reached it; \u221e: no seed did).", "",
             markdown_table(["algorithm"] + col_labels, rows, "l" + "r" * len(col_labels)), ""]
 

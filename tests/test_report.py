@@ -428,3 +428,20 @@ def test_a_grid_with_accuracy_keeps_the_accuracy_tables_even_when_it_logs_the_di
     assert not objective_mode(load_experiments(load_grid(params), results))
     assert main(["--params", str(params), "--results", str(results)]) == 0
     assert "final acc (%)" in (results / "report.md").read_text()
+
+
+def test_the_uplink_table_names_the_target_only_when_every_experiment_has_it(tree):
+    """The uplink-to-target table's text gives the target accuracy when all experiments share it, and says it is
+    each experiment's own when they differ (a study whose centralised rows aim at 90% and federated ones at 50%)."""
+    from pipeline.grid import load_grid
+    from pipeline.report import communication_layout
+    from pipeline.results import load_experiments
+
+    _, params, results = tree
+    exps = [e for e in load_experiments(load_grid(params), results) if e.metrics is not None]
+    exps[0].metrics["comm_up_floats"] = 800  # two uplinks per round: the table is shown
+    text = "\n".join(communication_layout(exps))
+    assert "first reached 85%" in text
+    exps[1].metrics["target_acc"] = 0.5
+    text = "\n".join(communication_layout(exps))
+    assert "first reached the experiment's target accuracy (`train.target_acc`, which differs" in text
