@@ -239,7 +239,8 @@ def _objective_how_to_read_section() -> List[str]:
             "- *uplink per client*: floats each participating client uploaded over all rounds, in units of the model "
             "size d (a rule that also uploads a control variate counts it).",
             "- This model predicts no label: its test accuracy is 0 in every round, so the accuracy, "
-            "rounds-to-target and difference-to-FedAvg tables are left out (`summary.csv` keeps every column).",
+            f"rounds-to-target and difference-to-{reference_label()} tables are left out (`summary.csv` keeps every "
+            "column).",
             "- Curves: the upper panels draw the distance to x\\* per round (log scale), the mean over seeds with a "
             "band from the minimum to the maximum over seeds.",
             ""]
