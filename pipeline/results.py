@@ -122,8 +122,11 @@ def read_curves(path: Path) -> Optional[Dict[str, np.ndarray]]:
     the ``round`` column.
     """
     rows = read_runs_rows(path)
-    if rows is None:
-        return None
+    return None if rows is None else curves_of(rows)
+
+
+def curves_of(rows: List[Dict[str, str]]) -> Dict[str, np.ndarray]:
+    """:func:`read_curves` of rows already read (:func:`read_runs_rows`)."""
     acc: Dict[int, List[float]] = {}
     loss: Dict[int, List[float]] = {}
     up: Dict[int, Dict[int, float]] = {}  # seed -> round -> floats uploaded per client so far (cumulative)
@@ -189,8 +192,8 @@ def load_experiments(grid: Grid, results_dir: Path) -> List[Experiment]:
                 exp.problem = f"unreadable {mpath.as_posix()} ({err})"
         if exp.metrics is not None:
             try:
-                exp.curves = read_curves(d / "runs.csv")
-                rows = read_runs_rows(d / "runs.csv") if exp.curves is not None else None
+                rows = read_runs_rows(d / "runs.csv")
+                exp.curves = None if rows is None else curves_of(rows)
                 exp.objective = final_objective(rows) if rows else {}
             except (OSError, csv.Error, UnicodeDecodeError):
                 exp.curves = None
