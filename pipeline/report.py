@@ -750,8 +750,9 @@ def _main(argv: List[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     curves = out.parent / "curves.png"
-    plot_curves(done, curves, objective_mode(done))
-    plot_uplink(done, out.parent / UPLINK_FIGURE, objective_mode(done))
+    objective = objective_mode(done)
+    plot_curves(done, curves, objective)
+    plot_uplink(done, out.parent / UPLINK_FIGURE, objective)
     plot_drift(done, out.parent / DRIFT_FIGURE)
     write_text(out.parent / "summary.csv", summary_csv(done))
     write_text(out.parent / "test_acc.csv", accuracy_table_csv(done))
